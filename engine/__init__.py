@@ -1,0 +1,1 @@
+"""The engine process: scheduler, paged KV cache, model runner, sampler."""

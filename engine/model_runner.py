@@ -1,0 +1,108 @@
+"""Turns a scheduled batch into tensors, runs the model and samples."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionGroup, AttentionMetadata
+from engine.sampler import SamplingBatch, sample
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+
+
+def kv_block_bytes(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    layers, heads, dim = model.kv_shape
+    return 2 * layers * block_size * heads * dim * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        layers, heads, dim = model.kv_shape
+        # One (K, V) pair per layer: [num_blocks * block_size, Hkv, D]
+        self.kv_caches = [
+            (torch.zeros(num_blocks * block_size, heads, dim, dtype=dtype, device=device),
+             torch.zeros(num_blocks * block_size, heads, dim, dtype=dtype, device=device))
+            for _ in range(layers)
+        ]
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        """Logits [B, V] for the sequences that sample this step, and those sequences."""
+        inputs = self._prepare(batch)
+        logits = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"],
+                            inputs["logits_index"])
+        return logits, inputs["sampling_seqs"]
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int]:
+        """Runs one step; returns a sampled token for each sequence that samples, in batch order."""
+        logits, sampling_seqs = self.forward(batch)
+        sb = SamplingBatch.build([s.sampling for s in sampling_seqs], [s.seed for s in sampling_seqs],
+                                 [s.num_output_tokens for s in sampling_seqs], self.device)
+        return sample(logits, sb).tolist()
+
+    def _prepare(self, batch: ScheduledBatch) -> dict:
+        bs = self.block_size
+        ids, positions, slots, logits_index, sampling_seqs = [], [], [], [], []
+        decode_rows, prefill_rows = [], []  # (seq, flat offset, start, n)
+        offset = 0
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start = seq.num_computed_tokens
+            pos = np.arange(start, start + n)
+            table = np.asarray(seq.block_table)
+            ids.append(seq.token_ids[start : start + n])
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            (decode_rows if n == 1 else prefill_rows).append((seq, offset, start, n))
+            if batch.samples(i):
+                logits_index.append(offset + n - 1)
+                sampling_seqs.append(seq)
+            offset += n
+        dev = self.device
+        groups = [self._group(rows, offset) for rows in (decode_rows, prefill_rows) if rows]
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            groups=groups,
+            num_tokens=offset,
+        )
+        return {
+            "input_ids": torch.tensor([t for chunk in ids for t in chunk], dtype=torch.long, device=dev),
+            "positions": torch.from_numpy(np.concatenate(positions)).to(dev),
+            "meta": meta,
+            "logits_index": torch.tensor(logits_index, dtype=torch.long, device=dev),
+            "sampling_seqs": sampling_seqs,
+        }
+
+    def _group(self, rows: list[tuple[Sequence, int, int, int]], num_tokens: int) -> AttentionGroup:
+        bs = self.block_size
+        b = len(rows)
+        q_max = max(n for _, _, _, n in rows)
+        ctx = np.array([start + n for _, _, start, n in rows])
+        blocks_max = int(-(-ctx.max() // bs))
+        q_index = np.zeros((b, q_max), dtype=np.int64)
+        out_index = np.full((b, q_max), num_tokens, dtype=np.int64)
+        slot_rows = np.zeros((b, blocks_max * bs), dtype=np.int64)
+        starts = np.zeros(b, dtype=np.int64)
+        lens = np.zeros(b, dtype=np.int64)
+        in_block = np.arange(bs)
+        for r, (seq, off, start, n) in enumerate(rows):
+            q_index[r, :n] = out_index[r, :n] = np.arange(off, off + n)
+            table = np.asarray(seq.block_table[:blocks_max])
+            slot_rows[r, : len(table) * bs] = (table[:, None] * bs + in_block).ravel()
+            starts[r], lens[r] = start, n
+        q_pos = starts[:, None] + np.arange(q_max)[None, :]  # [B, Q] absolute positions
+        valid_q = np.arange(q_max)[None, :] < lens[:, None]
+        mask = np.arange(blocks_max * bs)[None, None, :] <= q_pos[:, :, None]  # causal over the context
+        mask &= valid_q[:, :, None]
+        mask[:, :, 0] |= ~valid_q  # a pad query attends to one key, so softmax stays finite
+        dev = self.device
+        return AttentionGroup(
+            q_index=torch.from_numpy(q_index).to(dev),
+            out_index=torch.from_numpy(out_index).to(dev),
+            kv_slots=torch.from_numpy(slot_rows).to(dev),
+            mask=torch.from_numpy(mask).unsqueeze(1).to(dev),
+        )

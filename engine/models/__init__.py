@@ -1,0 +1,1 @@
+"""One file per model architecture; `registry` maps HF architecture names to them."""

@@ -1,0 +1,160 @@
+"""The Llama family: Llama, Qwen2 and Qwen3 (RMSNorm, RoPE, GQA, SwiGLU,
+optional qk-norm and q/k/v biases, optional tied embeddings).
+
+Parameter names follow the Hugging Face checkpoints, so the generic loader maps
+tensors one to one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.rope import Rotary, rope_params
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_positions: int
+    rope_theta: float
+    rope_scaling: dict
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "LlamaConfig":
+        arch = cfg["architectures"][0]
+        theta, scaling = rope_params(cfg)
+        heads = cfg["num_attention_heads"]
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_positions=cfg.get("max_position_embeddings", 4096),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
+            o_bias=attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: LlamaConfig, rotary: Rotary) -> None:
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.rotary = rotary
+        self.scale = c.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        c, t = self.c, x.shape[0]
+        q = self.q_proj(x).view(t, c.num_heads, c.head_dim)  # [T, H, D]
+        k = self.k_proj(x).view(t, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(t, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, positions), self.rotary(k, positions)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: LlamaConfig, rotary: Rotary) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c, rotary)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x, positions, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, c: LlamaConfig) -> None:
+        super().__init__()
+        rotary = Rotary(c.head_dim, c.max_positions, c.rope_theta, c.rope_scaling)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c, rotary) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    config_class = LlamaConfig
+
+    def __init__(self, c: LlamaConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.model = Backbone(c)
+        if not c.tie_word_embeddings:
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(layers, kv heads, head dim) of the paged cache."""
+        c = self.config
+        return c.num_layers, c.num_kv_heads, c.head_dim
+
+    def lm_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                meta: AttentionMetadata, logits_index: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: [T]; logits_index: [B] rows whose next token is sampled
+        x = self.model.embed_tokens(input_ids)  # [T, D]
+        for layer, kv in zip(self.model.layers, kv_caches):
+            x = layer(x, positions, kv, meta)
+        h = self.model.norm(x[logits_index])  # [B, D]
+        return F.linear(h, self.lm_weight()).float()  # [B, V]

@@ -1,0 +1,90 @@
+"""Rotary position embeddings with the Hugging Face scaling types."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def rope_params(cfg: dict) -> tuple[float, dict]:
+    """(theta, scaling dict) from either the classic or the transformers-5 config keys."""
+    params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return theta, params
+
+
+def inv_freq_and_scale(dim: int, theta: float, params: dict, max_positions: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim/2] and the attention scaling applied to cos/sin."""
+    kind = params["rope_type"]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if kind == "default":
+        return inv_freq, 1.0
+    factor = float(params["factor"])
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    if kind == "llama3":
+        return _llama3(inv_freq, factor, params), 1.0
+    if kind == "yarn":
+        return _yarn(dim, theta, factor, params, max_positions)
+    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, yarn)")
+
+
+def _llama3(inv_freq: torch.Tensor, factor: float, p: dict) -> torch.Tensor:
+    low, high = float(p.get("low_freq_factor", 1.0)), float(p.get("high_freq_factor", 4.0))
+    old_ctx = float(p.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(dim: int, theta: float, factor: float, p: dict, max_positions: int) -> tuple[torch.Tensor, float]:
+    original = float(p.get("original_max_position_embeddings") or max_positions)
+    beta_fast, beta_slow = float(p.get("beta_fast") or 32), float(p.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    inv_freq = interpolation * ramp + extrapolation * (1 - ramp)
+    scale = p.get("attention_factor")
+    if scale is None:
+        scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return inv_freq, float(scale)
+
+
+class Rotary(torch.nn.Module):
+    """Neox-style (rotate-half) rotary embedding over a precomputed cos/sin table."""
+
+    def __init__(self, dim: int, max_positions: int, theta: float, params: dict) -> None:
+        super().__init__()
+        self._args = (dim, max_positions, theta, params)
+        self.register_buffer("cos", torch.empty(0), persistent=False)  # [P, dim/2]
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """Computes the tables on the ambient device (again, after a build on meta)."""
+        dim, max_positions, theta, params = self._args
+        inv_freq, scale = inv_freq_and_scale(dim, theta, params, max_positions)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        self.cos = (freqs.cos() * scale).float()
+        self.sin = (freqs.sin() * scale).float()
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [T, H, D], positions: [T]
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

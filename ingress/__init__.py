@@ -1,0 +1,1 @@
+"""The ingress: a raw ASGI app run by granian workers."""

@@ -1,0 +1,139 @@
+"""Messages between the stages, one tagged union per socket.
+
+Token ids travel as raw little-endian int32 buffers (`bytes`), never as lists.
+"""
+from __future__ import annotations
+
+import numpy as np
+import msgspec
+
+_WIRE = dict(array_like=True, omit_defaults=True, gc=False)
+
+
+def ids_to_bytes(ids) -> bytes:
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+def bytes_to_ids(buf: bytes) -> np.ndarray:
+    return np.frombuffer(buf, dtype="<i4")
+
+
+class SamplingParams(msgspec.Struct, frozen=True, **_WIRE):
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    # Every id that ends the request: the user's stop_token_ids, the model's EOS
+    # ids (unless ignore_eos) and the serving extension's extra stop ids.
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+
+
+# ---- ingress -> render -------------------------------------------------------
+
+class RenderJob(msgspec.Struct, tag=True, **_WIRE):
+    request_id: str
+    endpoint: str  # "chat" | "completions"
+    body: bytes  # the JSON body, already validated by the ingress
+    reply_to: str  # address of the ingress worker holding the connection
+    arrival_time: float
+
+
+RenderInput = RenderJob
+
+
+# ---- render / ingress / postproc -> engine ----------------------------------
+
+class EngineRequest(msgspec.Struct, tag=True, **_WIRE):
+    request_id: str
+    prompt_token_ids: bytes  # int32
+    sampling: SamplingParams
+    shard: int  # the postproc worker that owns this request
+    postproc_spec: bytes  # opaque to the engine; forwarded with the first token
+    arrival_time: float = 0.0
+
+
+class Abort(msgspec.Struct, tag=True, **_WIRE):
+    request_ids: list[str]
+
+
+EngineInput = EngineRequest | Abort
+
+
+# ---- engine -> postproc ------------------------------------------------------
+
+class Started(msgspec.Struct, **_WIRE):
+    request_id: str
+    postproc_spec: bytes
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+
+
+class StepOutputs(msgspec.Struct, tag=True, **_WIRE):
+    """One engine step's results for the requests one postproc shard owns."""
+
+    started: list[Started]  # requests whose first token is in this step
+    request_ids: list[str]  # requests with one new token each
+    token_ids: bytes  # int32[len(request_ids)]
+    finished: list[tuple[str, str]]  # (request_id, "stop" | "length" | "abort")
+
+
+PostprocInput = StepOutputs
+
+
+# ---- render / postproc -> ingress ------------------------------------------
+
+class Frame(msgspec.Struct, **_WIRE):
+    request_id: str
+    data: bytes  # SSE bytes for a stream; the whole body otherwise
+    done: bool = False
+    status: int = 200  # a non-200 status on a request's first frame is an error response
+
+
+class Frames(msgspec.Struct, tag=True, **_WIRE):
+    frames: list[Frame]
+
+
+IngressInput = Frames
+
+
+# ---- supervisor control ------------------------------------------------------
+
+class Ready(msgspec.Struct, tag=True, **_WIRE):
+    role: str
+    index: int
+    pid: int
+
+
+class IngressStatus(msgspec.Struct, tag=True, **_WIRE):
+    pid: int
+    in_flight: int
+
+
+SupervisorInput = Ready | IngressStatus
+
+
+class Control(msgspec.Struct, tag=True, **_WIRE):
+    """Broadcast from the supervisor to every ingress worker."""
+
+    event: str  # "drain" | "engine_dead" | "stop"
+
+
+ControlInput = Control
+
+
+# ---- render -> postproc (carried opaquely by the engine) -------------------
+
+class PostprocSpec(msgspec.Struct, **_WIRE):
+    request_id: str
+    endpoint: str  # "chat" | "completions"
+    model: str
+    created: int
+    reply_to: str
+    stream: bool = False
+    include_usage: bool = False
+    stop: list[str] = []
+    output_mode: str = "text"  # "text" | "tokens"
+    skip_special_tokens: bool = True

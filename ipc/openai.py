@@ -1,0 +1,200 @@
+"""The OpenAI dialect: request Structs (validated by the ingress, read by the
+render pool) and response Structs (encoded by the postproc pool).
+
+Top-level request fields are strict: an unknown field is a 400 that names it,
+because a silently ignored constraint fails open. Messages are lenient, since
+SDKs send back assistant messages with extra fields (refusal, annotations...).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+_STRICT = dict(forbid_unknown_fields=True, omit_defaults=True)
+
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, Meta(ge=-1)]
+MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+TokenId = Annotated[int, Meta(ge=0)]
+Stop = str | Annotated[list[str], Meta(max_length=16)] | None
+
+
+class StreamOptions(msgspec.Struct, **_STRICT):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class FunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(msgspec.Struct, omit_defaults=True):
+    function: FunctionCall
+    id: str | None = None
+    type: str = "function"
+
+
+class ContentPart(msgspec.Struct, omit_defaults=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, omit_defaults=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class FunctionDef(msgspec.Struct, omit_defaults=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, omit_defaults=True):
+    function: FunctionDef
+    type: Literal["function"] = "function"
+
+
+class _Sampling(msgspec.Struct, **_STRICT):
+    """Fields shared by chat and completions."""
+
+    model: str
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    seed: int | None = None
+    stop: Stop = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    n: Annotated[int, Meta(ge=1, le=1)] = 1
+
+
+class ChatCompletionRequest(_Sampling, **_STRICT):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] = []
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    add_generation_prompt: bool = True
+
+
+class CompletionRequest(_Sampling, **_STRICT):
+    # A string, token ids, or a one-element list of either (the render pool checks the shape).
+    prompt: str | Annotated[list[Any], Meta(min_length=1)] = ""
+    max_tokens: PositiveInt | None = 16
+
+
+# ---- responses ---------------------------------------------------------------
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ResponseMessage(msgspec.Struct):
+    content: str | None
+    role: str = "assistant"
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ResponseMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChunkChoice(msgspec.Struct):
+    index: int
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion.chunk"
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class Completion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: str = "text_completion"
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    owned_by: str = "sluice"
+    max_model_len: int | None = None
+    root: str | None = None
+    object: str = "model"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo
+
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+                413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> bytes:
+    kind = _ERROR_TYPES.get(status, "server_error")
+    return msgspec.json.encode(ErrorResponse(ErrorInfo(message, kind, param, code)))

@@ -1,0 +1,29 @@
+"""Engine statistics in a small shared-memory block: written by the engine each
+step, read by any ingress worker (health, metrics) without a round trip."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ipc.shm import map_file
+
+FIELDS = ("heartbeat", "num_running", "num_waiting", "kv_used_blocks", "kv_total_blocks", "num_steps",
+          "num_preemptions", "generated_tokens", "alive")
+
+
+class EngineStats:
+    def __init__(self, path: str, *, create: bool = False) -> None:
+        self._map = map_file(path, 8 * len(FIELDS), create=create)
+        self._values = np.ndarray((len(FIELDS),), dtype=np.float64, buffer=self._map)
+
+    def set(self, **values: float) -> None:
+        for k, v in values.items():
+            self._values[FIELDS.index(k)] = v
+
+    def read(self) -> dict[str, float]:
+        return dict(zip(FIELDS, self._values.tolist()))
+
+    def close(self) -> None:
+        self._values = None
+        self._map.close()

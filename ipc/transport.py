@@ -1,0 +1,190 @@
+"""Typed ZeroMQ channels. Stage code sees put/get of messages, never sockets.
+
+A payload of at least `shm_threshold` bytes goes through a shared-memory ring
+(see ipc/shm.py) with a small descriptor on the socket; the threshold comes
+from bench/transport.py (see bench/RESULTS.md).
+"""
+from __future__ import annotations
+
+from typing import Generic, TypeVar
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from ipc.shm import ShmRingReader, ShmRingWriter
+
+T = TypeVar("T")
+
+DEFAULT_SHM_THRESHOLD = 1 << 20
+DEFAULT_RING_BYTES = 64 << 20
+_SHM_TAG = b"\x00shm"
+_descriptor = msgspec.msgpack.Encoder()
+_descriptor_decode = msgspec.msgpack.Decoder(tuple[str, int, int, int])
+
+
+class PushChannel(Generic[T]):
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        address: str | list[str],
+        *,
+        bind: bool = False,
+        shm_dir: str | None = None,
+        shm_threshold: int = DEFAULT_SHM_THRESHOLD,
+        ring_bytes: int = DEFAULT_RING_BYTES,
+    ) -> None:
+        """`shm_dir` None: every payload goes inline over the socket."""
+        self._sock = ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, 1000)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        # Several addresses: messages are dealt round-robin among them.
+        for addr in [address] if isinstance(address, str) else address:
+            (self._sock.bind if bind else self._sock.connect)(addr)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._shm_dir = shm_dir
+        self._threshold = shm_threshold
+        self._ring_bytes = ring_bytes
+        self._ring: ShmRingWriter | None = None
+
+    def put(self, msg: T) -> None:
+        self.put_bytes(self._encoder.encode(msg))
+
+    def put_bytes(self, payload: bytes) -> None:
+        if self._shm_dir is not None and len(payload) >= self._threshold:
+            if self._ring is None:
+                self._ring = ShmRingWriter(self._shm_dir, self._ring_bytes)
+            placed = self._ring.write(memoryview(payload))
+            if placed is not None:
+                offset, end = placed
+                desc = _descriptor.encode((self._ring.path, offset, len(payload), end))
+                self._sock.send_multipart([_SHM_TAG, desc], copy=False)
+                return
+        self._sock.send(payload, copy=False)
+
+    def close(self) -> None:
+        self._sock.close()
+        if self._ring is not None:
+            self._ring.close()
+
+
+class _Unpacker(Generic[T]):
+    def __init__(self, msg_type: type[T]) -> None:
+        self._decoder = msgspec.msgpack.Decoder(msg_type)
+        self._rings: dict[str, ShmRingReader] = {}
+
+    def payload(self, frames: list) -> bytes | memoryview:
+        if len(frames) == 1:
+            return frames[0].buffer
+        path, offset, size, end = _descriptor_decode.decode(frames[1].buffer)
+        ring = self._rings.get(path)
+        if ring is None:
+            ring = self._rings[path] = ShmRingReader(path)
+        return ring.read(offset, size, end)
+
+    def decode(self, frames: list) -> T:
+        return self._decoder.decode(self.payload(frames))
+
+    def close(self) -> None:
+        for ring in self._rings.values():
+            ring.close()
+
+
+class PullChannel(Generic[T]):
+    """Blocking receiver, for the engine, render and postproc loops."""
+
+    def __init__(self, ctx: zmq.Context, address: str, msg_type: type[T], *, bind: bool = True) -> None:
+        self._sock = ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        (self._sock.bind if bind else self._sock.connect)(address)
+        self._unpack = _Unpacker(msg_type)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+
+    def get(self, timeout: float | None = None) -> T | None:
+        """The next message, or None after `timeout` seconds (None waits forever)."""
+        if timeout is not None and not self._poller.poll(int(timeout * 1000)):
+            return None
+        return self._unpack.decode(self._sock.recv_multipart(copy=False))
+
+    def get_nowait(self) -> T | None:
+        try:
+            frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        return self._unpack.decode(frames)
+
+    def drain(self) -> list[T]:
+        out = []
+        while (msg := self.get_nowait()) is not None:
+            out.append(msg)
+        return out
+
+    def close(self) -> None:
+        self._sock.close()
+        self._unpack.close()
+
+
+class AsyncPullChannel(Generic[T]):
+    """asyncio receiver, for the ingress workers."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, msg_type: type[T], *, bind: bool = True) -> None:
+        self._sock = ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        (self._sock.bind if bind else self._sock.connect)(address)
+        self._unpack = _Unpacker(msg_type)
+
+    async def get(self) -> T:
+        return self._unpack.decode(await self._sock.recv_multipart(copy=False))
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._unpack.close()
+
+
+class SubChannel(Generic[T]):
+    """Receives the supervisor's broadcasts (asyncio)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, msg_type: type[T]) -> None:
+        self._sock = ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.connect(address)
+        self._decoder = msgspec.msgpack.Decoder(msg_type)
+
+    async def get(self) -> T:
+        return self._decoder.decode(await self._sock.recv())
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class PubChannel(Generic[T]):
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self._sock = ctx.socket(zmq.PUB)
+        self._sock.bind(address)
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def put(self, msg: T) -> None:
+        self._sock.send(self._encoder.encode(msg))
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class PushPool(Generic[T]):
+    """One lazily connected PushChannel per destination address (replies to ingress workers)."""
+
+    def __init__(self, ctx: zmq.Context, **channel_kwargs) -> None:
+        self._ctx = ctx
+        self._kwargs = channel_kwargs
+        self._channels: dict[str, PushChannel[T]] = {}
+
+    def get(self, address: str) -> PushChannel[T]:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = PushChannel(self._ctx, address, **self._kwargs)
+        return ch
+
+    def close(self) -> None:
+        for ch in self._channels.values():
+            ch.close()

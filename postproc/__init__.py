@@ -1,0 +1,1 @@
+"""The postproc pool: tokens in, dialect frames out."""

@@ -1,0 +1,52 @@
+"""Render process: decode a job, run the chat core, send the engine request
+(or the error straight back to the ingress worker)."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from ipc.messages import EngineInput, Frame, Frames, IngressInput, Ready, RenderInput, SupervisorInput
+from ipc.openai import error_body
+from ipc.transport import PullChannel, PushChannel, PushPool
+from render.core import ChatCore
+from render.errors import RequestError
+from render.extensions import extension_for
+from render.tokenizer import load_tokenizer
+from sluice.config import ServerConfig
+
+log = logging.getLogger("sluice.render")
+
+
+def build_core(cfg: ServerConfig) -> ChatCore:
+    bundle = load_tokenizer(Path(cfg.model_path))
+    hf = cfg.hf_config()
+    return ChatCore(extension_for(hf, bundle), bundle, max_model_len=cfg.max_model_len,
+                    model_vocab_size=hf["vocab_size"], num_shards=cfg.postproc_workers)
+
+
+def run_render(cfg: ServerConfig, index: int) -> None:
+    core = build_core(cfg)
+    ctx = zmq.Context()
+    addr = cfg.addresses
+    jobs: PullChannel[RenderInput] = PullChannel(ctx, addr.render(index), RenderInput)
+    engine: PushChannel[EngineInput] = PushChannel(ctx, addr.engine, **cfg.bulk())
+    replies: PushPool[IngressInput] = PushPool(ctx)
+    PushChannel[SupervisorInput](ctx, addr.supervisor).put(Ready("render", index, os.getpid()))
+    while True:
+        job = jobs.get()
+        try:
+            engine.put(core.render(job))
+            continue
+        except RequestError as e:
+            err = e
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:  # the ingress validated it; be safe anyway
+            err = RequestError(400, str(e))
+        except Exception:
+            log.exception("render failed for %s", job.request_id)
+            err = RequestError(500, "internal error while rendering the request")
+        body = error_body(err.status, err.message, err.param, err.code)
+        replies.get(job.reply_to).put(Frames([Frame(job.request_id, body, done=True, status=err.status)]))

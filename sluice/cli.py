@@ -1,0 +1,89 @@
+"""`sluice serve`: parse flags, resolve the model, run the supervisor."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from sluice.builtin_models import resolve_model
+from sluice.config import ServerConfig, parse_size
+from sluice.supervisor import Supervisor, make_runtime_dir
+
+DEFAULT_MODEL = "builtin:tiny-chat"
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluice", description="An OpenAI-compatible LLM server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve a model over HTTP")
+    s.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as --model")
+    s.add_argument("--model", help=f"checkpoint directory, HF hub id, or builtin:NAME (default {DEFAULT_MODEL})")
+    s.add_argument("--served-model-name", nargs="+", help="the model id(s) clients use (default: --model as given)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--ingress-workers", type=_positive, default=1)
+    s.add_argument("--render-workers", type=_positive, default=1)
+    s.add_argument("--postproc-workers", type=_positive, default=1)
+    s.add_argument("--max-model-len", type=_positive, help="context length (default: the checkpoint's)")
+    s.add_argument("--max-num-seqs", type=_positive, default=256)
+    s.add_argument("--max-num-batched-tokens", type=_positive, default=2048, help="token budget of one step")
+    s.add_argument("--block-size", type=_positive, default=16)
+    s.add_argument("--num-kv-blocks", type=_positive, help="KV cache size in blocks (overrides --kv-cache-memory)")
+    s.add_argument("--kv-cache-memory", type=parse_size,
+                   help="KV cache size in bytes, e.g. 2GiB (default 1GiB on CPU, 85%% of free memory on CUDA)")
+    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    s.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    s.add_argument("--shm-threshold", type=parse_size, default=1 << 20,
+                   help="payloads of at least this many bytes go through shared memory (see bench/RESULTS.md)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    model = args.model or args.model_pos or DEFAULT_MODEL
+    path = resolve_model(model)
+    hf = json.loads((path / "config.json").read_text())
+    max_len = args.max_model_len or hf.get("max_position_embeddings") or 4096
+    return ServerConfig(
+        model=model,
+        model_path=str(path),
+        served_model_names=args.served_model_name or [model],
+        runtime_dir=make_runtime_dir(),
+        host=args.host,
+        port=args.port,
+        ingress_workers=args.ingress_workers,
+        render_workers=args.render_workers,
+        postproc_workers=args.postproc_workers,
+        max_model_len=max_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks or 0,
+        kv_cache_memory=args.kv_cache_memory or 0,
+        dtype=args.dtype,
+        device=args.device,
+        shm_threshold=args.shm_threshold,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s sluice %(levelname)s %(message)s")
+    try:
+        cfg = config_from_args(args)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"sluice: {e}")
+    sys.exit(Supervisor(cfg).run())
+
+
+if __name__ == "__main__":
+    main()

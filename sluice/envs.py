@@ -1,0 +1,32 @@
+"""Every environment variable Sluice reads, in one place."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where built-in checkpoints and unpacked vocabularies live."""
+    base = os.environ.get("SLUICE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sluice"
+    )
+    return Path(base)
+
+
+def runtime_base() -> str:
+    """Parent of the per-server runtime directory holding the IPC sockets."""
+    return os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+
+
+def config_path() -> str | None:
+    """Set by the supervisor for the ingress workers that granian starts."""
+    return os.environ.get("SLUICE_CONFIG")
+
+
+def api_keys() -> list[str]:
+    raw = os.environ.get("SLUICE_API_KEY", "")
+    return [k for k in raw.split(",") if k]
+
+
+def notify_socket() -> str | None:
+    return os.environ.get("NOTIFY_SOCKET")

@@ -1,0 +1,219 @@
+"""Starts the stages, waits for each to say ready, starts granian, then watches.
+
+Engine (or any stage) death: every in-flight request gets an error, health
+turns 503, and the supervisor exits non-zero so systemd restarts the service.
+SIGTERM / SIGINT: drain (new requests get 503, in-flight ones finish within
+--shutdown-timeout), then stop granian and the stages in order; exit 0.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import zmq
+
+from ipc.messages import Control, ControlInput, IngressStatus, Ready, SupervisorInput
+from ipc.stats import EngineStats
+from ipc.transport import PubChannel, PullChannel
+from sluice import envs
+from sluice.config import ServerConfig
+
+log = logging.getLogger("sluice")
+_READY_TIMEOUT_S = 900.0
+_ERROR_FLUSH_S = 1.0
+
+
+def _die_with_parent() -> None:
+    """Linux: a stage is killed when the supervisor dies, however it dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def stage_main(role: str, index: int, config_path: str) -> None:
+    """Entry of every stage process."""
+    _die_with_parent()
+    os.setpgrp()  # a terminal's Ctrl-C reaches the supervisor only; it stops the stages in order
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}[{index}] %(levelname)s %(message)s")
+    cfg = ServerConfig.load(config_path)
+    if role == "engine":
+        from engine.worker import run_engine
+        run_engine(cfg)
+    elif role == "render":
+        from render.worker import run_render
+        run_render(cfg, index)
+    elif role == "postproc":
+        from postproc.worker import run_postproc
+        run_postproc(cfg, index)
+    else:
+        raise ValueError(role)
+
+
+def make_runtime_dir() -> str:
+    return tempfile.mkdtemp(prefix="sluice-", dir=envs.runtime_base())  # mode 0700
+
+
+class Supervisor:
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.config_path = str(Path(cfg.runtime_dir) / "config.json")
+        cfg.dump(Path(self.config_path))
+        os.makedirs(cfg.addresses.shm_dir, mode=0o700)
+        self.stats = EngineStats(cfg.addresses.stats_path, create=True)
+        self.ctx = zmq.Context()
+        self.inbox: PullChannel[SupervisorInput] = PullChannel(self.ctx, cfg.addresses.supervisor, SupervisorInput)
+        self.control: PubChannel[ControlInput] = PubChannel(self.ctx, cfg.addresses.control)
+        self.stages: dict[tuple[str, int], mp.Process] = {}
+        self.granian: subprocess.Popen | None = None
+        self.ingress_status: dict[int, tuple[float, int]] = {}  # pid -> (time, in flight)
+        self._stop_requested = False
+
+    # ---- start ----------------------------------------------------------------
+
+    def start_stages(self) -> None:
+        spawn = mp.get_context("spawn")
+        roles = [("engine", 0)] + [("render", i) for i in range(self.cfg.render_workers)] + \
+                [("postproc", k) for k in range(self.cfg.postproc_workers)]
+        for role, index in roles:
+            p = spawn.Process(target=stage_main, args=(role, index, self.config_path), name=f"sluice-{role}-{index}")
+            p.start()
+            self.stages[(role, index)] = p
+        waiting = set(roles)
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while waiting:
+            if self._stop_requested:
+                raise SystemExit(0)
+            dead = [k for k, p in self.stages.items() if not p.is_alive()]
+            if dead:
+                raise SystemExit(f"sluice: {dead[0][0]}[{dead[0][1]}] exited during startup "
+                                 f"(code {self.stages[dead[0]].exitcode})")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"sluice: stages not ready after {_READY_TIMEOUT_S:.0f}s: {sorted(waiting)}")
+            msg = self.inbox.get(timeout=0.2)
+            if isinstance(msg, Ready):
+                waiting.discard((msg.role, msg.index))
+                log.info("%s[%d] ready (pid %d)", msg.role, msg.index, msg.pid)
+
+    def start_ingress(self) -> None:
+        c = self.cfg
+        cmd = [sys.executable, "-m", "granian", "--interface", "asgi", "--factory", "--workers",
+               str(c.ingress_workers), "--loop", "uvloop", "--host", c.host, "--port", str(c.port), "--no-ws",
+               "--log-level", "warning", "ingress.app:create_app"]
+        env = dict(os.environ, SLUICE_CONFIG=self.config_path)
+        self.granian = subprocess.Popen(cmd, env=env, preexec_fn=lambda: (_die_with_parent(), os.setpgrp()))
+        deadline = time.monotonic() + 60
+        while not self._port_open():
+            if self.granian.poll() is not None:
+                raise SystemExit(f"sluice: the HTTP server exited during startup (code {self.granian.returncode})")
+            if time.monotonic() > deadline:
+                raise SystemExit("sluice: the HTTP server did not start listening within 60s")
+            time.sleep(0.05)
+        log.info("ingress ready (granian pid %d, %d workers) on http://%s:%d", self.granian.pid, c.ingress_workers,
+                 c.host, c.port)
+
+    def _port_open(self) -> bool:
+        with socket.socket(socket.AF_INET6 if ":" in self.cfg.host else socket.AF_INET) as s:
+            s.settimeout(0.2)
+            return s.connect_ex((self.cfg.host, self.cfg.port)) == 0
+
+    # ---- run ------------------------------------------------------------------
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        try:
+            self.start_stages()
+            self.start_ingress()
+            _sd_notify("READY=1")
+            return self._watch()
+        finally:
+            self.shutdown()
+
+    def _on_signal(self, signum, frame) -> None:
+        self._stop_requested = True
+
+    def _watch(self) -> int:
+        while not self._stop_requested:
+            self._poll_inbox(0.2)
+            dead = [k for k, p in self.stages.items() if not p.is_alive()]
+            if dead:
+                role, index = dead[0]
+                log.error("%s[%d] died (exit code %s): failing in-flight requests and exiting", role, index,
+                          self.stages[dead[0]].exitcode)
+                self._fail_in_flight()
+                return 1
+            if self.granian.poll() is not None:
+                log.error("the HTTP server exited (code %s)", self.granian.returncode)
+                return 1
+        _sd_notify("STOPPING=1")
+        self._drain()
+        return 0
+
+    def _poll_inbox(self, timeout: float) -> None:
+        msg = self.inbox.get(timeout=timeout)
+        while msg is not None:
+            if isinstance(msg, IngressStatus):
+                self.ingress_status[msg.pid] = (time.monotonic(), msg.in_flight)
+            msg = self.inbox.get_nowait()
+
+    def _fail_in_flight(self) -> None:
+        self.stats.set(alive=0)
+        self.control.put(Control("engine_dead"))
+        time.sleep(_ERROR_FLUSH_S)  # let the ingress workers write the errors out
+
+    def _drain(self) -> None:
+        log.info("draining: waiting up to %.0fs for in-flight requests", self.cfg.shutdown_timeout)
+        self.control.put(Control("drain"))
+        drain_started = time.monotonic()
+        deadline = drain_started + self.cfg.shutdown_timeout
+        while time.monotonic() < deadline:
+            self._poll_inbox(0.1)
+            fresh = [n for t, n in self.ingress_status.values() if t > drain_started]
+            recent = [n for t, n in self.ingress_status.values() if t > time.monotonic() - 1.0]
+            if fresh and recent and all(n == 0 for n in recent):
+                break
+        else:
+            log.warning("drain timed out: ending the remaining requests")
+            self._fail_in_flight()
+
+    def shutdown(self) -> None:
+        if self.granian is not None and self.granian.poll() is None:
+            self.granian.terminate()
+            try:
+                self.granian.wait(10)
+            except subprocess.TimeoutExpired:
+                self.granian.kill()
+        for role in ("render", "engine", "postproc"):
+            for (r, _), p in self.stages.items():
+                if r == role and p.is_alive():
+                    p.terminate()
+                    p.join(5)
+                    if p.is_alive():
+                        p.kill()
+        self.stats.close()
+        shutil.rmtree(self.cfg.runtime_dir, ignore_errors=True)
+        shutil.rmtree(self.cfg.addresses.shm_dir, ignore_errors=True)
+        log.info("stopped")
+
+
+def _sd_notify(state: str) -> None:
+    path = envs.notify_socket()
+    if not path:
+        return
+    if path.startswith("@"):
+        path = "\0" + path[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.connect(path)
+        s.sendall(state.encode())
