@@ -9,7 +9,7 @@ from ipc.openai import error_body
 
 JSON = [(b"content-type", b"application/json")]
 SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
-_PARAM = re.compile(r"at `\$\.([A-Za-z0-9_]+)")
+_PARAM = re.compile(r"at `\$\.([^`]+)`")
 _UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
 

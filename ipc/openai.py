@@ -61,9 +61,10 @@ class FunctionDef(msgspec.Struct, omit_defaults=True):
     strict: bool | None = None
 
 
-class Tool(msgspec.Struct, omit_defaults=True):
-    function: FunctionDef
+class Tool(msgspec.Struct, kw_only=True):
+    # OpenAI's field order, so templates that dump a tool as JSON show it as the client sent it
     type: Literal["function"] = "function"
+    function: FunctionDef
 
 
 class _Sampling(msgspec.Struct, **_STRICT):

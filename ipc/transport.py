@@ -73,17 +73,14 @@ class _Unpacker(Generic[T]):
         self._decoder = msgspec.msgpack.Decoder(msg_type)
         self._rings: dict[str, ShmRingReader] = {}
 
-    def payload(self, frames: list) -> bytes | memoryview:
+    def decode(self, frames: list) -> T:
         if len(frames) == 1:
-            return frames[0].buffer
+            return self._decoder.decode(frames[0].buffer)
         path, offset, size, end = _descriptor_decode.decode(frames[1].buffer)
         ring = self._rings.get(path)
         if ring is None:
             ring = self._rings[path] = ShmRingReader(path)
-        return ring.read(offset, size, end)
-
-    def decode(self, frames: list) -> T:
-        return self._decoder.decode(self.payload(frames))
+        return ring.decode(self._decoder, offset, size, end)
 
     def close(self) -> None:
         for ring in self._rings.values():

@@ -1,0 +1,129 @@
+"""The scheduler with fake model outputs: no model, no torch."""
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.block_manager import BlockManager
+from engine.scheduler import Scheduler
+from tests.engine.helpers import seq
+
+
+def make(num_blocks=64, block_size=4, budget=32, max_num_seqs=8, max_model_len=1000):
+    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=budget, max_model_len=max_model_len)
+
+
+def run(sched, fake_token=7, max_steps=10_000, on_step=None):
+    """Drives the scheduler with a fake runner; returns outputs and per-step batches."""
+    outputs, steps = {}, []
+    for _ in range(max_steps):
+        batch = sched.schedule()
+        if batch is None:
+            break
+        assert sum(batch.num_new_tokens) <= sched.max_num_batched_tokens
+        steps.append([(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)])
+        sampled = [fake_token for i in range(len(batch.seqs)) if batch.samples(i)]
+        result = sched.update(batch, sampled)
+        for s, tok in result.new_tokens:
+            outputs.setdefault(s.request_id, []).append(tok)
+        if on_step:
+            on_step(len(steps), result)
+    return outputs, steps
+
+
+def test_continuous_batching_joins_and_leaves():
+    sched = make()
+    sched.add(seq("a", [1] * 4, max_tokens=3))
+    sched.add(seq("b", [1] * 4, max_tokens=6))
+    added = []
+
+    def on_step(step, result):
+        if step == 2:
+            sched.add(seq("c", [1] * 4, max_tokens=2))
+            added.append(step)
+
+    outputs, steps = run(sched, on_step=on_step)
+    assert {k: len(v) for k, v in outputs.items()} == {"a": 3, "b": 6, "c": 2}
+    assert ("c", 4) in steps[2] and ("b", 1) in steps[2]  # c's prefill joined b's decode
+    assert all(rid != "a" for rid, _ in steps[3])  # a left after its third token
+    assert sched.bm.num_free == sched.bm.num_blocks and len(sched) == 0
+
+
+def test_chunked_prefill_shares_budget_with_decodes_first():
+    sched = make(budget=8, num_blocks=256)
+    sched.add(seq("short", [1] * 2, max_tokens=10))
+
+    def on_step(step, result):
+        if step == 1:
+            sched.add(seq("long", [1] * 40, max_tokens=2))
+
+    outputs, steps = run(sched, on_step=on_step)
+    for step in steps[1:6]:
+        ids = dict(step)
+        assert ids.get("short") == 1  # the running decode is served every step
+        assert ids.get("long", 0) <= 7
+    assert len(outputs["long"]) == 2 and len(outputs["short"]) == 10
+
+
+def test_stop_tokens_min_tokens_and_length():
+    sched = make()
+    sched.add(seq("stops", [1] * 3, max_tokens=10, stop_token_ids=(7,)))
+    sched.add(seq("min", [1] * 3, max_tokens=10, stop_token_ids=(7,), min_tokens=4))
+    sched.add(seq("len", [1] * 3, max_tokens=5))
+    finished = {}
+    run(sched, on_step=lambda i, r: finished.update({s.request_id: (why, s.num_output_tokens) for s, why in r.finished}))
+    assert finished == {"stops": ("stop", 1), "min": ("stop", 4), "len": ("length", 5)}
+
+
+def test_max_model_len_ends_with_length():
+    sched = make(max_model_len=10)
+    sched.add(seq("a", [1] * 6, max_tokens=100))
+    outputs, _ = run(sched)
+    assert len(outputs["a"]) == 4
+
+
+def test_abort_frees_blocks_waiting_and_running():
+    sched = make(max_num_seqs=1)
+    sched.add(seq("run", [1] * 8, max_tokens=100))
+    sched.add(seq("wait", [1] * 8, max_tokens=100))
+    batch = sched.schedule()
+    sched.update(batch, [7])
+    assert sched.abort("wait") is not None and sched.abort("run") is not None
+    assert sched.abort("missing") is None
+    assert sched.bm.num_free == sched.bm.num_blocks and len(sched) == 0 and sched.schedule() is None
+
+
+def test_preemption_recomputes_and_completes_everything():
+    # 6 blocks of 4 tokens: three sequences growing to 12 tokens cannot all fit.
+    sched = make(num_blocks=6, block_size=4, budget=64)
+    for i in range(3):
+        sched.add(seq(f"s{i}", [1] * 4, max_tokens=8))
+    outputs, steps = run(sched)
+    assert sched.num_preemptions > 0
+    assert all(len(outputs[f"s{i}"]) == 8 for i in range(3))
+    assert sched.bm.num_free == 6
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompts=st.lists(st.integers(1, 30), min_size=1, max_size=8),
+    max_tokens=st.integers(1, 12),
+    num_blocks=st.integers(8, 40),
+    budget=st.integers(1, 48),
+    max_num_seqs=st.integers(1, 6),
+)
+def test_every_request_completes_and_frees_everything(prompts, max_tokens, num_blocks, budget, max_num_seqs):
+    block_size = 4
+    max_len = max(prompts) + max_tokens
+    if -(-max_len // block_size) > num_blocks:
+        num_blocks = -(-max_len // block_size)  # the engine refuses to start with less
+    sched = make(num_blocks=num_blocks, block_size=block_size, budget=budget, max_num_seqs=max_num_seqs)
+    counter = itertools.count()
+    for n in prompts:
+        sched.add(seq(f"r{next(counter)}", [1] * n, max_tokens=max_tokens))
+    outputs, _ = run(sched)
+    assert {k: len(v) for k, v in outputs.items()} == {f"r{i}": max_tokens for i in range(len(prompts))}
+    assert sched.bm.num_free == num_blocks and len(sched) == 0

@@ -1,0 +1,81 @@
+"""Codec round trips, inline and through the shared-memory ring."""
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ipc.messages import (Abort, EngineInput, EngineRequest, Frame, Frames, IngressInput, SamplingParams, Started,
+                          StepOutputs, bytes_to_ids, ids_to_bytes)
+from ipc.shm import ShmRingReader, ShmRingWriter
+from ipc.transport import PullChannel, PushChannel
+
+ids = st.lists(st.integers(0, 2**31 - 1), max_size=300)
+sampling = st.builds(SamplingParams, max_tokens=st.integers(1, 10**6), temperature=st.floats(0, 2),
+                     top_p=st.floats(0.01, 1), top_k=st.integers(0, 100), seed=st.none() | st.integers(0, 2**63 - 1),
+                     stop_token_ids=st.lists(st.integers(0, 10**6), max_size=4).map(tuple))
+engine_requests = st.builds(EngineRequest, request_id=st.text(max_size=40), prompt_token_ids=ids.map(ids_to_bytes),
+                            sampling=sampling, shard=st.integers(0, 16), postproc_spec=st.binary(max_size=64))
+step_outputs = st.builds(
+    StepOutputs,
+    started=st.lists(st.builds(Started, request_id=st.text(max_size=10), postproc_spec=st.binary(max_size=20),
+                               num_prompt_tokens=st.integers(0, 10**6)), max_size=3),
+    request_ids=st.lists(st.text(max_size=10), max_size=5),
+    token_ids=ids.map(ids_to_bytes),
+    finished=st.lists(st.tuples(st.text(max_size=10), st.sampled_from(["stop", "length", "abort"])), max_size=3),
+)
+
+
+@given(msg=engine_requests | st.builds(Abort, st.lists(st.text(max_size=20), max_size=5)))
+def test_engine_messages_round_trip(msg):
+    data = msgspec.msgpack.encode(msg)
+    assert msgspec.msgpack.decode(data, type=EngineInput) == msg
+
+
+@given(msg=step_outputs)
+def test_step_outputs_round_trip(msg):
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(msg), type=StepOutputs) == msg
+
+
+@given(values=ids)
+def test_token_buffers_round_trip(values):
+    assert bytes_to_ids(ids_to_bytes(values)).tolist() == values
+
+
+@pytest.fixture(scope="module")
+def channel(tmp_path_factory):
+    """One channel for all examples, so the ring wraps around many times."""
+    tmp_path = tmp_path_factory.mktemp("chan")
+    ctx = zmq.Context()
+    pull = PullChannel(ctx, f"ipc://{tmp_path}/s", IngressInput)
+    push = PushChannel(ctx, f"ipc://{tmp_path}/s", shm_dir=str(tmp_path), shm_threshold=256, ring_bytes=4096)
+    yield push, pull
+    push.close()
+    pull.close()
+    ctx.term()
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=30))
+def test_channel_delivers_every_size_in_order(channel, sizes):
+    push, pull = channel
+    sent = [Frames([Frame(str(i), bytes([i % 251]) * n, done=bool(i % 2))]) for i, n in enumerate(sizes)]
+    for m in sent:
+        push.put(m)
+    assert [pull.get(timeout=5) for _ in sent] == sent
+
+
+def test_ring_wraps_and_refuses_when_full(tmp_path):
+    w = ShmRingWriter(str(tmp_path), 100)
+    r = ShmRingReader(w.path)
+    first = w.write(memoryview(b"a" * 60))
+    assert first is not None
+    assert w.write(memoryview(b"b" * 60)) is None  # unread data still fills the ring
+    assert r.read(first[0], 60, first[1]) == b"a" * 60
+    second = w.write(memoryview(b"c" * 60))  # wraps to the start
+    assert second is not None and r.read(second[0], 60, second[1]) == b"c" * 60
+    r.close()
+    w.close()

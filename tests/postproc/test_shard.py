@@ -1,0 +1,79 @@
+"""A postproc shard fed fake engine steps."""
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+from tokenizers import Tokenizer
+
+from ipc.messages import PostprocSpec, Started, StepOutputs, ids_to_bytes
+from postproc.worker import Shard
+
+
+@pytest.fixture
+def shard(tiny_chat_dir):
+    return Shard(Tokenizer.from_file(str(tiny_chat_dir / "tokenizer.json")))
+
+
+def start(shard, rid, **spec):
+    spec = PostprocSpec(request_id=rid, endpoint=spec.pop("endpoint", "chat"), model="m", created=1,
+                        reply_to="ipc://r", **spec)
+    return Started(rid, msgspec.msgpack.encode(spec), num_prompt_tokens=5)
+
+
+def feed(shard, text, rid="r1", started=None, final="length", eos=None):
+    """Feeds `text` token by token; returns every frame's data in order."""
+    ids = shard.tokenizer.encode(text, add_special_tokens=False).ids + ([eos] if eos is not None else [])
+    data, stopped = [], []
+    for i, tok in enumerate(ids):
+        last = i == len(ids) - 1
+        msg = StepOutputs([started] if (i == 0 and started) else [], [rid], ids_to_bytes([tok]),
+                          [(rid, "stop" if eos is not None else final)] if last else [])
+        out, stop = shard.on_step(msg)
+        data += [f.data for f in out.get("ipc://r", [])]
+        stopped += stop
+    return data, stopped
+
+
+def sse_events(data):
+    events = [e for chunk in data for e in chunk.decode().split("\n\n") if e]
+    return [json.loads(e[6:]) if e != "data: [DONE]" else "[DONE]" for e in events]
+
+
+def test_streaming_chat_frames_and_usage(shard):
+    data, _ = feed(shard, "Hello world", started=start(shard, "r1", stream=True, include_usage=True))
+    events = sse_events(data)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:-2])
+    assert text == "Hello world"
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
+    n = len(shard.tokenizer.encode("Hello world", add_special_tokens=False).ids)
+    assert events[-2]["choices"] == [] and events[-2]["usage"] == {"prompt_tokens": 5, "completion_tokens": n,
+                                                                   "total_tokens": 5 + n}
+    assert events[-1] == "[DONE]" and shard.requests == {}
+
+
+def test_non_streaming_body_hides_the_stop_token(shard):
+    eos = shard.tokenizer.token_to_id("<|im_end|>")
+    data, _ = feed(shard, "Good evening", started=start(shard, "r1"), eos=eos)
+    body = json.loads(data[-1])
+    assert len(data) == 1 and body["object"] == "chat.completion"
+    assert body["choices"][0] == {"index": 0, "message": {"content": "Good evening", "role": "assistant"},
+                                  "finish_reason": "stop", "logprobs": None}
+
+
+def test_stop_string_ends_the_request_and_asks_for_an_abort(shard):
+    data, stopped = feed(shard, "The river runs to the sea", started=start(shard, "r1", stop=["runs"],
+                                                                                endpoint="completions"))
+    body = json.loads(data[-1])
+    assert body["choices"][0]["text"] == "The river " and body["choices"][0]["finish_reason"] == "stop"
+    assert stopped == ["r1"] and shard.requests == {}
+    out, _ = shard.on_step(StepOutputs([], ["r1"], ids_to_bytes([5]), [("r1", "abort")]))  # late token: ignored
+    assert out == {}
+
+
+def test_abort_drops_state_silently(shard):
+    shard.on_step(StepOutputs([start(shard, "r1", stream=True)], ["r1"], ids_to_bytes([50]), []))
+    out, _ = shard.on_step(StepOutputs([], [], b"", [("r1", "abort")]))
+    assert out == {} and shard.requests == {}
