@@ -72,8 +72,7 @@ class Outbox:
                                        seq.num_cached_tokens))
             ids.append(seq.request_id)
             tokens.append(token)
-        finished = [(seq, reason) for seq, reason in result.finished]
-        finished += [(seq, "abort") for seq in aborted if seq.started]
+        finished = result.finished + [(seq, "abort") for seq in aborted if seq.started]
         for seq, reason in finished:
             per_shard.setdefault(seq.shard, ([], [], [], []))[3].append((seq.request_id, reason))
         for shard, (started, ids, tokens, done) in per_shard.items():

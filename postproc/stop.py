@@ -18,9 +18,11 @@ class StopStrings:
         if not self.stops or self.stopped:
             return "" if self.stopped else text
         buf = self._held + text
-        hit = min(((i, s) for s in self.stops if (i := buf.find(s)) >= 0), default=None)
+        # The first stop string to complete, as a token-by-token stream sees it (ties: the longer one).
+        hit = min(((i + len(s), -len(s), i) for s in self.stops if (i := buf.find(s)) >= 0), default=None)
         if hit is not None:
-            i, s = hit
+            end, _, i = hit
+            s = buf[i:end]
             self.stopped = True
             self._held = ""
             return buf[: i + len(s)] if self.include else buf[:i]

@@ -1,7 +1,7 @@
 """Stop strings give the same result however the text is chunked."""
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from postproc.stop import StopStrings
@@ -10,11 +10,13 @@ alphabet = st.sampled_from("abc xy\n")
 
 
 def one_shot(text: str, stops: list[str], include: bool) -> tuple[str, bool]:
-    hits = [(i, s) for s in stops if s and (i := text.find(s)) >= 0]
-    if not hits:
-        return text, False
-    i, s = min(hits)
-    return text[: i + len(s)] if include else text[:i], True
+    """Grows the text one character at a time and stops at the first stop string to complete."""
+    for end in range(1, len(text) + 1):
+        done = [s for s in stops if s and text[:end].endswith(s)]
+        if done:
+            s = max(done, key=len)
+            return text[:end] if include else text[: end - len(s)], True
+    return text, False
 
 
 def chunked(text: str, cuts: list[int]) -> list[str]:
@@ -22,6 +24,7 @@ def chunked(text: str, cuts: list[int]) -> list[str]:
     return [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
 
 
+@settings(max_examples=500)
 @given(text=st.text(alphabet, max_size=60), stops=st.lists(st.text(alphabet, min_size=1, max_size=4), max_size=3),
        cuts=st.lists(st.integers(0, 100), max_size=20), include=st.booleans())
 def test_any_chunking_matches_one_shot(text, stops, cuts, include):
