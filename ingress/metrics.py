@@ -18,6 +18,7 @@ class _EngineCollector:
         yield GaugeMetricFamily("sluice:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)",
                                 s.get("kv_used_blocks", 0) / total)
         yield GaugeMetricFamily("sluice:kv_cache_used_blocks", "KV blocks in use", s.get("kv_used_blocks", 0))
+        yield GaugeMetricFamily("sluice:kv_cache_total_blocks", "KV blocks in the cache", s.get("kv_total_blocks", 0))
         yield CounterMetricFamily("sluice:num_preemptions", "Preemptions", s.get("num_preemptions", 0))
         yield CounterMetricFamily("sluice:generation_tokens", "Generated tokens", s.get("generated_tokens", 0))
 

@@ -26,7 +26,9 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sluice-e2e-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "sluice.cli", "serve", "--port", str(self.port), "--num-kv-blocks", "2048", *args]
+        if "--kv-cache-memory" not in args:
+            args = ("--num-kv-blocks", "2048", *args)
+        cmd = [sys.executable, "-m", "sluice.cli", "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + startup_timeout
         while True:

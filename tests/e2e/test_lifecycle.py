@@ -54,8 +54,10 @@ def _start_streams(url: str, body: dict, count: int) -> tuple[list, list]:
 
 
 def test_engine_death_fails_in_flight_requests_and_exits_nonzero():
-    server = Server()
+    server = Server("--kv-cache-memory", "64MiB")
     try:
+        # tiny-chat: 2 layers x (K, V) x 16 tokens x 2 heads x 16 dims x 4 bytes = 8 KiB per block
+        assert server.metrics()["sluice:kv_cache_total_blocks"] == (64 << 20) // (8 << 10)
         results, threads = _start_streams(server.url, dict(LONG, max_tokens=4000), 4)
         os.kill(server.stage_pid("engine"), signal.SIGKILL)
         deadline = time.monotonic() + 5
@@ -79,13 +81,17 @@ def test_engine_death_fails_in_flight_requests_and_exits_nonzero():
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_zero():
-    server = Server()
+    server = Server("--served-model-name", "alias-a", "alias-b")
     try:
-        results, threads = _start_streams(server.url, dict(LONG, max_tokens=300), 3)
+        assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == ["alias-a", "alias-b"]
+        wrong = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert wrong.status_code == 404
+        results, threads = _start_streams(server.url, dict(LONG, model="alias-b", max_tokens=300), 3)
         server.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         try:
-            late = httpx.post(server.url + "/v1/chat/completions", json=dict(LONG, stream=False, max_tokens=2), timeout=5)
+            late = httpx.post(server.url + "/v1/chat/completions", json=dict(LONG, model="alias-a", stream=False,
+                                                                             max_tokens=2), timeout=5)
             assert late.status_code == 503 and late.headers["retry-after"]
         except httpx.ConnectError:
             pass  # already past the drain
