@@ -1,16 +1,31 @@
-"""Fixed-size KV blocks: a free list and per-sequence block tables."""
+"""Fixed-size KV blocks: ref counts, block tables, and a prefix cache.
+
+A full block is content-addressed by a hash of its parent block's hash, the
+request's cache salt and its token ids, so a request reuses every cached block
+of its prompt and tenants with different salts share nothing. A block whose
+ref count falls to zero stays cached in an LRU of free blocks until it is
+needed for something else; uncached free blocks are handed out first.
+"""
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
 
 from engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # hash -> block
+        # Free blocks in the order they are handed out: uncached first, then cached ones, least recent first.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
     @property
     def num_free(self) -> int:
@@ -20,21 +35,82 @@ class BlockManager:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
-    def _missing(self, seq: Sequence, num_new_tokens: int) -> int:
-        total = seq.num_computed_tokens + num_new_tokens
-        return max(0, -(-total // self.block_size) - len(seq.block_table))
+    # ---- prefix cache ---------------------------------------------------------
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Whether the cache can hold `num_new_tokens` more of `seq`'s tokens."""
-        return self._missing(seq, num_new_tokens) <= len(self._free)
+    def _hash(self, seq: Sequence, i: int) -> bytes:
+        """Hash of seq's full block i (computed once per sequence, chained from its parent)."""
+        bs = self.block_size
+        while len(seq.block_hashes) <= i:
+            j = len(seq.block_hashes)
+            h = hashlib.blake2b(seq.block_hashes[j - 1] if j else seq.cache_salt.encode(), digest_size=16)
+            h.update(np.asarray(seq.token_ids[j * bs : (j + 1) * bs], dtype=np.int32).tobytes())
+            seq.block_hashes.append(h.digest())
+        return seq.block_hashes[i]
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        missing = self._missing(seq, num_new_tokens)
-        assert missing <= len(self._free), "allocate() without can_allocate()"
-        seq.block_table.extend(self._free.popleft() for _ in range(missing))
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks that hold the start of seq's tokens (never its last token: that one's logits are needed)."""
+        if not self.enable_prefix_caching or seq.block_table or seq.sampling.prompt_logprobs is not None:
+            return []
+        hits = []
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            block = self.cached.get(self._hash(seq, i))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Makes seq's newly computed full blocks reusable by others."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        for i in range(seq.num_registered_blocks, full):
+            h, block = self._hash(seq, i), seq.block_table[i]
+            if self.block_hash[block] is None and h not in self.cached:
+                self.block_hash[block] = h
+                self.cached[h] = block
+        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+
+    # ---- the five verbs -------------------------------------------------------
+
+    def _missing(self, seq: Sequence, num_new_tokens: int, hits: list[int]) -> int:
+        computed = len(hits) * self.block_size if hits else seq.num_computed_tokens
+        have = len(seq.block_table) + len(hits)
+        return max(0, -(-(computed + num_new_tokens) // self.block_size) - have)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> bool:
+        """Whether the cache can hold `num_new_tokens` more of seq's tokens (after the cached `hits`)."""
+        revived = sum(1 for b in hits if self.ref_count[b] == 0)  # cached blocks that sit in the free list
+        return self._missing(seq, num_new_tokens, hits) + revived <= len(self._free)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> None:
+        assert self.can_allocate(seq, num_new_tokens, hits), "allocate() without can_allocate()"
+        missing = self._missing(seq, num_new_tokens, hits)
+        for block in hits:
+            if self.ref_count[block] == 0:
+                del self._free[block]
+            self.ref_count[block] += 1
+            seq.block_table.append(block)
+        if hits:
+            seq.num_computed_tokens = len(hits) * self.block_size
+            seq.num_registered_blocks = len(hits)
+        for _ in range(missing):
+            block, _ = self._free.popitem(last=False)
+            if (h := self.block_hash[block]) is not None:  # evict the least recently used cached block
+                del self.cached[h]
+                self.block_hash[block] = None
+            self.ref_count[block] = 1
+            seq.block_table.append(block)
 
     def deallocate(self, seq: Sequence) -> None:
-        self._free.extend(seq.block_table)
+        # Tail blocks first, so a prefix outlives the blocks that extend it.
+        for block in reversed(seq.block_table):
+            self.ref_count[block] -= 1
+            assert self.ref_count[block] >= 0, "a block was freed twice"
+            if self.ref_count[block] == 0:
+                self._free[block] = None
+                if self.block_hash[block] is None:
+                    self._free.move_to_end(block, last=False)
         seq.block_table = []
         seq.num_computed_tokens = 0
-        assert len(self._free) <= self.num_blocks, "a block was freed twice"
+        seq.num_registered_blocks = 0

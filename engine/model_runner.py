@@ -4,10 +4,26 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dataclasses import dataclass, field
+
 from engine.attention import AttentionGroup, AttentionMetadata
-from engine.sampler import SamplingBatch, sample
+from engine.sampler import SamplingBatch, TokenLogprobs, logprobs_of, sample
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+
+
+@dataclass
+class PromptLogprobChunk:
+    seq: Sequence
+    start: int  # prompt position of the first scored token (>= 1)
+    entries: list[TokenLogprobs]
+
+
+@dataclass
+class StepSamples:
+    tokens: list[int]  # one per sampling sequence, in batch order
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # aligned with tokens
+    prompt_logprobs: list[PromptLogprobChunk] = field(default_factory=list)
 
 
 def kv_block_bytes(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -32,22 +48,42 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Logits [B, V] for the sequences that sample this step, and those sequences."""
+        logits, inputs = self._forward(batch)
+        return logits[inputs["num_prompt_rows"]:], inputs["sampling_seqs"]
+
+    def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, dict]:
         inputs = self._prepare(batch)
         logits = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"],
                             inputs["logits_index"])
-        return logits, inputs["sampling_seqs"]
+        return logits, inputs
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int]:
-        """Runs one step; returns a sampled token for each sequence that samples, in batch order."""
-        logits, sampling_seqs = self.forward(batch)
-        sb = SamplingBatch.build([s.sampling for s in sampling_seqs], [s.seed for s in sampling_seqs],
-                                 [s.num_output_tokens for s in sampling_seqs], self.device)
-        return sample(logits, sb).tolist()
+    def run(self, batch: ScheduledBatch) -> StepSamples:
+        """Runs one step: a sampled token for each sequence that samples, in batch order, and any logprobs."""
+        logits, inputs = self._forward(batch)
+        split = inputs["num_prompt_rows"]
+        prompt_logits, logits = logits[:split], logits[split:]
+        seqs = inputs["sampling_seqs"]
+        tokens = sample(logits, SamplingBatch.for_seqs(seqs, self.device))
+        out = StepSamples(tokens.tolist())
+        want = [r for r, s in enumerate(seqs) if s.sampling.logprobs is not None]
+        if want:
+            rows = torch.tensor(want, device=self.device)
+            k = max(seqs[r].sampling.logprobs for r in want)
+            entries = iter(logprobs_of(logits[rows], tokens[rows], k))
+            out.logprobs = [next(entries) if s.sampling.logprobs is not None else None for s in seqs]
+        offset = 0
+        for seq, start, count in inputs["prompt_rows"]:
+            targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + count], device=self.device)
+            entries = logprobs_of(prompt_logits[offset : offset + count], targets, seq.sampling.prompt_logprobs)
+            out.prompt_logprobs.append(PromptLogprobChunk(seq, start + 1, entries))
+            offset += count
+        return out
 
     def _prepare(self, batch: ScheduledBatch) -> dict:
         bs = self.block_size
         ids, positions, slots, logits_index, sampling_seqs = [], [], [], [], []
+        prompt_index, prompt_rows = [], []  # rows whose logits score the next prompt token
         decode_rows, prefill_rows = [], []  # (seq, flat offset, start, n)
         offset = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
@@ -58,6 +94,10 @@ class ModelRunner:
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
             (decode_rows if n == 1 else prefill_rows).append((seq, offset, start, n))
+            if seq.sampling.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                count = min(start + n, seq.num_prompt_tokens - 1) - start
+                prompt_index.extend(range(offset, offset + count))
+                prompt_rows.append((seq, start, count))
             if batch.samples(i):
                 logits_index.append(offset + n - 1)
                 sampling_seqs.append(seq)
@@ -73,7 +113,9 @@ class ModelRunner:
             "input_ids": torch.tensor([t for chunk in ids for t in chunk], dtype=torch.long, device=dev),
             "positions": torch.from_numpy(np.concatenate(positions)).to(dev),
             "meta": meta,
-            "logits_index": torch.tensor(logits_index, dtype=torch.long, device=dev),
+            "logits_index": torch.tensor(prompt_index + logits_index, dtype=torch.long, device=dev),
+            "num_prompt_rows": len(prompt_index),
+            "prompt_rows": prompt_rows,
             "sampling_seqs": sampling_seqs,
         }
 

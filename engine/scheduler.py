@@ -1,14 +1,16 @@
-"""Continuous batching under a per-step token budget.
+"""Continuous batching under a per-step token budget, by priority.
 
-Each step serves running sequences first (decodes and the next chunks of
-partially computed prompts), then admits waiting ones while the budget, the
-sequence limit and the KV cache allow. When the cache cannot hold a running
-sequence's next tokens, the newest running sequence is preempted: its blocks
-are freed and it is recomputed later from its tokens so far.
+Each step serves running sequences first (decodes, and the next chunks of
+partially computed prompts), then admits waiting ones, in (priority, arrival)
+order, while the budget, the sequence limit and the KV cache allow, reusing
+cached prefix blocks. When the cache cannot hold what a sequence needs, the
+running sequence with the lowest priority (the newest among equals) is
+preempted: its blocks are freed and it is recomputed later, through the prefix
+cache, from its tokens so far.
 """
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -32,6 +34,13 @@ class StepResult:
     finished: list[tuple[Sequence, str]] = field(default_factory=list)
 
 
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of which were found
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int) -> None:
@@ -39,66 +48,84 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: list[Sequence] = []  # sorted by seq.order
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
-        self._by_id: dict[str, Sequence] = {}
+        self.stats = SchedulerStats()
+        self._by_id: dict[str, list[Sequence]] = {}
 
     def __len__(self) -> int:
         return len(self._by_id)
 
     def add(self, seq: Sequence) -> None:
-        assert seq.request_id not in self._by_id, f"duplicate request id {seq.request_id}"
-        self._by_id[seq.request_id] = seq
-        self.waiting.append(seq)
+        group = self._by_id.setdefault(seq.request_id, [])
+        assert all(s.index != seq.index for s in group), f"duplicate request {seq.request_id}/{seq.index}"
+        group.append(seq)
+        bisect.insort(self.waiting, seq, key=_order)
 
-    def abort(self, request_id: str) -> Sequence | None:
-        seq = self._by_id.get(request_id)
-        if seq is not None:
+    def abort(self, request_id: str, choice: int = -1) -> list[Sequence]:
+        group = [s for s in self._by_id.get(request_id, ()) if choice in (-1, s.index)]
+        for seq in group:
             self._finish(seq)
-        return seq
+        return group
+
+    # ---- one step -----------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch | None:
-        budget = self.max_num_batched_tokens
-        seqs, counts = [], []
+        self._step: dict[Sequence, int] = {}  # this step's sequences and their token counts, in order
+        self._budget = self.max_num_batched_tokens
+        self.running.sort(key=_order)
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING or budget == 0:
+            if seq.status is not Status.RUNNING or self._budget == 0:
                 continue
-            n = min(seq.num_uncomputed, budget)
-            if not self._make_room(seq, n):
+            n = min(seq.num_uncomputed, self._budget)
+            if not self._make_room(seq, n, []):
                 continue  # seq itself was preempted
             self.bm.allocate(seq, n)
-            seqs.append(seq)
-            counts.append(n)
-            budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget)
-            if not self.bm.can_allocate(seq, n):
+            self._take(seq, n)
+        i = 0
+        while i < len(self.waiting) and len(self.running) < self.max_num_seqs and self._budget > 0:
+            seq = self.waiting[i]
+            if seq.leader is not None and seq.leader.prefilling() and self.bm.enable_prefix_caching:
+                i += 1  # wait for the leader's prompt to be cached, then reuse it
+                continue
+            hits = self.bm.cached_prefix(seq)
+            n = min(seq.num_tokens - len(hits) * self.bm.block_size, self._budget)
+            if not self._make_room(seq, n, hits):
                 break
-            self.waiting.popleft()
-            self.bm.allocate(seq, n)
+            self.waiting.remove(seq)
+            self.bm.allocate(seq, n, hits)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = len(hits) * self.bm.block_size
+                self.stats.prefix_queries += seq.num_prompt_tokens
+                self.stats.prefix_hits += seq.num_cached_tokens
             seq.status = Status.RUNNING
             self.running.append(seq)
-            seqs.append(seq)
-            counts.append(n)
-            budget -= n
-        return ScheduledBatch(seqs, counts) if seqs else None
+            self._take(seq, n)
+        step, self._step = self._step, {}
+        return ScheduledBatch(list(step), list(step.values())) if step else None
 
-    def _make_room(self, seq: Sequence, n: int) -> bool:
-        while not self.bm.can_allocate(seq, n):
-            victim = self.running[-1]
+    def _make_room(self, seq: Sequence, n: int, hits: list[int]) -> bool:
+        """Preempts lower-priority running sequences until seq fits; False if seq cannot (or was preempted)."""
+        while not self.bm.can_allocate(seq, n, hits):
+            victim = max(self.running, key=_order, default=None)
+            if victim is None or (seq.status is Status.WAITING and victim.order < seq.order):
+                return False
             self._preempt(victim)
+            self._budget += self._step.pop(victim, 0)  # out of this step too, if it was already in
             if victim is seq:
                 return False
         return True
+
+    def _take(self, seq: Sequence, n: int) -> None:
+        self._step[seq] = n
+        self._budget -= n
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.deallocate(seq)
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+        bisect.insort(self.waiting, seq, key=_order)
+        self.stats.num_preemptions += 1
 
     def update(self, batch: ScheduledBatch, sampled: list[int]) -> StepResult:
         """Applies one step: `sampled` holds a token for each sequence that samples, in order."""
@@ -107,6 +134,7 @@ class Scheduler:
         for i, seq in enumerate(batch.seqs):
             samples = batch.samples(i)
             seq.num_computed_tokens += batch.num_new_tokens[i]
+            self.bm.register_full_blocks(seq)
             if not samples:
                 continue
             token = next(it)
@@ -120,7 +148,7 @@ class Scheduler:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         sp = seq.sampling
-        if token in sp.stop_token_ids and seq.num_output_tokens >= sp.min_tokens:
+        if token in sp.stop_token_ids and seq.num_output_tokens > sp.min_tokens:
             return "stop"
         if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
@@ -133,4 +161,11 @@ class Scheduler:
             self.waiting.remove(seq)
         self.bm.deallocate(seq)
         seq.status = Status.FINISHED
-        del self._by_id[seq.request_id]
+        group = self._by_id[seq.request_id]
+        group.remove(seq)
+        if not group:
+            del self._by_id[seq.request_id]
+
+
+def _order(seq: Sequence) -> tuple[int, int]:
+    return seq.order

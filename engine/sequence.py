@@ -1,9 +1,12 @@
-"""A request as the engine sees it."""
+"""A request's choice as the engine sees it: one Sequence per choice."""
 from __future__ import annotations
 
 import enum
+import itertools
 
 from ipc.messages import SamplingParams
+
+_arrivals = itertools.count()
 
 
 class Status(enum.Enum):
@@ -13,13 +16,16 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "shard", "postproc_spec",
-                 "arrival_time", "seed", "status", "block_table", "num_computed_tokens", "num_cached_tokens",
-                 "started")
+    __slots__ = ("request_id", "index", "leader", "token_ids", "num_prompt_tokens", "sampling", "shard",
+                 "postproc_spec", "arrival_time", "seed", "priority", "cache_salt", "order", "status", "block_table",
+                 "block_hashes", "num_registered_blocks", "num_computed_tokens", "num_cached_tokens", "started")
 
     def __init__(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, *, seed: int,
-                 shard: int = 0, postproc_spec: bytes = b"", arrival_time: float = 0.0) -> None:
+                 shard: int = 0, postproc_spec: bytes = b"", arrival_time: float = 0.0, priority: int = 0,
+                 cache_salt: str = "", index: int = 0, leader: "Sequence | None" = None) -> None:
         self.request_id = request_id
+        self.index = index  # the choice this sequence samples
+        self.leader = leader  # choice 0, whose cached prompt the other choices reuse
         self.token_ids = list(prompt_ids)  # prompt, then every generated token
         self.num_prompt_tokens = len(prompt_ids)
         self.sampling = sampling
@@ -27,10 +33,15 @@ class Sequence:
         self.postproc_spec = postproc_spec
         self.arrival_time = arrival_time
         self.seed = seed
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.order = (priority, next(_arrivals))  # admission order; preemption takes the largest
         self.status = Status.WAITING
         self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
-        self.num_cached_tokens = 0
+        self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
         self.started = False  # the postproc shard has been told about it
 
     @property
@@ -44,3 +55,10 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def prefilling(self) -> bool:
+        return self.status is not Status.FINISHED and self.num_computed_tokens < self.num_prompt_tokens

@@ -1,6 +1,7 @@
 """The engine process: one loop of take inputs, schedule, run the model, emit outputs."""
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -8,18 +9,21 @@ import random
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import zmq
 
 from engine.block_manager import BlockManager
 from engine.loader import load_model
-from engine.model_runner import ModelRunner, kv_block_bytes
+from engine.model_runner import ModelRunner, StepSamples, kv_block_bytes
+from engine.sampler import TokenLogprobs
 from engine.scheduler import Scheduler, StepResult
 from engine.sequence import Sequence
-from ipc.messages import (Abort, EngineInput, EngineRequest, PostprocInput, Ready, Started, StepOutputs,
-                          SupervisorInput, bytes_to_ids, ids_to_bytes)
+from ipc.messages import (Abort, EngineInput, EngineRequest, Logprobs, PostprocInput, PromptLogprobs, Ready, Started,
+                          StepOutputs, SupervisorInput, bytes_to_ids, ids_to_bytes)
 from ipc.stats import EngineStats
 from ipc.transport import PullChannel, PushChannel
 from sluice.config import ServerConfig
@@ -27,6 +31,7 @@ from sluice.config import ServerConfig
 log = logging.getLogger("sluice.engine")
 _IDLE_POLL_S = 0.25
 _MAX_EARLY_ABORTS = 10_000
+_CHOICE_SEED_STRIDE = 0x9E3779B97F4A7C15  # choice i of a seeded request samples with its own stream
 
 
 def pick_device(name: str) -> torch.device:
@@ -53,6 +58,28 @@ def num_kv_blocks(cfg: ServerConfig, model: torch.nn.Module, dtype: torch.dtype,
     return budget // kv_block_bytes(model, cfg.block_size, dtype)
 
 
+@dataclass
+class _ShardStep:
+    started: list = field(default_factory=list)
+    request_ids: list = field(default_factory=list)
+    indices: list = field(default_factory=list)
+    tokens: list = field(default_factory=list)
+    finished: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
+
+
+def pack_logprobs(entries: list[TokenLogprobs]) -> Logprobs:
+    k = len(entries[0].top_ids)
+    return Logprobs(
+        logprobs=np.array([e.logprob for e in entries], dtype=np.float32).tobytes(),
+        ranks=ids_to_bytes([e.rank for e in entries]),
+        top_ids=ids_to_bytes([i for e in entries for i in e.top_ids]),
+        top_logprobs=np.array([v for e in entries for v in e.top_logprobs], dtype=np.float32).tobytes(),
+        k=k,
+    )
+
+
 class Outbox:
     """Encodes and sends step outputs on a thread, off the model's critical path."""
 
@@ -62,21 +89,43 @@ class Outbox:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._run, name="engine-outbox", daemon=True).start()
 
-    def emit(self, result: StepResult, aborted: list[Sequence]) -> None:
-        per_shard: dict[int, tuple[list, list, list, list]] = {}
-        for seq, token in result.new_tokens:
-            started, ids, tokens, _ = per_shard.setdefault(seq.shard, ([], [], [], []))
-            if not seq.started:
-                seq.started = True
-                started.append(Started(seq.request_id, seq.postproc_spec, seq.num_prompt_tokens,
-                                       seq.num_cached_tokens))
-            ids.append(seq.request_id)
-            tokens.append(token)
-        finished = result.finished + [(seq, "abort") for seq in aborted if seq.started]
-        for seq, reason in finished:
-            per_shard.setdefault(seq.shard, ([], [], [], []))[3].append((seq.request_id, reason))
-        for shard, (started, ids, tokens, done) in per_shard.items():
-            self._queue.put((shard, StepOutputs(started, ids, ids_to_bytes(tokens), done)))
+    def emit(self, result: StepResult, samples: StepSamples | None, aborted: list[Sequence]) -> None:
+        shards: dict[int, _ShardStep] = {}
+
+        def shard_of(seq: Sequence) -> _ShardStep:
+            out = shards.get(seq.shard)
+            if out is None:
+                out = shards[seq.shard] = _ShardStep()
+            head = seq.leader or seq
+            if not head.started:
+                head.started = True
+                out.started.append(Started(seq.request_id, seq.postproc_spec, seq.num_prompt_tokens,
+                                           seq.num_cached_tokens or 0))
+            return out
+
+        if samples is not None:
+            for chunk in samples.prompt_logprobs:
+                shard_of(chunk.seq).prompt_logprobs.append(
+                    PromptLogprobs(chunk.seq.request_id, chunk.start,
+                                   ids_to_bytes(chunk.seq.token_ids[chunk.start : chunk.start + len(chunk.entries)]),
+                                   pack_logprobs(chunk.entries)))
+            entries = samples.logprobs or [None] * len(samples.tokens)
+            for (seq, token), lp in zip(result.new_tokens, entries):
+                out = shard_of(seq)
+                if lp is not None:
+                    out.logprobs.append((len(out.request_ids), pack_logprobs([lp])))
+                out.request_ids.append(seq.request_id)
+                out.indices.append(seq.index)
+                out.tokens.append(token)
+        for seq, reason in result.finished:
+            shard_of(seq).finished.append((seq.request_id, seq.index, reason))
+        for seq in aborted:
+            if (seq.leader or seq).started:
+                shard_of(seq).finished.append((seq.request_id, seq.index, "abort"))
+        for shard, out in shards.items():
+            self._queue.put((shard, StepOutputs(out.started, out.request_ids, ids_to_bytes(out.indices),
+                                                ids_to_bytes(out.tokens), out.finished, out.logprobs,
+                                                out.prompt_logprobs)))
 
     def _run(self) -> None:
         while True:
@@ -96,7 +145,8 @@ class Engine:
             raise SystemExit(f"the KV cache holds {blocks * cfg.block_size} tokens, less than max_model_len "
                              f"{cfg.max_model_len}: raise --kv-cache-memory / --num-kv-blocks or lower --max-model-len")
         self.runner = ModelRunner(model, blocks, cfg.block_size, dtype, device)
-        self.scheduler = Scheduler(BlockManager(blocks, cfg.block_size), max_num_seqs=cfg.max_num_seqs,
+        self.scheduler = Scheduler(BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching),
+                                   max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=max(cfg.max_num_batched_tokens, 1),
                                    max_model_len=cfg.max_model_len)
         # Aborts that overtook their request (a client gone while it was rendering).
@@ -109,27 +159,33 @@ class Engine:
             if self._early_aborts.pop(msg.request_id, 0) is None:
                 return []
             seed = msg.sampling.seed if msg.sampling.seed is not None else random.getrandbits(63)
-            self.scheduler.add(Sequence(msg.request_id, bytes_to_ids(msg.prompt_token_ids).tolist(), msg.sampling,
-                                        seed=seed, shard=msg.shard, postproc_spec=msg.postproc_spec,
-                                        arrival_time=msg.arrival_time))
+            prompt = bytes_to_ids(msg.prompt_token_ids).tolist()
+            leader = None
+            for index in range(msg.n):
+                seq = Sequence(msg.request_id, prompt, msg.sampling, seed=(seed + index * _CHOICE_SEED_STRIDE) % 2**63,
+                               shard=msg.shard, postproc_spec=msg.postproc_spec, arrival_time=msg.arrival_time,
+                               priority=msg.priority, cache_salt=msg.cache_salt, index=index, leader=leader)
+                leader = leader or seq
+                self.scheduler.add(seq)
             return []
         assert isinstance(msg, Abort)
         aborted = []
-        for rid in msg.request_ids:
-            seq = self.scheduler.abort(rid)
-            if seq is not None:
-                aborted.append(seq)
+        for rid, choice in itertools.zip_longest(msg.request_ids, msg.choices, fillvalue=-1):
+            seqs = self.scheduler.abort(rid, choice)
+            if seqs:
+                aborted += seqs
             else:
                 self._early_aborts[rid] = None
                 if len(self._early_aborts) > _MAX_EARLY_ABORTS:
                     self._early_aborts.popitem(last=False)
         return aborted
 
-    def step(self) -> StepResult | None:
+    def step(self) -> tuple[StepResult, StepSamples | None]:
         batch = self.scheduler.schedule()
         if batch is None:
-            return None
-        return self.scheduler.update(batch, self.runner.run(batch))
+            return StepResult(), None
+        samples = self.runner.run(batch)
+        return self.scheduler.update(batch, samples.tokens), samples
 
 
 def run_engine(cfg: ServerConfig) -> None:
@@ -143,6 +199,7 @@ def run_engine(cfg: ServerConfig) -> None:
     stats.set(kv_total_blocks=sched.bm.num_blocks, alive=1)
     PushChannel[SupervisorInput](ctx, addr.supervisor).put(Ready("engine", 0, os.getpid()))
     steps = tokens = 0
+    step_time = 0.0
     while True:
         if len(sched):
             msgs = inbox.drain()
@@ -150,11 +207,16 @@ def run_engine(cfg: ServerConfig) -> None:
             first = inbox.get(timeout=_IDLE_POLL_S)
             msgs = [first, *inbox.drain()] if first is not None else []
         aborted = [s for m in msgs for s in engine.accept(m)]
-        result = engine.step() or StepResult()
-        if result.new_tokens or result.finished or aborted:
-            outbox.emit(result, aborted)
+        t0 = time.perf_counter()
+        result, samples = engine.step()
+        if samples is not None:
             steps += 1
+            step_time = time.perf_counter() - t0
+        if samples is not None or aborted:
+            outbox.emit(result, samples, aborted)
             tokens += len(result.new_tokens)
+        st = sched.stats
         stats.set(heartbeat=time.time(), num_running=len(sched.running), num_waiting=len(sched.waiting),
-                  kv_used_blocks=sched.bm.num_used, num_steps=steps, num_preemptions=sched.num_preemptions,
-                  generated_tokens=tokens)
+                  kv_used_blocks=sched.bm.num_used, num_steps=steps, num_preemptions=st.num_preemptions,
+                  generated_tokens=tokens, prefix_queries=st.prefix_queries, prefix_hits=st.prefix_hits,
+                  step_time=step_time)

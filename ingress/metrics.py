@@ -20,6 +20,12 @@ class _EngineCollector:
         yield GaugeMetricFamily("sluice:kv_cache_used_blocks", "KV blocks in use", s.get("kv_used_blocks", 0))
         yield GaugeMetricFamily("sluice:kv_cache_total_blocks", "KV blocks in the cache", s.get("kv_total_blocks", 0))
         yield CounterMetricFamily("sluice:num_preemptions", "Preemptions", s.get("num_preemptions", 0))
+        yield CounterMetricFamily("sluice:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  s.get("prefix_queries", 0))
+        yield CounterMetricFamily("sluice:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                  s.get("prefix_hits", 0))
+        yield GaugeMetricFamily("sluice:engine_step_seconds", "Duration of the last engine step",
+                                s.get("step_time", 0))
         yield CounterMetricFamily("sluice:generation_tokens", "Generated tokens", s.get("generated_tokens", 0))
 
 

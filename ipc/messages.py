@@ -29,6 +29,18 @@ class SamplingParams(msgspec.Struct, frozen=True, **_WIRE):
     # ids (unless ignore_eos) and the serving extension's extra stop ids.
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
+    bad_words_ids: list[list[int]] = []
+    allowed_token_ids: list[int] | None = None
+    logprobs: int | None = None  # top-k logprobs per sampled token (0: the sampled token's only)
+    prompt_logprobs: int | None = None
+
+    @property
+    def needs_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 # ---- ingress -> render -------------------------------------------------------
@@ -53,10 +65,14 @@ class EngineRequest(msgspec.Struct, tag=True, **_WIRE):
     shard: int  # the postproc worker that owns this request
     postproc_spec: bytes  # opaque to the engine; forwarded with the first token
     arrival_time: float = 0.0
+    n: int = 1  # choices sampled from the one prompt
+    priority: int = 0  # lower is served first
+    cache_salt: str = ""
 
 
 class Abort(msgspec.Struct, tag=True, **_WIRE):
     request_ids: list[str]
+    choices: list[int] = []  # parallel to request_ids: the one choice to end; empty: every choice
 
 
 EngineInput = EngineRequest | Abort
@@ -71,13 +87,33 @@ class Started(msgspec.Struct, **_WIRE):
     num_cached_tokens: int = 0
 
 
+class Logprobs(msgspec.Struct, **_WIRE):
+    """Raw logprobs of consecutive tokens: the chosen ones, their ranks, and the top-k alternatives."""
+
+    logprobs: bytes  # float32[T]
+    ranks: bytes  # int32[T]
+    top_ids: bytes  # int32[T, k]
+    top_logprobs: bytes  # float32[T, k]
+    k: int
+
+
+class PromptLogprobs(msgspec.Struct, **_WIRE):
+    request_id: str
+    start: int  # prompt position of the first scored token
+    token_ids: bytes  # int32: the prompt tokens scored
+    values: Logprobs
+
+
 class StepOutputs(msgspec.Struct, tag=True, **_WIRE):
     """One engine step's results for the requests one postproc shard owns."""
 
-    started: list[Started]  # requests whose first token is in this step
-    request_ids: list[str]  # requests with one new token each
+    started: list[Started]  # requests with their first output in this step
+    request_ids: list[str]  # one new token each, for choice `indices[i]`
+    indices: bytes  # int32[len(request_ids)]
     token_ids: bytes  # int32[len(request_ids)]
-    finished: list[tuple[str, str]]  # (request_id, "stop" | "length" | "abort")
+    finished: list[tuple[str, int, str]]  # (request_id, choice, "stop" | "length" | "abort"); abort: choice -1
+    logprobs: list[tuple[int, Logprobs]] = []  # (position in request_ids, logprobs of that token)
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 PostprocInput = StepOutputs
@@ -137,3 +173,8 @@ class PostprocSpec(msgspec.Struct, **_WIRE):
     stop: list[str] = []
     output_mode: str = "text"  # "text" | "tokens"
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    logprobs: bool = False  # report the sampled tokens' logprobs
+    echo: str = ""  # text that starts each completion (completions' echo)
+    prompt_token_ids_b64: str | None = None  # returned in the response when asked for

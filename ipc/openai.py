@@ -67,6 +67,10 @@ class Tool(msgspec.Struct, kw_only=True):
     function: FunctionDef
 
 
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
+
+
 class _Sampling(msgspec.Struct, **_STRICT):
     """Fields shared by chat and completions."""
 
@@ -83,7 +87,20 @@ class _Sampling(msgspec.Struct, **_STRICT):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
-    n: Annotated[int, Meta(ge=1, le=1)] = 1
+    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    prompt_logprobs: TopLogprobs | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    prompt_token_ids_b64: str | None = None
+    return_prompt_token_ids_b64: bool = False
 
 
 class ChatCompletionRequest(_Sampling, **_STRICT):
@@ -93,20 +110,63 @@ class ChatCompletionRequest(_Sampling, **_STRICT):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto"] | None = None
     add_generation_prompt: bool = True
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None
+    prompt_token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
 
 
 class CompletionRequest(_Sampling, **_STRICT):
     # A string, token ids, or a one-element list of either (the render pool checks the shape).
     prompt: str | Annotated[list[Any], Meta(min_length=1)] = ""
     max_tokens: PositiveInt | None = 16
+    logprobs: TopLogprobs | None = None
+    echo: bool = False
 
 
 # ---- responses ---------------------------------------------------------------
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int
+
 
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[TokenLogprob]
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct):
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobList = list[dict[str, PromptLogprob] | None]
 
 
 class ResponseMessage(msgspec.Struct):
@@ -118,7 +178,7 @@ class ChatChoice(msgspec.Struct):
     index: int
     message: ResponseMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(msgspec.Struct):
@@ -128,6 +188,8 @@ class ChatCompletion(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    prompt_logprobs: PromptLogprobList | None = None
+    prompt_token_ids_b64: str | None = None
 
 
 class Delta(msgspec.Struct, omit_defaults=True):
@@ -139,7 +201,7 @@ class ChunkChoice(msgspec.Struct):
     index: int
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -149,13 +211,16 @@ class ChatCompletionChunk(msgspec.Struct):
     choices: list[ChunkChoice]
     usage: Usage | None = None
     object: str = "chat.completion.chunk"
+    prompt_logprobs: PromptLogprobList | None = None
+    prompt_token_ids_b64: str | None = None
 
 
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobList | None = None
 
 
 class Completion(msgspec.Struct):
@@ -165,6 +230,7 @@ class Completion(msgspec.Struct):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     object: str = "text_completion"
+    prompt_token_ids_b64: str | None = None
 
 
 class ModelCard(msgspec.Struct):

@@ -1,63 +1,130 @@
 """OpenAI chat / completions output for one request: SSE frames or one body."""
 from __future__ import annotations
 
-import msgspec
+from typing import Callable
 
-from ipc.messages import PostprocSpec
-from ipc.openai import (ChatChoice, ChatCompletion, ChatCompletionChunk, ChunkChoice, Completion,
-                        CompletionChoice, Delta, ResponseMessage, Usage)
+import msgspec
+import numpy as np
+
+from ipc.messages import Logprobs, PostprocSpec
+from ipc.openai import (ChatChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs, ChunkChoice, Completion,
+                        CompletionChoice, CompletionLogprobs, Delta, PromptLogprob, PromptTokensDetails,
+                        ResponseMessage, TokenLogprob, TopLogprob, Usage)
 
 _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
+TokenText = Callable[[int], str]
 
 
 def sse(obj) -> bytes:
     return b"data: " + _json.encode(obj) + b"\n\n"
 
 
+def unpack(lp: Logprobs) -> list[tuple[float, int, list[int], list[float]]]:
+    """(logprob, rank, top ids, top logprobs) per token."""
+    values = np.frombuffer(lp.logprobs, dtype=np.float32).tolist()
+    ranks = np.frombuffer(lp.ranks, dtype="<i4").tolist()
+    top_ids = np.frombuffer(lp.top_ids, dtype="<i4").reshape(len(values), lp.k).tolist()
+    top_lps = np.frombuffer(lp.top_logprobs, dtype=np.float32).reshape(len(values), lp.k).tolist()
+    return list(zip(values, ranks, top_ids, top_lps))
+
+
 class OpenAIFramer:
-    def __init__(self, spec: PostprocSpec, num_prompt_tokens: int) -> None:
+    def __init__(self, spec: PostprocSpec, num_prompt_tokens: int, num_cached_tokens: int, text_of: TokenText) -> None:
         self.spec = spec
         self.num_prompt_tokens = num_prompt_tokens
+        self.num_cached_tokens = num_cached_tokens
+        self.text_of = text_of
         self._chat = spec.endpoint == "chat"
-        self._sent_role = False
-        self._parts: list[str] = []
+        self._opened = [False] * spec.n  # a choice's first chunk went out
+        self._parts: list[list[str]] = [[] for _ in range(spec.n)]
+        self._logprobs: list[list[tuple[int, tuple]]] = [[] for _ in range(spec.n)]
+        self._finish: list[str | None] = [None] * spec.n
+        self.prompt_logprobs: list | None = None
 
     def usage(self, completion_tokens: int) -> Usage:
-        return Usage(self.num_prompt_tokens, completion_tokens, self.num_prompt_tokens + completion_tokens)
+        p = self.num_prompt_tokens
+        return Usage(p, completion_tokens, p + completion_tokens, PromptTokensDetails(self.num_cached_tokens))
 
-    def stream(self, text: str, finish_reason: str | None, completion_tokens: int) -> bytes:
-        """SSE bytes for this step (empty when there is nothing to say)."""
+    # ---- streaming -------------------------------------------------------------
+
+    def chunk(self, index: int, text: str, finish_reason: str | None, logprobs: list[tuple[int, tuple]]) -> bytes:
+        """SSE bytes for one choice this step (empty when there is nothing to say)."""
         out = b""
-        if self._chat and not self._sent_role:
-            self._sent_role = True
-            out += sse(self._chunk(Delta(role="assistant", content=""), None))
-        if text or finish_reason:
-            out += sse(self._chunk(Delta(content=text) if self._chat else text, finish_reason))
-        if finish_reason:
-            if self.spec.include_usage:
-                out += sse(self._envelope([], self.usage(completion_tokens)))
-            out += DONE
+        if not self._opened[index]:
+            self._opened[index] = True
+            if self._chat:
+                out += sse(self._envelope([ChunkChoice(index, Delta(role="assistant", content=""))], first=True))
+            text = self.spec.echo + text
+        if text or finish_reason or logprobs:
+            lp = self._format_logprobs(logprobs, offset=0) if logprobs else None
+            choice = (ChunkChoice(index, Delta(content=text), finish_reason, lp) if self._chat
+                      else CompletionChoice(index, text, finish_reason, lp))
+            out += sse(self._envelope([choice], first=not self._chat and len(out) == 0 and bool(text)))
         return out
 
-    def add(self, text: str) -> None:
-        self._parts.append(text)
+    def end(self, completion_tokens: int) -> bytes:
+        usage = sse(self._envelope([], usage=self.usage(completion_tokens))) if self.spec.include_usage else b""
+        return usage + DONE
 
-    def body(self, finish_reason: str, completion_tokens: int) -> bytes:
-        s, text = self.spec, "".join(self._parts)
-        usage = self.usage(completion_tokens)
-        if self._chat:
-            choice = ChatChoice(0, ResponseMessage(text), finish_reason)
-            return _json.encode(ChatCompletion(s.request_id, s.created, s.model, [choice], usage))
-        return _json.encode(Completion(s.request_id, s.created, s.model, [CompletionChoice(0, text, finish_reason)],
-                                       usage))
+    # ---- one body --------------------------------------------------------------
 
-    def _chunk(self, delta, finish_reason: str | None):
-        if self._chat:
-            return self._envelope([ChunkChoice(0, delta, finish_reason)], None)
-        return self._envelope([CompletionChoice(0, delta, finish_reason)], None)
+    def add(self, index: int, text: str, logprobs: list[tuple[int, tuple]], finish_reason: str | None) -> None:
+        self._parts[index].append(text)
+        self._logprobs[index] += logprobs
+        if finish_reason:
+            self._finish[index] = finish_reason
 
-    def _envelope(self, choices: list, usage: Usage | None):
+    def body(self, completion_tokens: int) -> bytes:
         s = self.spec
-        cls = ChatCompletionChunk if self._chat else Completion
-        return cls(s.request_id, s.created, s.model, choices, usage)
+        usage = self.usage(completion_tokens)
+        texts = ["".join(p) for p in self._parts]
+        if self._chat:
+            choices = [ChatChoice(i, ResponseMessage(t), self._finish[i], self._lp(i, 0)) for i, t in enumerate(texts)]
+            return _json.encode(ChatCompletion(s.request_id, s.created, s.model, choices, usage,
+                                               prompt_logprobs=self.prompt_logprobs,
+                                               prompt_token_ids_b64=s.prompt_token_ids_b64))
+        choices = [CompletionChoice(i, s.echo + t, self._finish[i], self._lp(i, len(s.echo)), self.prompt_logprobs)
+                   for i, t in enumerate(texts)]
+        return _json.encode(Completion(s.request_id, s.created, s.model, choices, usage,
+                                       prompt_token_ids_b64=s.prompt_token_ids_b64))
+
+    # ---- pieces ----------------------------------------------------------------
+
+    def add_prompt_logprobs(self, start: int, prompt_ids: list[int], entries: list[tuple]) -> None:
+        """entries score prompt positions start, start+1, ...; position 0 has nothing to score."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+        assert len(self.prompt_logprobs) == start, "prompt logprob chunks out of order"
+        for token, (lp, rank, top_ids, top_lps) in zip(prompt_ids, entries):
+            scored = {str(t): PromptLogprob(v, i + 1, self.text_of(t)) for i, (t, v) in enumerate(zip(top_ids, top_lps))}
+            scored[str(token)] = PromptLogprob(lp, rank, self.text_of(token))
+            self.prompt_logprobs.append(scored)
+
+    def _lp(self, index: int, offset: int):
+        return self._format_logprobs(self._logprobs[index], offset) if self.spec.logprobs else None
+
+    def _format_logprobs(self, entries: list[tuple[int, tuple]], offset: int):
+        text = self.text_of
+        if self._chat:
+            return ChatLogprobs([
+                TokenLogprob(text(tok), lp, list(text(tok).encode()),
+                             [TopLogprob(text(t), v, list(text(t).encode())) for t, v in zip(top_ids, top_lps)])
+                for tok, (lp, _, top_ids, top_lps) in entries])
+        tokens = [text(tok) for tok, _ in entries]
+        offsets = np.cumsum([offset] + [len(t) for t in tokens[:-1]]).tolist() if tokens else []
+        return CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[lp for _, (lp, *_) in entries],
+            top_logprobs=[{text(t): v for t, v in zip(top_ids, top_lps)} for _, (_, _, top_ids, top_lps) in entries],
+            text_offset=offsets,
+        )
+
+    def _envelope(self, choices: list, usage: Usage | None = None, first: bool = False):
+        s = self.spec
+        extra = {"prompt_token_ids_b64": s.prompt_token_ids_b64} if first else {}
+        if self._chat:
+            if first:
+                extra["prompt_logprobs"] = self.prompt_logprobs
+            return ChatCompletionChunk(s.request_id, s.created, s.model, choices, usage, **extra)
+        return Completion(s.request_id, s.created, s.model, choices, usage, **extra)

@@ -9,9 +9,10 @@ import msgspec
 import zmq
 from tokenizers import Tokenizer
 
-from ipc.messages import (Abort, EngineInput, Frames, IngressInput, PostprocInput, PostprocSpec, Ready,
+from ipc.messages import (Abort, EngineInput, Frame, Frames, IngressInput, PostprocInput, PostprocSpec, Ready,
                           StepOutputs, SupervisorInput, bytes_to_ids)
 from ipc.transport import PullChannel, PushChannel, PushPool
+from postproc.openai_frames import unpack
 from postproc.request import RequestOutput
 from sluice.config import ServerConfig
 
@@ -22,30 +23,54 @@ class Shard:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestOutput] = {}
+        self._token_text: dict[int, str] = {}
 
-    def on_step(self, msg: StepOutputs) -> tuple[dict[str, list], list[str]]:
-        """Frames per ingress address, and the requests a stop string ended (to abort in the engine)."""
+    def text_of(self, token: int) -> str:
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text
+
+    def on_step(self, msg: StepOutputs) -> tuple[dict[str, list[Frame]], Abort | None]:
+        """Frames per ingress address, and the choices that stop strings ended (to abort in the engine)."""
         for s in msg.started:
-            spec = _spec_decoder.decode(s.postproc_spec)
-            self.requests[s.request_id] = RequestOutput(spec, self.tokenizer, s.num_prompt_tokens)
-        finished = dict(msg.finished)
-        out: dict[str, list] = defaultdict(list)
-        stopped: list[str] = []
-        for rid, token in zip(msg.request_ids, bytes_to_ids(msg.token_ids).tolist()):
+            self.requests[s.request_id] = RequestOutput(_spec_decoder.decode(s.postproc_spec), self.tokenizer, s,
+                                                        self.text_of)
+        for chunk in msg.prompt_logprobs:
+            req = self.requests.get(chunk.request_id)
+            if req is not None:
+                req.framer.add_prompt_logprobs(chunk.start, bytes_to_ids(chunk.token_ids).tolist(),
+                                               unpack(chunk.values))
+        verdicts = {(rid, i): reason for rid, i, reason in msg.finished}
+        logprobs = {pos: unpack(lp)[0] for pos, lp in msg.logprobs}
+        data: dict[str, bytearray] = defaultdict(bytearray)
+        touched: dict[str, RequestOutput] = {}
+        stop_ids, stop_choices = [], []
+        indices = bytes_to_ids(msg.indices).tolist()
+        for pos, (rid, index, token) in enumerate(zip(msg.request_ids, indices, bytes_to_ids(msg.token_ids).tolist())):
             req = self.requests.get(rid)
-            if req is None:  # a token already in flight when a stop string ended the request
+            if req is None:
                 continue
-            frame = req.on_token(token, finished.get(rid))
-            if frame is not None:
-                out[req.spec.reply_to].append(frame)
-                if frame.done:
-                    del self.requests[rid]
-                    if req.stopped_by_string and rid not in finished:
-                        stopped.append(rid)
-        for rid, reason in msg.finished:
-            if reason == "abort":  # the ingress asked for it: nobody is listening
-                self.requests.pop(rid, None)
-        return out, stopped
+            verdict = verdicts.get((rid, index))
+            data[rid] += req.on_token(index, token, verdict, logprobs.get(pos))
+            touched[rid] = req
+            if verdict is None and req.choices[index].stops.stopped:
+                stop_ids.append(rid)
+                stop_choices.append(index)
+        for (rid, index), reason in verdicts.items():
+            req = self.requests.get(rid)
+            if reason == "abort" and req is not None:  # the ingress asked for it: nobody is listening
+                del self.requests[rid]
+                touched.pop(rid, None)
+        out: dict[str, list[Frame]] = defaultdict(list)
+        for rid, req in touched.items():
+            if req.done:
+                del self.requests[rid]
+                final = req.final()
+                out[req.spec.reply_to].append(Frame(rid, bytes(data[rid]) + final.data, True))
+            elif data[rid]:
+                out[req.spec.reply_to].append(Frame(rid, bytes(data[rid])))
+        return out, Abort(stop_ids, stop_choices) if stop_ids else None
 
 
 def run_postproc(cfg: ServerConfig, index: int) -> None:
@@ -57,8 +82,8 @@ def run_postproc(cfg: ServerConfig, index: int) -> None:
     replies: PushPool[IngressInput] = PushPool(ctx, **cfg.bulk())
     PushChannel[SupervisorInput](ctx, addr.supervisor).put(Ready("postproc", index, os.getpid()))
     while True:
-        out, stopped = shard.on_step(inbox.get())
-        if stopped:
-            engine.put(Abort(stopped))
+        out, abort = shard.on_step(inbox.get())
+        if abort is not None:
+            engine.put(abort)
         for address, frames in out.items():
             replies.get(address).put(Frames(frames))

@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=_positive, default=256)
     s.add_argument("--max-num-batched-tokens", type=_positive, default=2048, help="token budget of one step")
     s.add_argument("--block-size", type=_positive, default=16)
+    s.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not reuse the KV blocks of earlier prompts")
     s.add_argument("--num-kv-blocks", type=_positive, help="KV cache size in blocks (overrides --kv-cache-memory)")
     s.add_argument("--kv-cache-memory", type=parse_size,
                    help="KV cache size in bytes, e.g. 2GiB (default 1GiB on CPU, 85%% of free memory on CUDA)")
@@ -66,6 +68,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
+        enable_prefix_caching=args.prefix_caching,
         num_kv_blocks=args.num_kv_blocks or 0,
         kv_cache_memory=args.kv_cache_memory or 0,
         dtype=args.dtype,

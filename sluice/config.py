@@ -24,6 +24,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     block_size: int = 16
+    enable_prefix_caching: bool = True
     num_kv_blocks: int = 0  # 0: derived from kv_cache_memory
     kv_cache_memory: int = 0  # bytes; 0: 1 GiB on CPU, 85% of free memory on CUDA
     dtype: str = "auto"

@@ -90,14 +90,17 @@ def test_stop_strings(client):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == text[: text.index(stop)]
 
 
-def test_stop_token_ids_and_min_tokens(client):
+def test_stop_token_ids_min_tokens_and_logit_bias(client):
     every_id = list(range(700))
-    kw = dict(model=MODEL, prompt="hello there", max_tokens=10, extra_body={"stop_token_ids": every_id})
-    r = client.completions.create(**kw)
-    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
     r = client.completions.create(model=MODEL, prompt="hello there", max_tokens=10,
-                                  extra_body={"stop_token_ids": every_id, "min_tokens": 4})
-    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 4
+                                  extra_body={"stop_token_ids": every_id})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
+    # Token 5 is forced by the bias, so it is the first token unless min_tokens masks it.
+    kw = dict(model=MODEL, prompt="hello there", max_tokens=10, temperature=0, logit_bias={"5": 100})
+    r = client.completions.create(extra_body={"stop_token_ids": [5]}, **kw)
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("stop", 1)
+    r = client.completions.create(extra_body={"stop_token_ids": [5], "min_tokens": 4}, **kw)
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("stop", 5)
 
 
 def _error(response: httpx.Response) -> dict:

@@ -11,16 +11,17 @@ from engine.sequence import Sequence
 from ipc.messages import SamplingParams
 
 
-def make_engine(path, *, num_blocks=256, block_size=16, budget=2048, max_num_seqs=64, max_model_len=4096):
+def make_engine(path, *, num_blocks=256, block_size=16, budget=2048, max_num_seqs=64, max_model_len=4096,
+                prefix_caching=True):
     model = load_model(path, torch.float32, torch.device("cpu"))
     runner = ModelRunner(model, num_blocks, block_size, torch.float32, torch.device("cpu"))
-    sched = Scheduler(BlockManager(num_blocks, block_size), max_num_seqs=max_num_seqs,
+    sched = Scheduler(BlockManager(num_blocks, block_size, prefix_caching), max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=budget, max_model_len=max_model_len)
     return runner, sched
 
 
-def seq(rid: str, prompt: list[int], max_tokens: int = 8, seed: int = 0, **kw) -> Sequence:
-    return Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens, **kw), seed=seed)
+def seq(rid: str, prompt: list[int], max_tokens: int = 8, seed: int = 0, priority: int = 0, **kw) -> Sequence:
+    return Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens, **kw), seed=seed, priority=priority)
 
 
 def generate(runner: ModelRunner, sched: Scheduler, seqs: list[Sequence], max_steps: int = 10_000) -> dict:
@@ -32,7 +33,7 @@ def generate(runner: ModelRunner, sched: Scheduler, seqs: list[Sequence], max_st
         batch = sched.schedule()
         if batch is None:
             break
-        for s, tok in sched.update(batch, runner.run(batch)).new_tokens:
+        for s, tok in sched.update(batch, runner.run(batch).tokens).new_tokens:
             out[s.request_id].append(tok)
     assert len(sched) == 0, "sequences left unfinished"
     return out

@@ -60,3 +60,36 @@ def test_greedy_equals_transformers_generate(checkpoint):
     for i, p in enumerate(PROMPTS):
         ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert out[f"r{i}"] == ref[0, len(p):].tolist()
+
+
+def test_a_prefix_cached_prompt_gives_the_same_logits(checkpoint):
+    path, hf = checkpoint
+    runner, sched = make_engine(path, block_size=8)
+    prompt = PROMPTS[2]  # 36 tokens: 4 full blocks can be reused
+    generate(runner, sched, [seq("first", prompt, max_tokens=1, temperature=0.0)])
+    second = seq("second", prompt, max_tokens=1, temperature=0.0)
+    sched.add(second)
+    batch = sched.schedule()
+    assert second.num_cached_tokens == 32 and batch.num_new_tokens == [4]
+    logits, _ = runner.forward(batch)
+    torch.testing.assert_close(logits[0], _hf_last_logits(hf, prompt), rtol=1e-4, atol=1e-4)
+
+
+def test_prompt_logprobs_match_transformers_through_chunks(checkpoint):
+    path, hf = checkpoint
+    runner, sched = make_engine(path, budget=16, block_size=8)
+    prompt = PROMPTS[1]
+    sched.add(seq("p", prompt, max_tokens=1, prompt_logprobs=2))
+    chunks = []
+    while (batch := sched.schedule()) is not None:
+        samples = runner.run(batch)
+        chunks += samples.prompt_logprobs
+        sched.update(batch, samples.tokens)
+    assert [c.start for c in chunks] == [1, 17, 33]  # positions 0-15 score tokens 1-16, ...
+    got = [e.logprob for c in chunks for e in c.entries]
+    with torch.no_grad():
+        lp = hf(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+    want = lp.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(torch.tensor(got), want, rtol=1e-4, atol=1e-4)
+    top = [e.top_ids for c in chunks for e in c.entries]
+    assert top == lp.topk(2, dim=-1).indices.tolist()

@@ -75,7 +75,7 @@ def test_stop_tokens_min_tokens_and_length():
     sched.add(seq("len", [1] * 3, max_tokens=5))
     finished = {}
     run(sched, on_step=lambda i, r: finished.update({s.request_id: (why, s.num_output_tokens) for s, why in r.finished}))
-    assert finished == {"stops": ("stop", 1), "min": ("stop", 4), "len": ("length", 5)}
+    assert finished == {"stops": ("stop", 1), "min": ("stop", 5), "len": ("length", 5)}
 
 
 def test_max_model_len_ends_with_length():
@@ -91,8 +91,8 @@ def test_abort_frees_blocks_waiting_and_running():
     sched.add(seq("wait", [1] * 8, max_tokens=100))
     batch = sched.schedule()
     sched.update(batch, [7])
-    assert sched.abort("wait") is not None and sched.abort("run") is not None
-    assert sched.abort("missing") is None
+    assert sched.abort("wait") and sched.abort("run")
+    assert sched.abort("missing") == []
     assert sched.bm.num_free == sched.bm.num_blocks and len(sched) == 0 and sched.schedule() is None
 
 
@@ -102,7 +102,7 @@ def test_preemption_recomputes_and_completes_everything():
     for i in range(3):
         sched.add(seq(f"s{i}", [1] * 4, max_tokens=8))
     outputs, steps = run(sched)
-    assert sched.num_preemptions > 0
+    assert sched.stats.num_preemptions > 0
     assert all(len(outputs[f"s{i}"]) == 8 for i in range(3))
     assert sched.bm.num_free == 6
 
@@ -127,3 +127,65 @@ def test_every_request_completes_and_frees_everything(prompts, max_tokens, num_b
     outputs, _ = run(sched)
     assert {k: len(v) for k, v in outputs.items()} == {f"r{i}": max_tokens for i in range(len(prompts))}
     assert sched.bm.num_free == num_blocks and len(sched) == 0
+
+
+def test_priority_orders_admission():
+    sched = make(max_num_seqs=1)
+    sched.add(seq("late-low", [1] * 4, max_tokens=1, priority=5))
+    sched.add(seq("high", [1] * 4, max_tokens=1, priority=-1))
+    sched.add(seq("normal", [1] * 4, max_tokens=1))
+    _, steps = run(sched)
+    assert [s[0][0] for s in steps] == ["high", "normal", "late-low"]
+
+
+def test_preemption_takes_the_lowest_priority_first():
+    # 4 blocks of 4 tokens; two sequences that each grow to 8 tokens cannot both stay.
+    sched = make(num_blocks=3, block_size=4, budget=64)
+    important = seq("important", [1] * 3, max_tokens=5, priority=-1)
+    casual = seq("casual", [1] * 3, max_tokens=5, priority=1)
+    sched.add(casual)
+    sched.add(important)
+    preempted = []
+    orig = sched._preempt
+    sched._preempt = lambda s: (preempted.append(s.request_id), orig(s))
+    outputs, _ = run(sched)
+    assert preempted and set(preempted) == {"casual"}
+    assert len(outputs["important"]) == 5 and len(outputs["casual"]) == 5
+
+
+def test_a_waiting_high_priority_request_preempts_a_running_low_one():
+    sched = make(num_blocks=2, block_size=4, budget=64)
+    sched.add(seq("low", [1] * 6, max_tokens=2, priority=9))
+    batch = sched.schedule()
+    sched.update(batch, [7])
+    sched.add(seq("urgent", [1] * 6, max_tokens=2, priority=0))
+    batch = sched.schedule()
+    assert [s.request_id for s in batch.seqs] == ["urgent"] and sched.waiting[0].request_id == "low"
+
+
+def test_prefix_cache_hits_salts_and_choice_deferral():
+    sched = make(num_blocks=64, block_size=4, budget=64)
+    prompt = list(range(10, 30))  # 20 tokens: 4 full blocks reusable (the last token is always computed)
+    first = seq("a", prompt, max_tokens=2)
+    sched.add(first)
+    run(sched)
+    assert first.num_cached_tokens == 0
+    again = seq("b", prompt + [99], max_tokens=2)
+    salted = seq("c", prompt, max_tokens=2)
+    salted.cache_salt = "tenant"
+    sched.add(again)
+    sched.add(salted)
+    run(sched)
+    assert again.num_cached_tokens == 20 and salted.num_cached_tokens == 0
+    assert sched.stats.prefix_hits == 20 and sched.stats.prefix_queries == 20 + 21 + 20
+
+    leader = seq("n", list(range(50, 70)), max_tokens=2)
+    child = seq("n", list(range(50, 70)), max_tokens=2)
+    child.index, child.leader = 1, leader
+    sched.add(leader)
+    sched.add(child)
+    batch = sched.schedule()
+    assert [s.index for s in batch.seqs] == [0]  # the child waits for the leader's prompt to be cached
+    sched.update(batch, [7])
+    batch = sched.schedule()
+    assert child in batch.seqs and child.num_cached_tokens == 16

@@ -8,15 +8,18 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ipc.messages import (Abort, EngineInput, EngineRequest, Frame, Frames, IngressInput, SamplingParams, Started,
-                          StepOutputs, bytes_to_ids, ids_to_bytes)
+from ipc.messages import (Abort, EngineInput, EngineRequest, Frame, Frames, IngressInput, Logprobs, SamplingParams,
+                          Started, StepOutputs, bytes_to_ids, ids_to_bytes)
 from ipc.shm import ShmRingReader, ShmRingWriter
 from ipc.transport import PullChannel, PushChannel
 
 ids = st.lists(st.integers(0, 2**31 - 1), max_size=300)
 sampling = st.builds(SamplingParams, max_tokens=st.integers(1, 10**6), temperature=st.floats(0, 2),
                      top_p=st.floats(0.01, 1), top_k=st.integers(0, 100), seed=st.none() | st.integers(0, 2**63 - 1),
-                     stop_token_ids=st.lists(st.integers(0, 10**6), max_size=4).map(tuple))
+                     stop_token_ids=st.lists(st.integers(0, 10**6), max_size=4).map(tuple),
+                     logit_bias=st.dictionaries(st.integers(0, 10**6), st.floats(-100, 100), max_size=3),
+                     bad_words_ids=st.lists(st.lists(st.integers(0, 10**6), min_size=1, max_size=3), max_size=2),
+                     logprobs=st.none() | st.integers(0, 20))
 engine_requests = st.builds(EngineRequest, request_id=st.text(max_size=40), prompt_token_ids=ids.map(ids_to_bytes),
                             sampling=sampling, shard=st.integers(0, 16), postproc_spec=st.binary(max_size=64))
 step_outputs = st.builds(
@@ -24,12 +27,18 @@ step_outputs = st.builds(
     started=st.lists(st.builds(Started, request_id=st.text(max_size=10), postproc_spec=st.binary(max_size=20),
                                num_prompt_tokens=st.integers(0, 10**6)), max_size=3),
     request_ids=st.lists(st.text(max_size=10), max_size=5),
+    indices=ids.map(ids_to_bytes),
     token_ids=ids.map(ids_to_bytes),
-    finished=st.lists(st.tuples(st.text(max_size=10), st.sampled_from(["stop", "length", "abort"])), max_size=3),
+    finished=st.lists(st.tuples(st.text(max_size=10), st.integers(-1, 8), st.sampled_from(["stop", "length", "abort"])),
+                      max_size=3),
+    logprobs=st.lists(st.tuples(st.integers(0, 5), st.builds(Logprobs, st.binary(max_size=8), st.binary(max_size=8),
+                                                              st.binary(max_size=8), st.binary(max_size=8),
+                                                              st.integers(0, 20))), max_size=2),
 )
 
 
-@given(msg=engine_requests | st.builds(Abort, st.lists(st.text(max_size=20), max_size=5)))
+@given(msg=engine_requests | st.builds(Abort, st.lists(st.text(max_size=20), max_size=5),
+                                      st.lists(st.integers(-1, 9), max_size=5)))
 def test_engine_messages_round_trip(msg):
     data = msgspec.msgpack.encode(msg)
     assert msgspec.msgpack.decode(data, type=EngineInput) == msg

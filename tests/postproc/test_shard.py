@@ -19,7 +19,7 @@ def shard(tiny_chat_dir):
 def start(shard, rid, **spec):
     spec = PostprocSpec(request_id=rid, endpoint=spec.pop("endpoint", "chat"), model="m", created=1,
                         reply_to="ipc://r", **spec)
-    return Started(rid, msgspec.msgpack.encode(spec), num_prompt_tokens=5)
+    return Started(rid, msgspec.msgpack.encode(spec), num_prompt_tokens=5, num_cached_tokens=2)
 
 
 def feed(shard, text, rid="r1", started=None, final="length", eos=None):
@@ -28,11 +28,11 @@ def feed(shard, text, rid="r1", started=None, final="length", eos=None):
     data, stopped = [], []
     for i, tok in enumerate(ids):
         last = i == len(ids) - 1
-        msg = StepOutputs([started] if (i == 0 and started) else [], [rid], ids_to_bytes([tok]),
-                          [(rid, "stop" if eos is not None else final)] if last else [])
-        out, stop = shard.on_step(msg)
+        msg = StepOutputs([started] if (i == 0 and started) else [], [rid], ids_to_bytes([0]), ids_to_bytes([tok]),
+                          [(rid, 0, "stop" if eos is not None else final)] if last else [])
+        out, abort = shard.on_step(msg)
         data += [f.data for f in out.get("ipc://r", [])]
-        stopped += stop
+        stopped += abort.request_ids if abort else []
     return data, stopped
 
 
@@ -49,8 +49,8 @@ def test_streaming_chat_frames_and_usage(shard):
     assert text == "Hello world"
     assert events[-3]["choices"][0]["finish_reason"] == "length"
     n = len(shard.tokenizer.encode("Hello world", add_special_tokens=False).ids)
-    assert events[-2]["choices"] == [] and events[-2]["usage"] == {"prompt_tokens": 5, "completion_tokens": n,
-                                                                   "total_tokens": 5 + n}
+    assert events[-2]["choices"] == [] and events[-2]["usage"] == {
+        "prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n, "prompt_tokens_details": {"cached_tokens": 2}}
     assert events[-1] == "[DONE]" and shard.requests == {}
 
 
@@ -69,11 +69,11 @@ def test_stop_string_ends_the_request_and_asks_for_an_abort(shard):
     body = json.loads(data[-1])
     assert body["choices"][0]["text"] == "The river " and body["choices"][0]["finish_reason"] == "stop"
     assert stopped == ["r1"] and shard.requests == {}
-    out, _ = shard.on_step(StepOutputs([], ["r1"], ids_to_bytes([5]), [("r1", "abort")]))  # late token: ignored
+    out, _ = shard.on_step(StepOutputs([], ["r1"], ids_to_bytes([0]), ids_to_bytes([5]), [("r1", 0, "abort")]))
     assert out == {}
 
 
 def test_abort_drops_state_silently(shard):
-    shard.on_step(StepOutputs([start(shard, "r1", stream=True)], ["r1"], ids_to_bytes([50]), []))
-    out, _ = shard.on_step(StepOutputs([], [], b"", [("r1", "abort")]))
+    shard.on_step(StepOutputs([start(shard, "r1", stream=True)], ["r1"], ids_to_bytes([0]), ids_to_bytes([50]), []))
+    out, _ = shard.on_step(StepOutputs([], [], b"", b"", [("r1", 0, "abort")]))
     assert out == {} and shard.requests == {}
