@@ -117,7 +117,7 @@ def _error(response: httpx.Response) -> dict:
     (json.dumps({"model": MODEL, "messages": HI, "frobnicate": True}).encode(), 400, "frobnicate", None),
     (json.dumps({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}).encode(), 400,
      "messages[0].role", None),
-    (json.dumps({"model": MODEL, "messages": HI, "n": 2}).encode(), 400, "n", None),
+    (json.dumps({"model": MODEL, "messages": HI, "n": 500}).encode(), 400, "n", None),
     (json.dumps({"messages": HI}).encode(), 400, "model", None),
     (json.dumps({"model": "gpt-nope", "messages": HI}).encode(), 404, "model", "model_not_found"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "word " * 5000}]}).encode(), 400,
