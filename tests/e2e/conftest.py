@@ -3,7 +3,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.e2e.server import Server
+from bench.server import Server
 
 MODEL = "builtin:tiny-chat"
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import MODEL
-from tests.e2e.server import Server
+from bench.server import Server
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import time
 import httpx
 
 from tests.e2e.conftest import MODEL
-from tests.e2e.server import Server
+from bench.server import Server
 
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "stream": True, "ignore_eos": True,
         "stream_options": {"include_usage": True}}

@@ -1,4 +1,4 @@
-"""Start and stop a real `sluice serve` for end-to-end tests."""
+"""Start and stop a real `sluice serve` on a free loopback port (for tests and benchmarks)."""
 from __future__ import annotations
 
 import os
@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def free_port() -> int:
@@ -23,6 +23,7 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, *args: str, startup_timeout: float = 180.0) -> None:
+        """Extra `sluice serve` flags in args; a 2048-block KV cache unless --kv-cache-memory is given."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sluice-e2e-", suffix=".log", delete=False)
