@@ -49,7 +49,7 @@ class BlockManager:
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks that hold the start of seq's tokens (never its last token: that one's logits are needed)."""
-        if not self.enable_prefix_caching or seq.block_table or seq.sampling.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or seq.block_table or seq.scores_prompt:
             return []
         hits = []
         for i in range((seq.num_tokens - 1) // self.block_size):

@@ -94,7 +94,7 @@ class ModelRunner:
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
             (decode_rows if n == 1 else prefill_rows).append((seq, offset, start, n))
-            if seq.sampling.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+            if seq.scores_prompt and start < seq.num_prompt_tokens - 1:
                 count = min(start + n, seq.num_prompt_tokens - 1) - start
                 prompt_index.extend(range(offset, offset + count))
                 prompt_rows.append((seq, start, count))

@@ -60,5 +60,10 @@ class Sequence:
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether this sequence reports prompt logprobs (choice 0 does it for the request)."""
+        return self.sampling.prompt_logprobs is not None and self.index == 0
+
     def prefilling(self) -> bool:
         return self.status is not Status.FINISHED and self.num_computed_tokens < self.num_prompt_tokens

@@ -1,6 +1,7 @@
 """Postproc process: owns a shard of request ids; tokens in, frames out."""
 from __future__ import annotations
 
+import logging
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -11,12 +12,14 @@ from tokenizers import Tokenizer
 
 from ipc.messages import (Abort, EngineInput, Frame, Frames, IngressInput, PostprocInput, PostprocSpec, Ready,
                           StepOutputs, SupervisorInput, bytes_to_ids)
+from ipc.openai import error_body
 from ipc.transport import PullChannel, PushChannel, PushPool
 from postproc.openai_frames import unpack
 from postproc.request import RequestOutput
 from sluice.config import ServerConfig
 
 _spec_decoder = msgspec.msgpack.Decoder(PostprocSpec)
+log = logging.getLogger("sluice.postproc")
 
 
 class Shard:
@@ -47,12 +50,18 @@ class Shard:
         touched: dict[str, RequestOutput] = {}
         stop_ids, stop_choices = [], []
         indices = bytes_to_ids(msg.indices).tolist()
+        failed: dict[str, RequestOutput] = {}
         for pos, (rid, index, token) in enumerate(zip(msg.request_ids, indices, bytes_to_ids(msg.token_ids).tolist())):
             req = self.requests.get(rid)
-            if req is None:
+            if req is None or rid in failed:
                 continue
             verdict = verdicts.get((rid, index))
-            data[rid] += req.on_token(index, token, verdict, logprobs.get(pos))
+            try:
+                data[rid] += req.on_token(index, token, verdict, logprobs.get(pos))
+            except Exception:  # one request's bad state must not take the shard down
+                log.exception("postproc failed for %s", rid)
+                failed[rid] = self.requests.pop(rid)
+                continue
             touched[rid] = req
             if verdict is None and req.choices[index].stops.stopped:
                 stop_ids.append(rid)
@@ -63,6 +72,12 @@ class Shard:
                 del self.requests[rid]
                 touched.pop(rid, None)
         out: dict[str, list[Frame]] = defaultdict(list)
+        for rid, req in failed.items():
+            touched.pop(rid, None)
+            stop_ids.append(rid)
+            stop_choices.append(-1)
+            body = error_body(500, "internal error while producing the output", code="internal_error")
+            out[req.spec.reply_to].append(Frame(rid, body, True, 500))
         for rid, req in touched.items():
             if req.done:
                 del self.requests[rid]

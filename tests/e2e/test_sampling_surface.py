@@ -160,3 +160,10 @@ def test_bad_sampling_params(server, body, param):
     r = httpx.post(server.url + "/v1/chat/completions",
                    json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_n_choices_with_prompt_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="The river runs", max_tokens=3, n=3,
+                                  extra_body={"ignore_eos": True, "prompt_logprobs": 1})
+    assert len(r.choices) == 3
+    assert all(len(c.model_extra["prompt_logprobs"]) == r.usage.prompt_tokens for c in r.choices)

@@ -77,3 +77,23 @@ def test_abort_drops_state_silently(shard):
     shard.on_step(StepOutputs([start(shard, "r1", stream=True)], ["r1"], ids_to_bytes([0]), ids_to_bytes([50]), []))
     out, _ = shard.on_step(StepOutputs([], [], b"", b"", [("r1", 0, "abort")]))
     assert out == {} and shard.requests == {}
+
+
+def test_a_failing_request_gets_an_error_and_the_others_go_on(shard, monkeypatch):
+    from postproc.request import RequestOutput
+
+    shard.on_step(StepOutputs([start(shard, "bad"), start(shard, "good")], [], b"", b"", []))
+    real = RequestOutput.on_token
+
+    def explode(self, *args):
+        if self.spec.request_id == "bad":
+            raise RuntimeError("boom")
+        return real(self, *args)
+
+    monkeypatch.setattr(RequestOutput, "on_token", explode)
+    out, abort = shard.on_step(StepOutputs([], ["bad", "good"], ids_to_bytes([0, 0]), ids_to_bytes([50, 51]),
+                                           [("good", 0, "length")]))
+    frames = {f.request_id: f for f in out["ipc://r"]}
+    assert frames["bad"].status == 500 and json.loads(frames["bad"].data)["error"]["code"] == "internal_error"
+    assert frames["good"].status == 200 and json.loads(frames["good"].data)["choices"][0]["finish_reason"] == "length"
+    assert abort.request_ids == ["bad"] and abort.choices == [-1] and shard.requests == {}
