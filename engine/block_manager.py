@@ -5,6 +5,9 @@ request's cache salt and its token ids, so a request reuses every cached block
 of its prompt and tenants with different salts share nothing. A block whose
 ref count falls to zero stays cached in an LRU of free blocks until it is
 needed for something else; uncached free blocks are handed out first.
+
+With a sliding window, blocks that fell out of every layer's window are freed
+while the sequence runs; its block table keeps -1 in their place.
 """
 from __future__ import annotations
 
@@ -59,6 +62,14 @@ class BlockManager:
             hits.append(block)
         return hits
 
+    def free_outside_window(self, seq: Sequence, first_needed: int) -> None:
+        """Frees seq's blocks that hold only positions before `first_needed` (a sliding window slid past them)."""
+        for i in range(min(first_needed // self.block_size, len(seq.block_table))):
+            block = seq.block_table[i]
+            if block >= 0:
+                seq.block_table[i] = -1
+                self._release(block)
+
     def register_full_blocks(self, seq: Sequence) -> None:
         """Makes seq's newly computed full blocks reusable by others."""
         if not self.enable_prefix_caching:
@@ -66,7 +77,7 @@ class BlockManager:
         full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         for i in range(seq.num_registered_blocks, full):
             h, block = self._hash(seq, i), seq.block_table[i]
-            if self.block_hash[block] is None and h not in self.cached:
+            if block >= 0 and self.block_hash[block] is None and h not in self.cached:
                 self.block_hash[block] = h
                 self.cached[h] = block
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
@@ -105,12 +116,16 @@ class BlockManager:
     def deallocate(self, seq: Sequence) -> None:
         # Tail blocks first, so a prefix outlives the blocks that extend it.
         for block in reversed(seq.block_table):
-            self.ref_count[block] -= 1
-            assert self.ref_count[block] >= 0, "a block was freed twice"
-            if self.ref_count[block] == 0:
-                self._free[block] = None
-                if self.block_hash[block] is None:
-                    self._free.move_to_end(block, last=False)
+            if block >= 0:
+                self._release(block)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
+
+    def _release(self, block: int) -> None:
+        self.ref_count[block] -= 1
+        assert self.ref_count[block] >= 0, "a block was freed twice"
+        if self.ref_count[block] == 0:
+            self._free[block] = None
+            if self.block_hash[block] is None:
+                self._free.move_to_end(block, last=False)

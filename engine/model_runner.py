@@ -36,6 +36,7 @@ class ModelRunner:
                  device: torch.device) -> None:
         self.model = model
         self.block_size = block_size
+        self.sliding_window: int | None = getattr(model, "sliding_window", None)
         self.device = device
         layers, heads, dim = model.kv_shape
         # One (K, V) pair per layer: [num_blocks * block_size, Hkv, D]
@@ -120,25 +121,28 @@ class ModelRunner:
         }
 
     def _group(self, rows: list[tuple[Sequence, int, int, int]], num_tokens: int) -> AttentionGroup:
-        bs = self.block_size
+        bs, window = self.block_size, self.sliding_window
         b = len(rows)
         q_max = max(n for _, _, _, n in rows)
-        ctx = np.array([start + n for _, _, start, n in rows])
-        blocks_max = int(-(-ctx.max() // bs))
+        starts = np.array([start for _, _, start, _ in rows])
+        lens = np.array([n for _, _, _, n in rows])
+        first = np.maximum(starts - window + 1, 0) // bs if window else np.zeros(b, dtype=np.int64)  # first block
+        last = -(-(starts + lens) // bs)  # one past the last block
+        width = int((last - first).max()) * bs
         q_index = np.zeros((b, q_max), dtype=np.int64)
         out_index = np.full((b, q_max), num_tokens, dtype=np.int64)
-        slot_rows = np.zeros((b, blocks_max * bs), dtype=np.int64)
-        starts = np.zeros(b, dtype=np.int64)
-        lens = np.zeros(b, dtype=np.int64)
+        slot_rows = np.zeros((b, width), dtype=np.int64)
         in_block = np.arange(bs)
         for r, (seq, off, start, n) in enumerate(rows):
             q_index[r, :n] = out_index[r, :n] = np.arange(off, off + n)
-            table = np.asarray(seq.block_table[:blocks_max])
+            table = np.asarray(seq.block_table[first[r] : last[r]])
             slot_rows[r, : len(table) * bs] = (table[:, None] * bs + in_block).ravel()
-            starts[r], lens[r] = start, n
         q_pos = starts[:, None] + np.arange(q_max)[None, :]  # [B, Q] absolute positions
+        k_pos = first[:, None] * bs + np.arange(width)[None, :]  # [B, K]
+        mask = k_pos[:, None, :] <= q_pos[:, :, None]  # causal
+        if window:
+            mask &= k_pos[:, None, :] > q_pos[:, :, None] - window
         valid_q = np.arange(q_max)[None, :] < lens[:, None]
-        mask = np.arange(blocks_max * bs)[None, None, :] <= q_pos[:, :, None]  # causal over the context
         mask &= valid_q[:, :, None]
         mask[:, :, 0] |= ~valid_q  # a pad query attends to one key, so softmax stays finite
         dev = self.device

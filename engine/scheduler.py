@@ -43,8 +43,9 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, sliding_window: int | None = None) -> None:
         self.bm = block_manager
+        self.sliding_window = sliding_window
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -78,6 +79,8 @@ class Scheduler:
             if seq.status is not Status.RUNNING or self._budget == 0:
                 continue
             n = min(seq.num_uncomputed, self._budget)
+            if self.sliding_window:  # this step's first query sees keys from here on
+                self.bm.free_outside_window(seq, seq.num_computed_tokens - self.sliding_window + 1)
             if not self._make_room(seq, n, []):
                 continue  # seq itself was preempted
             self.bm.allocate(seq, n)

@@ -148,7 +148,7 @@ class Engine:
         self.scheduler = Scheduler(BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching),
                                    max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=max(cfg.max_num_batched_tokens, 1),
-                                   max_model_len=cfg.max_model_len)
+                                   max_model_len=cfg.max_model_len, sliding_window=self.runner.sliding_window)
         # Aborts that overtook their request (a client gone while it was rendering).
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         log.info("engine: %s %s, %d KV blocks of %d tokens", device, dtype, blocks, cfg.block_size)

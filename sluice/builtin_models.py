@@ -108,10 +108,11 @@ def write_llama_family(
     tie_word_embeddings: bool = True,
     rope_scaling: dict | None = None,
     max_position_embeddings: int = 4096,
+    sliding_window: int | None = None,
     seed: int = 0,
     num_shards: int = 2,
 ) -> Path:
-    """Writes a random-weight Llama-family checkpoint (Llama, Qwen2 or Qwen3 layout)."""
+    """Writes a random-weight Llama-family checkpoint (Llama, Mistral, Qwen2 or Qwen3 layout)."""
     import torch
     from safetensors.torch import save_file
 
@@ -120,7 +121,8 @@ def write_llama_family(
     tok.save(str(out / "tokenizer.json"))
     vocab_size = (tok.get_vocab_size() + 63) // 64 * 64
     eos, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
-    model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[architecture]
+    model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                  "Qwen3ForCausalLM": "qwen3"}[architecture]
     qkv_bias = architecture == "Qwen2ForCausalLM"
     config = {
         "architectures": [architecture],
@@ -143,6 +145,8 @@ def write_llama_family(
         "eos_token_id": im_end,
         "torch_dtype": "float32",
     }
+    if sliding_window is not None:
+        config["sliding_window"] = sliding_window
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, eos]}, indent=2))
     (out / "chat_template.jinja").write_text((Path(__file__).parent / "data" / "chatml.jinja").read_text())

@@ -1,5 +1,5 @@
-"""The Llama family: Llama, Qwen2 and Qwen3 (RMSNorm, RoPE, GQA, SwiGLU,
-optional qk-norm and q/k/v biases, optional tied embeddings).
+"""The Llama family: Llama, Mistral, Qwen2 and Qwen3 (RMSNorm, RoPE, GQA,
+SwiGLU, optional qk-norm, q/k/v biases, tied embeddings, a sliding window).
 
 Parameter names follow the Hugging Face checkpoints, so the generic loader maps
 tensors one to one.
@@ -34,6 +34,7 @@ class LlamaConfig:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    sliding_window: int | None  # every layer attends to this many most recent tokens (Mistral-style)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "LlamaConfig":
@@ -41,6 +42,8 @@ class LlamaConfig:
         theta, scaling = rope_params(cfg)
         heads = cfg["num_attention_heads"]
         attention_bias = bool(cfg.get("attention_bias", False))
+        if cfg.get("use_sliding_window"):
+            raise ValueError(f"{arch} with use_sliding_window (per-layer windows) is not supported yet")
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -58,6 +61,7 @@ class LlamaConfig:
             o_bias=attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=cfg.get("sliding_window") if arch == "MistralForCausalLM" else None,
         )
 
 
@@ -146,6 +150,10 @@ class LlamaForCausalLM(nn.Module):
         """(layers, kv heads, head dim) of the paged cache."""
         c = self.config
         return c.num_layers, c.num_kv_heads, c.head_dim
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.config.sliding_window
 
     def lm_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight

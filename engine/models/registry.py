@@ -5,6 +5,7 @@ from engine.models.llama import LlamaForCausalLM
 
 MODELS = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
 }

@@ -18,6 +18,7 @@ VARIANTS = {
     "llama-yarn-rope": dict(architecture="LlamaForCausalLM", num_kv_heads=4, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
     "llama-linear-rope": dict(architecture="LlamaForCausalLM", rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "mistral-window-12": dict(architecture="MistralForCausalLM", sliding_window=12),
 }
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 57)), list(range(100, 171, 2)), [300] * 3]
 
@@ -93,3 +94,16 @@ def test_prompt_logprobs_match_transformers_through_chunks(checkpoint):
     torch.testing.assert_close(torch.tensor(got), want, rtol=1e-4, atol=1e-4)
     top = [e.top_ids for c in chunks for e in c.entries]
     assert top == lp.topk(2, dim=-1).indices.tolist()
+
+
+def test_sliding_window_frees_blocks_that_fall_out_of_it(tmp_path):
+    path = write_llama_family(tmp_path / "m", architecture="MistralForCausalLM", sliding_window=12)
+    runner, sched = make_engine(path, block_size=4, budget=8)
+    s = seq("long", list(range(5, 45)), max_tokens=60, temperature=0.0)
+    sched.add(s)
+    peak = 0
+    while (batch := sched.schedule()) is not None:
+        peak = max(peak, sched.bm.num_used)
+        sched.update(batch, runner.run(batch).tokens)
+    # 100 tokens would need 25 blocks; the window (12) plus a chunk (8) needs at most 7 at any time.
+    assert peak <= 7 and sched.bm.num_free == sched.bm.num_blocks
