@@ -4,7 +4,8 @@ Every scheduled token is one row of a flat batch [T]. Each layer writes the new
 keys/values into the paged cache through `slot_mapping`, then attends, per
 group of sequences, over keys gathered from the cache through block tables.
 Decodes (one query each) and prefill chunks form separate groups so a long
-prompt does not pad every decode to its length.
+prompt does not pad every decode to its length. A group carries one mask per
+attention window the model uses (None: full causal attention).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ class AttentionGroup:
     q_index: torch.Tensor  # [B, Q] rows of the flat batch (pads point at row 0)
     out_index: torch.Tensor  # [B, Q] where results go (pads go to the dummy row T)
     kv_slots: torch.Tensor  # [B, K] cache slots of each sequence's context (pads: 0)
-    mask: torch.Tensor  # [B, 1, Q, K] bool, True = attend
+    masks: dict[int | None, torch.Tensor]  # window -> [B, 1, Q, K] bool, True = attend
 
 
 @dataclass
@@ -37,6 +38,8 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [H] learned logits of a "sink" key (gpt-oss)
 ) -> torch.Tensor:
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
@@ -45,6 +48,22 @@ def paged_attention(
         qg = q[g.q_index].transpose(1, 2)  # [B, H, Q, D]
         kg = k_cache[g.kv_slots].transpose(1, 2)  # [B, Hkv, K, D]
         vg = v_cache[g.kv_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True)
+        mask = g.masks[window]
+        if sinks is None:
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True)
+        else:
+            o = _attention_with_sinks(qg, kg, vg, mask, scale, sinks)
         out[g.out_index] = o.transpose(1, 2)  # [B, Q, H, D]
     return out[: meta.num_tokens]
+
+
+def _attention_with_sinks(q, k, v, mask, scale, sinks):
+    """Softmax over the keys and one extra per-head sink logit, whose share of attention goes nowhere."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)  # [B, H, K, D]
+    v = v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)).float() * scale  # [B, H, Q, K]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return (probs.to(v.dtype) @ v)  # [B, H, Q, D]

@@ -34,22 +34,37 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn
             with torch.device(device):
                 module.reset_buffers()
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
-    for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if name not in params:
-                    raise ValueError(f"{file.name}: unexpected tensor {name!r}")
-                target = params[name]
-                tensor = f.get_tensor(name)
-                if tensor.shape != target.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
-                with torch.no_grad():
-                    target.copy_(tensor.to(dtype))
-                loaded.add(name)
-    missing = set(params) - loaded
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks {sorted(missing)[:5]} ({len(missing)} tensors)")
+    files = {name: file for file in checkpoint_files(path) for name in _tensor_names(file)}
+    handles: dict[Path, object] = {}
+
+    def fetch(name: str) -> torch.Tensor:
+        file = files[name]  # KeyError: the checkpoint has no such tensor
+        if file not in handles:
+            handles[file] = safe_open(str(file), framework="pt")
+        return handles[file].get_tensor(name)
+
+    consumed = {n for n in files if n.endswith(_IGNORED_SUFFIXES)}
+    for name, target in params.items():
+        if name in files:
+            tensor, used = fetch(name), [name]
+        elif hasattr(model, "load_param"):  # a model-specific encoding (e.g. MXFP4 experts)
+            try:
+                tensor, used = model.load_param(name, fetch, dtype)
+            except KeyError:
+                raise ValueError(f"checkpoint {path} lacks {name!r}") from None
+        else:
+            raise ValueError(f"checkpoint {path} lacks {name!r}")
+        if tensor.shape != target.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor.to(dtype))
+        consumed.update(used)
+    unexpected = sorted(set(files) - consumed)
+    if unexpected:
+        raise ValueError(f"checkpoint {path} has tensors the model does not use: {unexpected[:5]}")
     return model.eval()
+
+
+def _tensor_names(file: Path) -> list[str]:
+    with safe_open(str(file), framework="pt") as f:
+        return list(f.keys())

@@ -36,7 +36,10 @@ class ModelRunner:
                  device: torch.device) -> None:
         self.model = model
         self.block_size = block_size
-        self.sliding_window: int | None = getattr(model, "sliding_window", None)
+        # The attention windows the layers use (None: full attention). With one window shared by
+        # every layer, gathers stop at the window and the scheduler frees what falls out of it.
+        self.windows: set[int | None] = getattr(model, "attention_windows", {None})
+        self.sliding_window = next(iter(self.windows)) if len(self.windows) == 1 else None
         self.device = device
         layers, heads, dim = model.kv_shape
         # One (K, V) pair per layer: [num_blocks * block_size, Hkv, D]
@@ -139,16 +142,18 @@ class ModelRunner:
             slot_rows[r, : len(table) * bs] = (table[:, None] * bs + in_block).ravel()
         q_pos = starts[:, None] + np.arange(q_max)[None, :]  # [B, Q] absolute positions
         k_pos = first[:, None] * bs + np.arange(width)[None, :]  # [B, K]
-        mask = k_pos[:, None, :] <= q_pos[:, :, None]  # causal
-        if window:
-            mask &= k_pos[:, None, :] > q_pos[:, :, None] - window
+        causal = k_pos[:, None, :] <= q_pos[:, :, None]
         valid_q = np.arange(q_max)[None, :] < lens[:, None]
-        mask &= valid_q[:, :, None]
-        mask[:, :, 0] |= ~valid_q  # a pad query attends to one key, so softmax stays finite
         dev = self.device
+        masks = {}
+        for w in self.windows:
+            mask = causal & (k_pos[:, None, :] > q_pos[:, :, None] - w) if w else causal.copy()
+            mask &= valid_q[:, :, None]
+            mask[:, :, 0] |= ~valid_q  # a pad query attends to one key, so softmax stays finite
+            masks[w] = torch.from_numpy(mask).unsqueeze(1).to(dev)
         return AttentionGroup(
             q_index=torch.from_numpy(q_index).to(dev),
             out_index=torch.from_numpy(out_index).to(dev),
             kv_slots=torch.from_numpy(slot_rows).to(dev),
-            mask=torch.from_numpy(mask).unsqueeze(1).to(dev),
+            masks=masks,
         )

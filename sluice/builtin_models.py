@@ -114,7 +114,6 @@ def write_llama_family(
 ) -> Path:
     """Writes a random-weight Llama-family checkpoint (Llama, Mistral, Qwen2 or Qwen3 layout)."""
     import torch
-    from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
@@ -187,11 +186,14 @@ def write_llama_family(
     tensors["model.norm.weight"] = randn(hidden_size, std=0.1, mean=1.0)
     if not tie_word_embeddings:
         tensors["lm_head.weight"] = randn(vocab_size, hidden_size, std=0.5)
-    _save_sharded(out, tensors, num_shards, save_file)
+    save_sharded(out, tensors, num_shards)
     return out
 
 
-def _save_sharded(out: Path, tensors: dict, num_shards: int, save_file) -> None:
+def save_sharded(out: Path, tensors: dict, num_shards: int) -> None:
+    """safetensors shards with an index, as Hugging Face writes them."""
+    from safetensors.torch import save_file
+
     names = sorted(tensors)
     weight_map = {}
     for s in range(num_shards):
@@ -204,4 +206,10 @@ def _save_sharded(out: Path, tensors: dict, num_shards: int, save_file) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-BUILTINS = {"tiny-chat": write_llama_family}
+def _write_gpt_oss(out: Path) -> Path:
+    from sluice.builtin_gpt_oss import write_gpt_oss
+
+    return write_gpt_oss(out)
+
+
+BUILTINS = {"tiny-chat": write_llama_family, "tiny-gpt-oss": _write_gpt_oss}

@@ -28,5 +28,14 @@ def api_keys() -> list[str]:
     return [k for k in raw.split(",") if k]
 
 
+def tiktoken_encodings_base() -> str | None:
+    """Where openai-harmony looks for o200k_base.tiktoken (set by the user, or by sluice.harmony_vocab)."""
+    return os.environ.get("TIKTOKEN_ENCODINGS_BASE")
+
+
+def set_tiktoken_encodings_base(path: str) -> None:
+    os.environ["TIKTOKEN_ENCODINGS_BASE"] = path
+
+
 def notify_socket() -> str | None:
     return os.environ.get("NOTIFY_SOCKET")

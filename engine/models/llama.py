@@ -98,7 +98,7 @@ class Attention(nn.Module):
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, positions), self.rotary(k, positions)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, window=c.sliding_window)
         return self.o_proj(o.reshape(t, -1))
 
 
@@ -152,8 +152,8 @@ class LlamaForCausalLM(nn.Module):
         return c.num_layers, c.num_kv_heads, c.head_dim
 
     @property
-    def sliding_window(self) -> int | None:
-        return self.config.sliding_window
+    def attention_windows(self) -> set[int | None]:
+        return {self.config.sliding_window}
 
     def lm_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight

@@ -1,9 +1,11 @@
 """Maps a checkpoint's `architectures[0]` to the model class that runs it."""
 from __future__ import annotations
 
+from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM
 
 MODELS = {
+    "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,

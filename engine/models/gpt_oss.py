@@ -1,0 +1,191 @@
+"""gpt-oss: attention with learned sinks on alternating sliding-window / full
+layers, YaRN RoPE, GQA with biases, and a top-k mixture of experts with
+gpt-oss's clamped SwiGLU. Loads bf16 experts or the published MXFP4 ones
+(`*_blocks` / `*_scales`), dequantized at load time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.models.llama import RMSNorm
+from engine.rope import Rotary, rope_params
+
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """blocks [..., G, 16] uint8 (two FP4 values a byte, low nibble first), scales [..., G] uint8
+    (exponent + 127) -> [..., G * 32] values."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # [..., G, 16, 2]
+    values = torch.ldexp(values.flatten(-2), (scales.to(torch.int32) - 127).unsqueeze(-1))  # [..., G, 32]
+    return values.flatten(-2).to(dtype)
+
+
+@dataclass(frozen=True)
+class GptOssConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    experts_per_token: int
+    rms_norm_eps: float
+    max_positions: int
+    rope_theta: float
+    rope_scaling: dict
+    layer_windows: tuple[int | None, ...]  # per layer: the sliding window, or None for full attention
+    swiglu_alpha: float
+    swiglu_limit: float
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "GptOssConfig":
+        theta, scaling = rope_params(cfg)
+        layers = cfg["num_hidden_layers"]
+        types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                           for i in range(layers)]
+        window = cfg.get("sliding_window") or 128
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=layers,
+            num_heads=cfg["num_attention_heads"],
+            num_kv_heads=cfg["num_key_value_heads"],
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+            num_experts=cfg["num_local_experts"],
+            experts_per_token=cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 4,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            max_positions=cfg.get("max_position_embeddings", 131072),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            layer_windows=tuple(window if t == "sliding_attention" else None for t in types),
+            swiglu_alpha=cfg.get("swiglu_alpha", 1.702),
+            swiglu_limit=cfg.get("swiglu_limit", 7.0),
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, c: GptOssConfig, rotary: Rotary, window: int | None) -> None:
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=True)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=True)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=True)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=True)
+        self.sinks = nn.Parameter(torch.empty(c.num_heads))
+        self.rotary = rotary
+        self.window = window
+        self.scale = c.head_dim**-0.5
+
+    def forward(self, x, positions, kv, meta: AttentionMetadata) -> torch.Tensor:
+        c, t = self.c, x.shape[0]
+        q = self.rotary(self.q_proj(x).view(t, c.num_heads, c.head_dim), positions)  # [T, H, D]
+        k = self.rotary(self.k_proj(x).view(t, c.num_kv_heads, c.head_dim), positions)  # [T, Hkv, D]
+        v = self.v_proj(x).view(t, c.num_kv_heads, c.head_dim)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, window=self.window, sinks=self.sinks)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class Router(nn.Module):
+    def __init__(self, c: GptOssConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(c.num_experts, c.hidden_size))
+        self.bias = nn.Parameter(torch.empty(c.num_experts))
+
+
+class Experts(nn.Module):
+    def __init__(self, c: GptOssConfig) -> None:
+        super().__init__()
+        e, h, i = c.num_experts, c.hidden_size, c.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * i))  # gate and up interleaved on the last dim
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i))
+        self.down_proj = nn.Parameter(torch.empty(e, i, h))
+        self.down_proj_bias = nn.Parameter(torch.empty(e, h))
+
+
+class MoE(nn.Module):
+    def __init__(self, c: GptOssConfig) -> None:
+        super().__init__()
+        self.c = c
+        self.router = Router(c)
+        self.experts = Experts(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c, ex = self.c, self.experts
+        logits = F.linear(x, self.router.weight, self.router.bias)  # [T, E]
+        top, chosen = logits.topk(c.experts_per_token, dim=-1)  # [T, k]
+        weights = top.softmax(dim=-1)
+        out = torch.zeros_like(x)
+        for e in chosen.unique().tolist():
+            tokens, slot = (chosen == e).nonzero(as_tuple=True)
+            gate_up = x[tokens] @ ex.gate_up_proj[e] + ex.gate_up_proj_bias[e]  # [t, 2I]
+            gate = gate_up[:, ::2].clamp(max=c.swiglu_limit)
+            up = gate_up[:, 1::2].clamp(-c.swiglu_limit, c.swiglu_limit)
+            hidden = (up + 1) * gate * torch.sigmoid(gate * c.swiglu_alpha)
+            y = hidden @ ex.down_proj[e] + ex.down_proj_bias[e]  # [t, H]
+            out.index_add_(0, tokens, y * weights[tokens, slot, None])
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: GptOssConfig, rotary: Rotary, window: int | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c, rotary, window)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MoE(c)
+
+    def forward(self, x, positions, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, c: GptOssConfig) -> None:
+        super().__init__()
+        rotary = Rotary(c.head_dim, c.max_positions, c.rope_theta, c.rope_scaling)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c, rotary, w) for w in c.layer_windows)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class GptOssForCausalLM(nn.Module):
+    config_class = GptOssConfig
+
+    def __init__(self, c: GptOssConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.model = Backbone(c)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        return self.config.num_layers, self.config.num_kv_heads, self.config.head_dim
+
+    @property
+    def attention_windows(self) -> set[int | None]:
+        return set(self.config.layer_windows)
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_index) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # [T, D]
+        for layer, kv in zip(self.model.layers, kv_caches):
+            x = layer(x, positions, kv, meta)
+        return self.lm_head(self.model.norm(x[logits_index])).float()  # [B, V]
+
+    @staticmethod
+    def load_param(name: str, fetch: Callable[[str], torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, list[str]]:
+        """An expert weight from its MXFP4 `_blocks` / `_scales` pair (KeyError if the checkpoint has none)."""
+        blocks, scales = fetch(name + "_blocks"), fetch(name + "_scales")
+        # stored [E, out, in/32, 16]: dequantize to [E, out, in], then to the model's [E, in, out]
+        return dequantize_mxfp4(blocks, scales, dtype).transpose(1, 2).contiguous(), [name + "_blocks",
+                                                                                       name + "_scales"]
