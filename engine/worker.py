@@ -19,6 +19,7 @@ import zmq
 from engine.block_manager import BlockManager
 from engine.loader import load_model
 from engine.model_runner import ModelRunner, StepSamples, kv_block_bytes
+from engine.replay import ReplayRunner, load_recordings
 from engine.sampler import TokenLogprobs
 from engine.scheduler import Scheduler, StepResult
 from engine.sequence import Sequence
@@ -31,6 +32,7 @@ from sluice.config import ServerConfig
 log = logging.getLogger("sluice.engine")
 _IDLE_POLL_S = 0.25
 _MAX_EARLY_ABORTS = 10_000
+_REPLAY_KV_BLOCKS = 1 << 16  # nothing is stored: blocks are only accounted
 _CHOICE_SEED_STRIDE = 0x9E3779B97F4A7C15  # choice i of a seeded request samples with its own stream
 
 
@@ -139,12 +141,17 @@ class Engine:
         hf = cfg.hf_config()
         device = pick_device(cfg.device)
         dtype = pick_dtype(cfg.dtype, hf, device)
-        model = load_model(Path(cfg.model_path), dtype, device)
-        blocks = num_kv_blocks(cfg, model, dtype, device)
+        if cfg.runner == "replay":
+            blocks = cfg.num_kv_blocks or _REPLAY_KV_BLOCKS
+            recordings = load_recordings(cfg.replay_file) if cfg.replay_file else None
+            self.runner = ReplayRunner(hf["vocab_size"], recordings, cfg.replay_step_ms / 1000)
+        else:
+            model = load_model(Path(cfg.model_path), dtype, device)
+            blocks = num_kv_blocks(cfg, model, dtype, device)
+            self.runner = ModelRunner(model, blocks, cfg.block_size, dtype, device)
         if blocks * cfg.block_size < cfg.max_model_len:
             raise SystemExit(f"the KV cache holds {blocks * cfg.block_size} tokens, less than max_model_len "
                              f"{cfg.max_model_len}: raise --kv-cache-memory / --num-kv-blocks or lower --max-model-len")
-        self.runner = ModelRunner(model, blocks, cfg.block_size, dtype, device)
         self.scheduler = Scheduler(BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching),
                                    max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=max(cfg.max_num_batched_tokens, 1),

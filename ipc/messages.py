@@ -178,3 +178,7 @@ class PostprocSpec(msgspec.Struct, **_WIRE):
     logprobs: bool = False  # report the sampled tokens' logprobs
     echo: str = ""  # text that starts each completion (completions' echo)
     prompt_token_ids_b64: str | None = None  # returned in the response when asked for
+    parsers: list[str] = []  # chat output parsers, in order: "harmony" | "think" | "hermes"
+    output_prefix: list[int] = []  # prompt tokens that begin the assistant's output (the parsers read them first)
+    return_token_ids: bool = False
+    prompt_token_ids: list[int] | None = None  # with return_token_ids

@@ -61,6 +61,15 @@ class FunctionDef(msgspec.Struct, omit_defaults=True):
     strict: bool | None = None
 
 
+class NamedFunction(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class Tool(msgspec.Struct, kw_only=True):
     # OpenAI's field order, so templates that dump a tool as JSON show it as the client sent it
     type: Literal["function"] = "function"
@@ -101,6 +110,7 @@ class _Sampling(msgspec.Struct, **_STRICT):
     cache_salt: str | None = None
     prompt_token_ids_b64: str | None = None
     return_prompt_token_ids_b64: bool = False
+    return_token_ids: bool = False
 
 
 class ChatCompletionRequest(_Sampling, **_STRICT):
@@ -108,11 +118,16 @@ class ChatCompletionRequest(_Sampling, **_STRICT):
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
     prompt_token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
 
 
 class CompletionRequest(_Sampling, **_STRICT):
@@ -169,9 +184,25 @@ class PromptLogprob(msgspec.Struct):
 PromptLogprobList = list[dict[str, PromptLogprob] | None]
 
 
-class ResponseMessage(msgspec.Struct):
+class FunctionCallOut(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallOut(msgspec.Struct, omit_defaults=True):
+    """A tool call in a response, or a piece of one in a stream delta."""
+
+    index: int | None = None
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCallOut | None = None
+
+
+class ResponseMessage(msgspec.Struct, omit_defaults=True):
     content: str | None
-    role: str = "assistant"
+    role: str
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] = []
 
 
 class ChatChoice(msgspec.Struct):
@@ -179,6 +210,7 @@ class ChatChoice(msgspec.Struct):
     message: ResponseMessage
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletion(msgspec.Struct):
@@ -190,11 +222,14 @@ class ChatCompletion(msgspec.Struct):
     object: str = "chat.completion"
     prompt_logprobs: PromptLogprobList | None = None
     prompt_token_ids_b64: str | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChunkChoice(msgspec.Struct):
@@ -202,6 +237,7 @@ class ChunkChoice(msgspec.Struct):
     delta: Delta
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -213,6 +249,7 @@ class ChatCompletionChunk(msgspec.Struct):
     object: str = "chat.completion.chunk"
     prompt_logprobs: PromptLogprobList | None = None
     prompt_token_ids_b64: str | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionChoice(msgspec.Struct):
@@ -221,6 +258,7 @@ class CompletionChoice(msgspec.Struct):
     finish_reason: str | None = None
     logprobs: CompletionLogprobs | None = None
     prompt_logprobs: PromptLogprobList | None = None
+    token_ids: list[int] | None = None
 
 
 class Completion(msgspec.Struct):
@@ -231,6 +269,7 @@ class Completion(msgspec.Struct):
     usage: Usage | None = None
     object: str = "text_completion"
     prompt_token_ids_b64: str | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class ModelCard(msgspec.Struct):

@@ -8,8 +8,9 @@ import numpy as np
 
 from ipc.messages import Logprobs, PostprocSpec
 from ipc.openai import (ChatChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs, ChunkChoice, Completion,
-                        CompletionChoice, CompletionLogprobs, Delta, PromptLogprob, PromptTokensDetails,
-                        ResponseMessage, TokenLogprob, TopLogprob, Usage)
+                        CompletionChoice, CompletionLogprobs, Delta, FunctionCallOut, PromptLogprob,
+                        PromptTokensDetails, ResponseMessage, TokenLogprob, ToolCallOut, TopLogprob, Usage)
+from postproc.parsers import Piece
 
 _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
@@ -37,8 +38,9 @@ class OpenAIFramer:
         self.text_of = text_of
         self._chat = spec.endpoint == "chat"
         self._opened = [False] * spec.n  # a choice's first chunk went out
-        self._parts: list[list[str]] = [[] for _ in range(spec.n)]
+        self._messages = [Piece() for _ in range(spec.n)]  # non-streaming: each choice's merged pieces
         self._logprobs: list[list[tuple[int, tuple]]] = [[] for _ in range(spec.n)]
+        self._token_ids: list[list[int]] = [[] for _ in range(spec.n)]
         self._finish: list[str | None] = [None] * spec.n
         self.prompt_logprobs: list | None = None
 
@@ -48,19 +50,25 @@ class OpenAIFramer:
 
     # ---- streaming -------------------------------------------------------------
 
-    def chunk(self, index: int, text: str, finish_reason: str | None, logprobs: list[tuple[int, tuple]]) -> bytes:
+    def chunk(self, index: int, piece: Piece, finish_reason: str | None, logprobs: list[tuple[int, tuple]],
+              token_ids: list[int]) -> bytes:
         """SSE bytes for one choice this step (empty when there is nothing to say)."""
         out = b""
         if not self._opened[index]:
             self._opened[index] = True
             if self._chat:
                 out += sse(self._envelope([ChunkChoice(index, Delta(role="assistant", content=""))], first=True))
-            text = self.spec.echo + text
-        if text or finish_reason or logprobs:
+            piece.content = self.spec.echo + piece.content
+        if piece or finish_reason or logprobs:
             lp = self._format_logprobs(logprobs, offset=0) if logprobs else None
-            choice = (ChunkChoice(index, Delta(content=text), finish_reason, lp) if self._chat
-                      else CompletionChoice(index, text, finish_reason, lp))
-            out += sse(self._envelope([choice], first=not self._chat and len(out) == 0 and bool(text)))
+            ids = token_ids if self.spec.return_token_ids else None
+            if self._chat:
+                delta = Delta(content=piece.content or None, reasoning_content=piece.reasoning or None,
+                              tool_calls=piece.tool_calls or None)
+                choice = ChunkChoice(index, delta, finish_reason, lp, ids)
+            else:
+                choice = CompletionChoice(index, piece.content, finish_reason, lp, token_ids=ids)
+            out += sse(self._envelope([choice], first=not self._chat and len(out) == 0))
         return out
 
     def end(self, completion_tokens: int) -> bytes:
@@ -69,25 +77,30 @@ class OpenAIFramer:
 
     # ---- one body --------------------------------------------------------------
 
-    def add(self, index: int, text: str, logprobs: list[tuple[int, tuple]], finish_reason: str | None) -> None:
-        self._parts[index].append(text)
+    def add(self, index: int, piece: Piece, logprobs: list[tuple[int, tuple]], token_ids: list[int],
+            finish_reason: str | None) -> None:
+        self._messages[index].extend(piece)
         self._logprobs[index] += logprobs
+        self._token_ids[index] += token_ids
         if finish_reason:
             self._finish[index] = finish_reason
 
     def body(self, completion_tokens: int) -> bytes:
         s = self.spec
         usage = self.usage(completion_tokens)
-        texts = ["".join(p) for p in self._parts]
+        ids = self._token_ids if s.return_token_ids else [None] * s.n
         if self._chat:
-            choices = [ChatChoice(i, ResponseMessage(t), self._finish[i], self._lp(i, 0)) for i, t in enumerate(texts)]
+            choices = [ChatChoice(i, _message(m), self._finish[i], self._lp(i, 0), ids[i])
+                       for i, m in enumerate(self._messages)]
             return _json.encode(ChatCompletion(s.request_id, s.created, s.model, choices, usage,
                                                prompt_logprobs=self.prompt_logprobs,
-                                               prompt_token_ids_b64=s.prompt_token_ids_b64))
-        choices = [CompletionChoice(i, s.echo + t, self._finish[i], self._lp(i, len(s.echo)), self.prompt_logprobs)
-                   for i, t in enumerate(texts)]
+                                               prompt_token_ids_b64=s.prompt_token_ids_b64,
+                                               prompt_token_ids=s.prompt_token_ids))
+        choices = [CompletionChoice(i, s.echo + m.content, self._finish[i], self._lp(i, len(s.echo)),
+                                    self.prompt_logprobs, ids[i]) for i, m in enumerate(self._messages)]
         return _json.encode(Completion(s.request_id, s.created, s.model, choices, usage,
-                                       prompt_token_ids_b64=s.prompt_token_ids_b64))
+                                       prompt_token_ids_b64=s.prompt_token_ids_b64,
+                                       prompt_token_ids=s.prompt_token_ids))
 
     # ---- pieces ----------------------------------------------------------------
 
@@ -122,9 +135,23 @@ class OpenAIFramer:
 
     def _envelope(self, choices: list, usage: Usage | None = None, first: bool = False):
         s = self.spec
-        extra = {"prompt_token_ids_b64": s.prompt_token_ids_b64} if first else {}
+        extra = {"prompt_token_ids_b64": s.prompt_token_ids_b64, "prompt_token_ids": s.prompt_token_ids} if first else {}
         if self._chat:
             if first:
                 extra["prompt_logprobs"] = self.prompt_logprobs
             return ChatCompletionChunk(s.request_id, s.created, s.model, choices, usage, **extra)
         return Completion(s.request_id, s.created, s.model, choices, usage, **extra)
+
+
+def _message(m: Piece) -> ResponseMessage:
+    """The merged pieces of one choice as a response message (tool-call deltas joined by index)."""
+    calls: dict[int, ToolCallOut] = {}
+    for d in m.tool_calls:
+        call = calls.get(d.index)
+        if call is None:
+            calls[d.index] = ToolCallOut(id=d.id, type="function",
+                                         function=FunctionCallOut(d.function.name, d.function.arguments or ""))
+        else:
+            call.function.arguments += d.function.arguments or ""
+    content = m.content if m.content or not calls else None
+    return ResponseMessage(content, "assistant", reasoning_content=m.reasoning or None, tool_calls=list(calls.values()))

@@ -1,4 +1,4 @@
-"""One request's output state in its postproc shard: a text pipeline per choice."""
+"""One request's output state in its postproc shard: an output pipeline per choice."""
 from __future__ import annotations
 
 from tokenizers import Tokenizer
@@ -6,37 +6,71 @@ from tokenizers.decoders import DecodeStream
 
 from ipc.messages import Frame, PostprocSpec, Started
 from postproc.openai_frames import OpenAIFramer
+from postproc.parsers import TEXT_PARSERS, Piece
 from postproc.stop import StopStrings
 
 
 class Choice:
-    def __init__(self, spec: PostprocSpec) -> None:
-        self.decode = DecodeStream(skip_special_tokens=spec.skip_special_tokens)
+    """Tokens in, message pieces out: detokenize, stop strings, parsers (or harmony on the tokens)."""
+
+    def __init__(self, spec: PostprocSpec, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
         self.stops = StopStrings(spec.stop, spec.include_stop_str_in_output)
         self.finish_reason: str | None = None
         self.num_tokens = 0
-        self.pending_logprobs: list = []  # logprobs of tokens whose text is still held back (streaming)
+        self.has_tool_calls = False
+        self.pending_logprobs: list = []  # streaming: logprobs and ids of tokens whose text is still held back
+        self.pending_ids: list[int] = []
+        self.harmony = None
+        if spec.output_mode == "tokens":
+            from postproc.harmony import HarmonyParser
+            from sluice.harmony_vocab import harmony_encoding
 
-    def on_token(self, tokenizer: Tokenizer, token: int, finish_reason: str | None) -> str:
-        """Feeds one token with the engine's verdict on it; returns the text it releases."""
+            self.harmony = HarmonyParser(harmony_encoding(), spec.output_prefix)
+            return
+        self.decode = DecodeStream(skip_special_tokens=spec.skip_special_tokens)
+        self.parsers = [TEXT_PARSERS[name]() for name in spec.parsers]
+        if spec.output_prefix:  # a forced start already in the prompt: the parsers read it, nobody sees it
+            self._parse(Piece(content=tokenizer.decode(spec.output_prefix, skip_special_tokens=False)), False)
+
+    @property
+    def ended_early(self) -> bool:
+        """Ended by a stop string or malformed output, before the engine ended it."""
+        return self.stops.stopped or bool(self.harmony and self.harmony.failed)
+
+    def on_token(self, token: int, finish_reason: str | None) -> Piece:
+        """Feeds one token with the engine's verdict on it; returns what it adds to the message."""
         self.num_tokens += 1
-        text = ""
-        if finish_reason != "stop":  # an engine "stop" means this token is a stop token: not shown
-            text = self.decode.step(tokenizer, token) or ""
-        text = self.stops.feed(text)
+        if self.harmony is not None:
+            piece = self.harmony.feed(token)  # harmony's stop tokens end its messages: it reads them too
+            if self.harmony.failed and finish_reason is None:
+                finish_reason = "error"
+        else:
+            # An engine "stop" means this token is a stop token: it is not shown.
+            piece = Piece(content="" if finish_reason == "stop" else self.decode.step(self.tokenizer, token) or "")
+        piece.content = self.stops.feed(piece.content)
         if self.stops.stopped:
             finish_reason = "stop"
         elif finish_reason:
-            text += self.stops.flush()
+            piece.content += self.stops.flush()
+        if self.harmony is None:
+            piece = self._parse(piece, finish_reason is not None)
+        self.has_tool_calls |= bool(piece.tool_calls)
+        if finish_reason == "stop" and self.has_tool_calls:
+            finish_reason = "tool_calls"
         self.finish_reason = finish_reason
-        return text
+        return piece
+
+    def _parse(self, piece: Piece, final: bool) -> Piece:
+        for parser in self.parsers:
+            piece = parser.feed(piece, final)
+        return piece
 
 
 class RequestOutput:
     def __init__(self, spec: PostprocSpec, tokenizer: Tokenizer, started: Started, text_of) -> None:
         self.spec = spec
-        self._tokenizer = tokenizer
-        self.choices = [Choice(spec) for _ in range(spec.n)]
+        self.choices = [Choice(spec, tokenizer) for _ in range(spec.n)]
         self.framer = OpenAIFramer(spec, started.num_prompt_tokens, started.num_cached_tokens, text_of)
 
     @property
@@ -50,18 +84,20 @@ class RequestOutput:
     def on_token(self, index: int, token: int, finish_reason: str | None, logprobs: tuple | None) -> bytes:
         """Feeds choice `index` one token; returns the SSE bytes to send now (streaming)."""
         choice = self.choices[index]
-        if choice.finish_reason is not None:  # a token in flight after a stop string ended the choice
+        if choice.finish_reason is not None:  # a token in flight after the choice ended early
             return b""
-        text = choice.on_token(self._tokenizer, token, finish_reason)
+        piece = choice.on_token(token, finish_reason)
         entries = [(token, logprobs)] if logprobs is not None and self.spec.logprobs else []
         if not self.spec.stream:
-            self.framer.add(index, text, entries, choice.finish_reason)
+            self.framer.add(index, piece, entries, [token], choice.finish_reason)
             return b""
         choice.pending_logprobs += entries
-        if not text and not choice.finish_reason:
-            return self.framer.chunk(index, "", None, [])
+        choice.pending_ids.append(token)
+        if not piece and not choice.finish_reason:
+            return self.framer.chunk(index, Piece(), None, [], [])
         entries, choice.pending_logprobs = choice.pending_logprobs, []
-        return self.framer.chunk(index, text, choice.finish_reason, entries)
+        ids, choice.pending_ids = choice.pending_ids, []
+        return self.framer.chunk(index, piece, choice.finish_reason, entries, ids)
 
     def final(self) -> Frame:
         if self.spec.stream:

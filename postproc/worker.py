@@ -63,7 +63,7 @@ class Shard:
                 failed[rid] = self.requests.pop(rid)
                 continue
             touched[rid] = req
-            if verdict is None and req.choices[index].stops.stopped:
+            if verdict is None and req.choices[index].ended_early:
                 stop_ids.append(rid)
                 stop_choices.append(index)
         for (rid, index), reason in verdicts.items():

@@ -33,19 +33,20 @@ class ChatCore:
     def render(self, job: RenderJob) -> EngineRequest:
         request = _DECODERS[job.endpoint].decode(job.body)
         if job.endpoint == "chat":
-            prompt = self._pretokenized(request)
+            for item in self.ext.unsupported_features(request):
+                raise RequestError(400, f"{item.feature} is not supported by this model: {item.message}",
+                                   code="unsupported_feature")
+            prompt, prefix = self._pretokenized(request), []
             if prompt is None:
-                for item in self.ext.unsupported_features(request):
-                    raise RequestError(400, f"{item.feature} is not supported by this model: {item.message}",
-                                       code="unsupported_feature")
-                prompt = self.ext.render_prompt(request)
+                rendered = self.ext.render_prompt(request)
+                prompt, prefix = rendered.prompt_ids, rendered.output_prefix
             max_tokens = request.max_completion_tokens or request.max_tokens
             top_logprobs = request.top_logprobs if request.logprobs else None
             if request.top_logprobs is not None and not request.logprobs:
                 raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
             echo = ""
         else:
-            prompt = self._pretokenized(request)
+            prompt, prefix = self._pretokenized(request), []
             if prompt is None:
                 prompt = self._completion_prompt(request)
             max_tokens = request.max_tokens
@@ -61,7 +62,11 @@ class ChatCore:
             stream=bool(request.stream),
             include_usage=bool(request.stream_options and request.stream_options.include_usage),
             stop=[request.stop] if isinstance(request.stop, str) else list(request.stop or []),
-            output_mode=self.ext.output_mode,
+            output_mode=self.ext.output_mode if job.endpoint == "chat" else "text",
+            parsers=self.ext.parsers() if job.endpoint == "chat" else [],
+            output_prefix=prefix,
+            return_token_ids=request.return_token_ids,
+            prompt_token_ids=prompt if request.return_token_ids else None,
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
             n=request.n,

@@ -1,21 +1,40 @@
 """Serving extensions: everything model-specific the chat core asks about.
 
 One chat core serves every model; a model family that renders or parses
-differently adds an extension here (chosen from the checkpoint's model_type
-through the registry), never a branch in the core.
+differently adds an extension (chosen from the checkpoint's model_type through
+the registry), never a branch in the core.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import msgspec
 
-from ipc.openai import ChatCompletionRequest, ChatMessage
+from ipc.openai import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from render.chat_template import ChatTemplateError, render_chat
 from render.errors import RequestError
 from render.tokenizer import TokenizerBundle
+
+TOOL_PARSERS = {"hermes"}
+REASONING_PARSERS = {"think"}
+
+
+@dataclass(frozen=True)
+class ExtensionOptions:
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
+    harmony: bool = True  # gpt-oss: harmony rendering and token parsing (False: its HF chat template as text)
+    trust_request_chat_template: bool = False
+
+
+@dataclass(frozen=True)
+class Rendered:
+    prompt_ids: list[int]
+    # The prompt's last tokens that already belong to the assistant's output (a forced tool call):
+    # the output parsers read them first.
+    output_prefix: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -27,14 +46,18 @@ class Unsupported:
 class ServingExtension(Protocol):
     output_mode: str  # "text": parse detokenized text; "tokens": parse token ids
 
-    def render_prompt(self, request: ChatCompletionRequest) -> list[int]: ...
+    def render_prompt(self, request: ChatCompletionRequest) -> Rendered: ...
 
     def extra_stop_token_ids(self) -> tuple[int, ...]: ...
 
     def unsupported_features(self, request: ChatCompletionRequest) -> list[Unsupported]: ...
 
+    def parsers(self) -> list[str]:
+        """The chat output parsers, in order (e.g. ["think", "hermes"] or ["harmony"])."""
+        ...
 
-_REGISTRY: dict[str, Callable[..., ServingExtension]] = {}
+
+_REGISTRY: dict[str, Callable[[TokenizerBundle, ExtensionOptions], ServingExtension]] = {}
 
 
 def register(*model_types: str):
@@ -45,15 +68,35 @@ def register(*model_types: str):
     return deco
 
 
-def extension_for(hf_config: dict, bundle: TokenizerBundle) -> ServingExtension:
+def extension_for(hf_config: dict, bundle: TokenizerBundle, options: ExtensionOptions) -> ServingExtension:
+    import render.harmony  # noqa: F401  (registers the gpt-oss extension)
+
     factory = _REGISTRY.get(hf_config.get("model_type", ""), HfChatTemplateExtension)
-    return factory(bundle)
+    return factory(bundle, options)
+
+
+def options_of(cfg) -> ExtensionOptions:
+    """The extension options in a ServerConfig."""
+    return ExtensionOptions(cfg.tool_parser, cfg.reasoning_parser, cfg.harmony, cfg.trust_request_chat_template)
+
+
+def check_parsers(hf_config: dict, options: ExtensionOptions) -> None:
+    """Startup check: a parser that cannot apply to this model is an error, not a silent no-op."""
+    import render.harmony  # noqa: F401
+
+    factory = _REGISTRY.get(hf_config.get("model_type", ""), HfChatTemplateExtension)
+    getattr(factory, "check_options", HfChatTemplateExtension.check_options)(options)
+
+
+def message_text(m: ChatMessage) -> str:
+    if isinstance(m.content, list):
+        return "".join(p.text or "" for p in m.content if p.type == "text")
+    return m.content or ""
 
 
 def _message_dict(m: ChatMessage) -> dict[str, Any]:
     d = msgspec.to_builtins(m)
-    if isinstance(m.content, list):
-        d["content"] = "".join(p.text or "" for p in m.content if p.type == "text")
+    d["content"] = message_text(m) if isinstance(m.content, list) else m.content
     if m.reasoning is not None and m.reasoning_content is None:
         d["reasoning_content"] = d.pop("reasoning")
     for call in d.get("tool_calls") or []:
@@ -65,34 +108,77 @@ def _message_dict(m: ChatMessage) -> dict[str, Any]:
     return d
 
 
+def common_unsupported(request: ChatCompletionRequest, options: ExtensionOptions) -> list[Unsupported]:
+    out = []
+    if any(isinstance(m.content, list) and any(p.type != "text" for p in m.content) for m in request.messages):
+        out.append(Unsupported("multimodal_input", "this model takes text only; send content parts of type 'text'"))
+    if request.chat_template is not None and not options.trust_request_chat_template:
+        out.append(Unsupported("request_chat_template", "start the server with --trust-request-chat-template to "
+                                                        "allow a chat_template in requests"))
+    if request.tool_choice == "required":
+        out.append(Unsupported("tool_choice_required", "tool_choice 'required' needs constrained decoding, which "
+                                                       "this server does not have yet; name the function instead"))
+    return out
+
+
+def render_template(template: str, request: ChatCompletionRequest, bundle: TokenizerBundle,
+                    tools: list | None) -> str:
+    try:
+        return render_chat(
+            template,
+            messages=[_message_dict(m) for m in request.messages],
+            tools=[msgspec.to_builtins(t) for t in tools] if tools else None,
+            add_generation_prompt=request.add_generation_prompt,
+            **({"reasoning_effort": request.reasoning_effort} if request.reasoning_effort else {}),
+            **bundle.special_tokens,
+            **(request.chat_template_kwargs or {}),
+        )
+    except ChatTemplateError as e:
+        raise RequestError(400, str(e), param="messages") from e
+
+
 class HfChatTemplateExtension:
     """Any model with a Hugging Face chat template; output parsed as text."""
 
     output_mode = "text"
 
-    def __init__(self, bundle: TokenizerBundle) -> None:
+    def __init__(self, bundle: TokenizerBundle, options: ExtensionOptions) -> None:
         self.bundle = bundle
+        self.options = options
 
-    def render_prompt(self, request: ChatCompletionRequest) -> list[int]:
-        if self.bundle.chat_template is None:
+    @staticmethod
+    def check_options(options: ExtensionOptions) -> None:
+        if options.tool_parser is not None and options.tool_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-parser {options.tool_parser!r} cannot apply to this model; "
+                             f"choose from {sorted(TOOL_PARSERS)}")
+        if options.reasoning_parser is not None and options.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser {options.reasoning_parser!r} cannot apply to this model; "
+                             f"choose from {sorted(REASONING_PARSERS)}")
+
+    def render_prompt(self, request: ChatCompletionRequest) -> Rendered:
+        template = request.chat_template or self.bundle.chat_template
+        if template is None:
             raise RequestError(400, "this model has no chat template; use /v1/completions", param="messages")
-        try:
-            text = render_chat(
-                self.bundle.chat_template,
-                messages=[_message_dict(m) for m in request.messages],
-                tools=[msgspec.to_builtins(t) for t in request.tools] if request.tools else None,
-                add_generation_prompt=request.add_generation_prompt,
-                **self.bundle.special_tokens,
-            )
-        except ChatTemplateError as e:
-            raise RequestError(400, str(e), param="messages") from e
-        return self.bundle.tokenizer.encode(text, add_special_tokens=False).ids
+        tools = request.tools if request.tool_choice != "none" else None
+        text = render_template(template, request, self.bundle, tools)
+        prefix = ""
+        if isinstance(request.tool_choice, NamedToolChoice):  # hermes: start the turn with that call
+            prefix = '<tool_call>\n{"name": "%s", "arguments": ' % request.tool_choice.function.name
+        encode = self.bundle.tokenizer.encode
+        prefix_ids = encode(prefix, add_special_tokens=False).ids if prefix else []
+        return Rendered(encode(text, add_special_tokens=False).ids + prefix_ids, prefix_ids)
 
     def extra_stop_token_ids(self) -> tuple[int, ...]:
         return ()
 
     def unsupported_features(self, request: ChatCompletionRequest) -> list[Unsupported]:
-        out = []
-        if any(isinstance(m.content, list) and any(p.type != "text" for p in m.content) for m in request.messages):
-            out.append(Unsupported("multimodal_input", "this model takes text only; send content parts of type 'text'"))
+        out = common_unsupported(request, self.options)
+        if request.thinking_token_budget is not None:
+            out.append(Unsupported("thinking_token_budget", "this server does not enforce a thinking budget; "
+                                                            "use max_tokens"))
+        if isinstance(request.tool_choice, NamedToolChoice) and self.options.tool_parser != "hermes":
+            out.append(Unsupported("named_tool_choice", "forcing a function needs --tool-parser hermes on this model"))
         return out
+
+    def parsers(self) -> list[str]:
+        return [p for p in (self.options.reasoning_parser, self.options.tool_parser) if p]

@@ -14,7 +14,7 @@ from ipc.openai import error_body
 from ipc.transport import PullChannel, PushChannel, PushPool
 from render.core import ChatCore
 from render.errors import RequestError
-from render.extensions import extension_for
+from render.extensions import extension_for, options_of
 from render.tokenizer import load_tokenizer
 from sluice.config import ServerConfig
 
@@ -24,7 +24,7 @@ log = logging.getLogger("sluice.render")
 def build_core(cfg: ServerConfig) -> ChatCore:
     bundle = load_tokenizer(Path(cfg.model_path))
     hf = cfg.hf_config()
-    return ChatCore(extension_for(hf, bundle), bundle, max_model_len=cfg.max_model_len,
+    return ChatCore(extension_for(hf, bundle, options_of(cfg)), bundle, max_model_len=cfg.max_model_len,
                     model_vocab_size=hf["vocab_size"], num_shards=cfg.postproc_workers)
 
 

@@ -5,7 +5,9 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
+from render.extensions import ExtensionOptions, check_parsers
 from sluice.builtin_models import resolve_model
 from sluice.config import ServerConfig, parse_size
 from sluice.supervisor import Supervisor, make_runtime_dir
@@ -41,6 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-kv-blocks", type=_positive, help="KV cache size in blocks (overrides --kv-cache-memory)")
     s.add_argument("--kv-cache-memory", type=parse_size,
                    help="KV cache size in bytes, e.g. 2GiB (default 1GiB on CPU, 85%% of free memory on CUDA)")
+    s.add_argument("--tool-parser", help="tool-call parser for chat output: hermes (generic), gpt_oss (gpt-oss)")
+    s.add_argument("--reasoning-parser", help="reasoning parser for chat output: think (generic), gpt_oss (gpt-oss)")
+    s.add_argument("--no-harmony", dest="harmony", action="store_false",
+                   help="serve a gpt-oss checkpoint through its HF chat template, as text")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="allow a chat_template in requests (rendered in jinja2's sandbox)")
+    s.add_argument("--runner", default="model", choices=["model", "replay"],
+                   help="replay: emit recorded (or random) token ids instead of running the model")
+    s.add_argument("--replay-file", help="JSONL of recorded token id sequences for --runner replay")
+    s.add_argument("--replay-step-ms", type=float, default=0.0, help="simulated cost of a replay step")
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     s.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     s.add_argument("--shm-threshold", type=parse_size, default=1 << 20,
@@ -53,8 +65,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     model = args.model or args.model_pos or DEFAULT_MODEL
     path = resolve_model(model)
     hf = json.loads((path / "config.json").read_text())
+    check_parsers(hf, ExtensionOptions(args.tool_parser, args.reasoning_parser, args.harmony,
+                                       args.trust_request_chat_template))
     max_len = args.max_model_len or hf.get("max_position_embeddings") or 4096
-    return ServerConfig(
+    cfg = ServerConfig(
         model=model,
         model_path=str(path),
         served_model_names=args.served_model_name or [model],
@@ -73,9 +87,17 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         kv_cache_memory=args.kv_cache_memory or 0,
         dtype=args.dtype,
         device=args.device,
+        runner=args.runner,
+        replay_file=str(Path(args.replay_file).resolve()) if args.replay_file else None,
+        replay_step_ms=args.replay_step_ms,
+        tool_parser=args.tool_parser,
+        reasoning_parser=args.reasoning_parser,
+        harmony=args.harmony,
+        trust_request_chat_template=args.trust_request_chat_template,
         shm_threshold=args.shm_threshold,
         shutdown_timeout=args.shutdown_timeout,
     )
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> None:

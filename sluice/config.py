@@ -27,8 +27,15 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     enable_prefix_caching: bool = True
     num_kv_blocks: int = 0  # 0: derived from kv_cache_memory
     kv_cache_memory: int = 0  # bytes; 0: 1 GiB on CPU, 85% of free memory on CUDA
+    runner: str = "model"  # "model" | "replay"
+    replay_file: str | None = None
+    replay_step_ms: float = 0.0
     dtype: str = "auto"
     device: str = "auto"
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
+    harmony: bool = True
+    trust_request_chat_template: bool = False
     shm_threshold: int = 1 << 20
     shutdown_timeout: float = 30.0
 

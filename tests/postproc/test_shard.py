@@ -60,7 +60,7 @@ def test_non_streaming_body_hides_the_stop_token(shard):
     body = json.loads(data[-1])
     assert len(data) == 1 and body["object"] == "chat.completion"
     assert body["choices"][0] == {"index": 0, "message": {"content": "Good evening", "role": "assistant"},
-                                  "finish_reason": "stop", "logprobs": None}
+                                  "finish_reason": "stop", "logprobs": None, "token_ids": None}
 
 
 def test_stop_string_ends_the_request_and_asks_for_an_abort(shard):

@@ -1,0 +1,137 @@
+"""Chat output parsers. Each turns the model's output into pieces of a message:
+content, reasoning, and tool-call deltas. Streaming a request merges the pieces
+into deltas as they come; a non-streaming request merges the same pieces into
+one message, so both give the same message for the same tokens.
+
+Text parsers (`think`, `hermes`) work on detokenized text and hold back text
+that could be the start of a tag, so any chunking gives the same result.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+from ipc.openai import FunctionCallOut, ToolCallOut
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+@dataclass
+class Piece:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCallOut] = field(default_factory=list)  # deltas, each naming its call's index
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning or self.tool_calls)
+
+    def extend(self, other: "Piece") -> None:
+        self.content += other.content
+        self.reasoning += other.reasoning
+        self.tool_calls += other.tool_calls
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of tag."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class TagSplitter:
+    """Splits streamed text into (inside, text) segments around open/close tags; a tag is (inside, None)."""
+
+    def __init__(self, open_tag: str, close_tag: str) -> None:
+        self.tags = (open_tag, close_tag)
+        self.inside = False
+        self._held = ""
+
+    def feed(self, text: str) -> list[tuple[bool, str]]:
+        buf, out = self._held + text, []
+        while True:
+            tag = self.tags[self.inside]
+            i = buf.find(tag)
+            if i < 0:
+                keep = _partial_suffix(buf, tag)
+                self._held = buf[len(buf) - keep:]
+                if len(buf) > keep:
+                    out.append((self.inside, buf[: len(buf) - keep]))
+                return out
+            if i:
+                out.append((self.inside, buf[:i]))
+            self.inside = not self.inside
+            out.append((self.inside, None))  # the tag itself: (True, None) opens, (False, None) closes
+            buf = buf[i + len(tag):]
+
+    def flush(self) -> list[tuple[bool, str]]:
+        held, self._held = self._held, ""
+        return [(self.inside, held)] if held else []
+
+
+class ThinkParser:
+    """`<think>...</think>` is reasoning; the rest is content."""
+
+    def __init__(self) -> None:
+        self._split = TagSplitter("<think>", "</think>")
+
+    def feed(self, piece: Piece, final: bool = False) -> Piece:
+        out = Piece(reasoning=piece.reasoning, tool_calls=piece.tool_calls)
+        segments = self._split.feed(piece.content) + (self._split.flush() if final else [])
+        for inside, text in segments:
+            if text:
+                if inside:
+                    out.reasoning += text
+                else:
+                    out.content += text
+        return out
+
+
+class HermesParser:
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks are tool calls; the rest is content.
+
+    A call is emitted whole when its closing tag arrives; a block that is not
+    a valid call is given back as content, tags and all.
+    """
+
+    def __init__(self) -> None:
+        self._split = TagSplitter("<tool_call>", "</tool_call>")
+        self._call = ""
+        self.num_calls = 0
+
+    def feed(self, piece: Piece, final: bool = False) -> Piece:
+        out = Piece(reasoning=piece.reasoning, tool_calls=list(piece.tool_calls))
+        segments = self._split.feed(piece.content) + (self._split.flush() if final else [])
+        for inside, text in segments:
+            if inside and text is not None:
+                self._call += text
+            elif inside:  # the opening tag
+                self._call = ""
+            elif text is None:  # the closing tag
+                self._emit(out)
+            else:
+                out.content += text
+        if final and self._split.inside:  # an unclosed call: give it back as text
+            out.content += "<tool_call>" + self._call
+            self._call = ""
+        return out
+
+    def _emit(self, out: Piece) -> None:
+        try:
+            call = json.loads(self._call)
+            name, args = call["name"], call.get("arguments", {})
+            if not isinstance(name, str):
+                raise TypeError
+        except (ValueError, TypeError, KeyError):
+            out.content += f"<tool_call>{self._call}</tool_call>"
+            return
+        arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        out.tool_calls.append(ToolCallOut(index=self.num_calls, id=new_call_id(), type="function",
+                                          function=FunctionCallOut(name=name, arguments=arguments)))
+        self.num_calls += 1
+
+
+TEXT_PARSERS = {"think": ThinkParser, "hermes": HermesParser}

@@ -1,0 +1,190 @@
+"""Output parsers: chunking independence, and streaming equals non-streaming."""
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from openai_harmony import Message, Role
+
+from ipc.messages import PostprocSpec, Started
+from postproc.harmony import HarmonyParser
+from postproc.openai_frames import _message
+from postproc.parsers import HermesParser, Piece, ThinkParser
+from postproc.request import RequestOutput
+from sluice.harmony_vocab import harmony_encoding
+
+words = st.text(st.sampled_from("ab <>/{}\"x\n"), max_size=12)
+calls = st.builds(lambda n, a: ("call", n, a), st.sampled_from(["get_weather", "add"]),
+                  st.dictionaries(st.sampled_from(["city", "x"]), st.integers(0, 9) | st.text("xy", max_size=3),
+                                  max_size=2))
+segments = st.lists(st.tuples(st.just("text"), words) | st.tuples(st.just("think"), words) | calls, max_size=6)
+
+
+def _render(segs) -> str:
+    out = []
+    for seg in segs:
+        if seg[0] == "text":
+            out.append(seg[1])
+        elif seg[0] == "think":
+            out.append(f"<think>{seg[1]}</think>")
+        else:
+            out.append("<tool_call>" + json.dumps({"name": seg[1], "arguments": seg[2]}) + "</tool_call>")
+    return "".join(out)
+
+
+def _chunks(text: str, cuts: list[int]) -> list[str]:
+    points = sorted({c % (len(text) + 1) for c in cuts})
+    return [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
+
+
+def _run_text(text: str, cuts: list[int]) -> Piece:
+    parsers = [ThinkParser(), HermesParser()]
+    merged = Piece()
+    pieces = _chunks(text, cuts)
+    for i, chunk in enumerate(pieces):
+        piece = Piece(content=chunk)
+        for p in parsers:
+            piece = p.feed(piece, final=i == len(pieces) - 1)
+        merged.extend(piece)
+    return merged
+
+
+@settings(max_examples=300, deadline=None)
+@given(segs=segments, cuts=st.lists(st.integers(0, 400), max_size=30))
+def test_text_parsers_are_independent_of_chunking(segs, cuts):
+    text = _render(segs)
+    one, many = _message(_run_text(text, [])), _message(_run_text(text, cuts))
+    for m in (one, many):
+        for c in m.tool_calls:
+            c.id = "x"
+    assert one == many
+    expected_calls = [(s[1], s[2]) for s in segs if s[0] == "call"]
+    # whatever the text around them, well-formed calls are found (stray tags in text can swallow some)
+    if not any(ch in s[1] for s in segs if s[0] != "call" for ch in "<>"):
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in one.tool_calls] == expected_calls
+        assert one.reasoning_content == ("".join(s[1] for s in segs if s[0] == "think") or None)
+
+
+def test_hermes_gives_back_a_malformed_call_as_text():
+    piece = HermesParser().feed(Piece(content='hi <tool_call>{"nope": 1}</tool_call> <tool_call>{"na'), final=True)
+    assert piece.tool_calls == [] and piece.content == 'hi <tool_call>{"nope": 1}</tool_call> <tool_call>{"na'
+
+
+# ---- harmony -------------------------------------------------------------------
+
+harmony_texts = st.text(st.sampled_from("abc xyz.,!?\n"), min_size=1, max_size=20)
+harmony_messages = st.lists(
+    st.tuples(st.just("analysis"), harmony_texts) | st.tuples(st.just("call"), st.sampled_from(["get_weather", "add"]),
+                                                               st.dictionaries(st.sampled_from(["city", "n"]),
+                                                                               st.integers(0, 99), max_size=2)),
+    max_size=3,
+).flatmap(lambda head: st.just(head) | harmony_texts.map(lambda t: head + [("final", t)]))
+
+
+def harmony_tokens(msgs) -> list[int]:
+    """What the model emits after a prompt that ends with `<|start|>assistant`."""
+    enc = harmony_encoding()
+    tokens = []
+    for m in msgs:
+        if m[0] == "call":
+            msg = (Message.from_role_and_content(Role.ASSISTANT, json.dumps(m[2])).with_channel("commentary")
+                   .with_recipient(f"functions.{m[1]}").with_content_type("<|constrain|>json"))
+        else:
+            msg = Message.from_role_and_content(Role.ASSISTANT, m[1]).with_channel(m[0])
+        tokens += enc.render(msg)
+    assert tokens and tokens[0] == 200006 and enc.decode(tokens[1:2]) == "assistant"
+    tokens = tokens[2:]
+    if tokens[-1] == 200007:  # the last message ends the turn: <|call|> after a call, else <|return|>
+        tokens[-1] = 200012 if msgs[-1][0] == "call" else 200002
+    return tokens
+
+
+def _spec(stream: bool) -> PostprocSpec:
+    return PostprocSpec(request_id="r", endpoint="chat", model="m", created=1, reply_to="x", stream=stream,
+                        output_mode="tokens", parsers=["harmony"])
+
+
+def _sse_message(data: bytes) -> dict:
+    merged = {"content": "", "reasoning": "", "calls": {}}
+    for event in data.decode().split("\n\n"):
+        if not event.startswith("data: {"):
+            continue
+        for choice in json.loads(event[6:])["choices"]:
+            d = choice["delta"]
+            merged["content"] += d.get("content") or ""
+            merged["reasoning"] += d.get("reasoning_content") or ""
+            for c in d.get("tool_calls") or []:
+                call = merged["calls"].setdefault(c["index"], {"name": None, "arguments": ""})
+                call["name"] = c["function"].get("name") or call["name"]
+                call["arguments"] += c["function"].get("arguments") or ""
+            merged["finish"] = choice["finish_reason"] or merged.get("finish")
+    return merged
+
+
+def _feed(stream: bool, tokens: list[int]) -> bytes:
+    req = RequestOutput(_spec(stream), None, Started("r", b"", 3), str)
+    data = b""
+    for i, tok in enumerate(tokens):
+        verdict = "stop" if i == len(tokens) - 1 else None
+        data += req.on_token(0, tok, verdict, None)
+    return data + req.final().data
+
+
+@settings(max_examples=60, deadline=None)
+@given(msgs=harmony_messages.filter(bool))
+def test_harmony_streaming_equals_non_streaming_equals_harmony(msgs):
+    tokens = harmony_tokens(msgs)
+    body = json.loads(_feed(False, tokens))["choices"][0]
+    streamed = _sse_message(_feed(True, tokens))
+    message = body["message"]
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
+    assert [(c["name"], c["arguments"]) for c in streamed["calls"].values()] == calls
+    assert streamed["content"] == (message["content"] or "")
+    assert streamed["reasoning"] == (message.get("reasoning_content") or "")
+    assert streamed["finish"] == body["finish_reason"]
+    # and what harmony itself parses from the same tokens
+    parsed = harmony_encoding().parse_messages_from_completion_tokens(tokens, Role.ASSISTANT)
+    assert calls == [(m.recipient.removeprefix("functions."), m.content[0].text) for m in parsed
+                     if (m.recipient or "").startswith("functions.")]
+    assert (message["content"] or "") == "".join(m.content[0].text for m in parsed if m.channel == "final")
+    assert (message.get("reasoning_content") or "") == "".join(m.content[0].text for m in parsed
+                                                             if m.channel == "analysis")
+    assert body["finish_reason"] == ("tool_calls" if calls else "stop")
+    assert "<|" not in (message["content"] or "")
+
+
+def test_malformed_harmony_ends_the_choice_with_what_was_parsed():
+    enc = harmony_encoding()
+    good = harmony_tokens([("analysis", "thinking")])[:-1]  # the analysis message, without its <|end|>
+    bad = good + [200007, 200008, 200008, 200005]  # then nonsense markup
+    req = RequestOutput(_spec(False), None, Started("r", b"", 3), str)
+    for tok in bad:
+        req.on_token(0, tok, None, None)
+        if req.done:
+            break
+    body = json.loads(req.final().data)["choices"][0]
+    assert body["finish_reason"] == "error" and body["message"]["reasoning_content"] == "thinking"
+    assert req.choices[0].ended_early and enc is not None
+
+
+def test_forced_tool_call_prefix_is_parsed_not_shown():
+    enc = harmony_encoding()
+    prefix = enc.encode("<|channel|>commentary to=functions.add <|constrain|>json<|message|>", allowed_special="all")
+    spec = msgspec.structs.replace(_spec(False), output_prefix=prefix)
+    req = RequestOutput(spec, None, Started("r", b"", 3), str)
+    tokens = enc.encode('{"a": 1}', allowed_special="all") + [200012]
+    for i, tok in enumerate(tokens):
+        req.on_token(0, tok, "stop" if i == len(tokens) - 1 else None, None)
+    choice = json.loads(req.final().data)["choices"][0]
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1}'}
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+
+
+@pytest.mark.parametrize("tokens", [[1, 2, 3], [200005, 200005], [200008, 5, 200007]])
+def test_harmony_parser_never_raises(tokens):
+    parser = HarmonyParser(harmony_encoding())
+    for t in tokens:
+        parser.feed(t)

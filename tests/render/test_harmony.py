@@ -1,0 +1,126 @@
+"""gpt-oss through the shared chat core: harmony rendering and what it rejects."""
+from __future__ import annotations
+
+import json
+from datetime import date
+
+import pytest
+from openai_harmony import (Author, Conversation, DeveloperContent, Message, ReasoningEffort, Role, SystemContent,
+                            ToolDescription)
+
+from ipc.messages import RenderJob, bytes_to_ids
+from render.errors import RequestError
+from render.extensions import ExtensionOptions, check_parsers
+from render.worker import build_core
+from sluice.builtin_models import ensure_builtin
+from sluice.config import ServerConfig
+from sluice.harmony_vocab import harmony_encoding
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "reasoning_content": "I should call the tool.",
+     "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                                  "arguments": "{\"city\": \"Paris\"}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    {"role": "assistant", "content": "Sunny."},
+    {"role": "user", "content": "Thanks!"},
+]
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_dir():
+    return ensure_builtin("tiny-gpt-oss")
+
+
+def make_core(path, **options):
+    cfg = ServerConfig(model="m", model_path=str(path), served_model_names=["m"], runtime_dir="/tmp/x",
+                       max_model_len=4096, **options)
+    return build_core(cfg)
+
+
+def job(**body) -> RenderJob:
+    return RenderJob("req-1", "chat", json.dumps({"model": "m", **body}).encode(), "ipc://reply", 0.0)
+
+
+def expected_ids(effort=ReasoningEffort.HIGH) -> list[int]:
+    """The same conversation, built directly with openai-harmony."""
+    enc = harmony_encoding()
+    system = SystemContent.new().with_reasoning_effort(effort).with_conversation_start_date(date.today().isoformat())
+    dev = DeveloperContent.new().with_instructions("Be brief.").with_function_tools(
+        [ToolDescription.new("get_weather", "Weather for a city", TOOLS[0]["function"]["parameters"])])
+    msgs = [
+        Message.from_role_and_content(Role.SYSTEM, system),
+        Message.from_role_and_content(Role.DEVELOPER, dev),
+        Message.from_role_and_content(Role.USER, "Weather in Paris?"),
+        Message.from_role_and_content(Role.ASSISTANT, "I should call the tool.").with_channel("analysis"),
+        Message.from_role_and_content(Role.ASSISTANT, '{"city": "Paris"}').with_channel("commentary")
+        .with_recipient("functions.get_weather").with_content_type("<|constrain|>json"),
+        Message.from_author_and_content(Author.new(Role.TOOL, "functions.get_weather"), "sunny")
+        .with_channel("commentary").with_recipient("assistant"),
+        Message.from_role_and_content(Role.ASSISTANT, "Sunny.").with_channel("final"),
+        Message.from_role_and_content(Role.USER, "Thanks!"),
+    ]
+    return enc.render_conversation_for_completion(Conversation.from_messages(msgs), Role.ASSISTANT)
+
+
+def test_prompt_equals_openai_harmony_rendering(gpt_oss_dir):
+    core = make_core(gpt_oss_dir)
+    req = core.render(job(messages=CONVERSATION, tools=TOOLS, reasoning_effort="high"))
+    assert bytes_to_ids(req.prompt_token_ids).tolist() == expected_ids()
+    assert {200002, 200012} <= set(req.sampling.stop_token_ids)  # <|return|>, <|call|>
+
+
+def test_named_tool_choice_forces_the_call(gpt_oss_dir):
+    core = make_core(gpt_oss_dir)
+    req = core.render(job(messages=CONVERSATION[:2], tools=TOOLS,
+                          tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    text = harmony_encoding().decode(bytes_to_ids(req.prompt_token_ids).tolist())
+    assert text.endswith("<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>")
+
+
+@pytest.mark.parametrize("body, feature", [
+    ({"thinking_token_budget": 100}, "thinking_token_budget"),
+    ({"chat_template": "{{ messages }}"}, "request_chat_template"),
+    ({"tool_choice": "required", "tools": TOOLS}, "tool_choice_required"),
+])
+def test_what_gpt_oss_rejects_and_why(gpt_oss_dir, body, feature):
+    core = make_core(gpt_oss_dir)
+    with pytest.raises(RequestError) as e:
+        core.render(job(messages=CONVERSATION[:2], **body))
+    assert e.value.status == 400 and feature in e.value.message and e.value.code == "unsupported_feature"
+
+
+def test_trusted_request_chat_template(gpt_oss_dir):
+    core = make_core(gpt_oss_dir, trust_request_chat_template=True)
+    req = core.render(job(messages=[{"role": "user", "content": "hi"}],
+                          chat_template="<|start|>user<|message|>{{ messages[0].content }}<|end|><|start|>assistant"))
+    assert harmony_encoding().decode(bytes_to_ids(req.prompt_token_ids).tolist()) == \
+        "<|start|>user<|message|>hi<|end|><|start|>assistant"
+
+
+def test_no_harmony_uses_the_hf_template_as_text(gpt_oss_dir):
+    core = make_core(gpt_oss_dir, harmony=False)
+    req = core.render(job(messages=[{"role": "user", "content": "hi"}]))
+    text = harmony_encoding().decode(bytes_to_ids(req.prompt_token_ids).tolist())
+    assert text.endswith("<|start|>user<|message|>hi<|end|><|start|>assistant")
+    assert core.ext.output_mode == "text"
+
+
+@pytest.mark.parametrize("model_type, options, ok", [
+    ("gpt_oss", dict(tool_parser="gpt_oss", reasoning_parser="gpt_oss"), True),
+    ("gpt_oss", dict(tool_parser="hermes"), False),
+    ("gpt_oss", dict(reasoning_parser="think"), False),
+    ("gpt_oss", dict(tool_parser="hermes", harmony=False), True),
+    ("qwen3", dict(tool_parser="hermes", reasoning_parser="think"), True),
+    ("qwen3", dict(tool_parser="gpt_oss"), False),
+    ("qwen3", dict(reasoning_parser="nonsense"), False),
+])
+def test_parser_flags_are_checked_at_startup(model_type, options, ok):
+    if ok:
+        check_parsers({"model_type": model_type}, ExtensionOptions(**options))
+    else:
+        with pytest.raises(ValueError, match="cannot apply"):
+            check_parsers({"model_type": model_type}, ExtensionOptions(**options))
