@@ -7,7 +7,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from openai_harmony import Message, Role
+from openai_harmony import Role
 
 from ipc.messages import PostprocSpec, Started
 from postproc.harmony import HarmonyParser
@@ -15,6 +15,7 @@ from postproc.openai_frames import _message
 from postproc.parsers import HermesParser, Piece, ThinkParser
 from postproc.request import RequestOutput
 from sluice.harmony_vocab import harmony_encoding
+from tests.harmony_outputs import harmony_tokens
 
 words = st.text(st.sampled_from("ab <>/{}\"x\n"), max_size=12)
 calls = st.builds(lambda n, a: ("call", n, a), st.sampled_from(["get_weather", "add"]),
@@ -82,24 +83,6 @@ harmony_messages = st.lists(
                                                                                st.integers(0, 99), max_size=2)),
     max_size=3,
 ).flatmap(lambda head: st.just(head) | harmony_texts.map(lambda t: head + [("final", t)]))
-
-
-def harmony_tokens(msgs) -> list[int]:
-    """What the model emits after a prompt that ends with `<|start|>assistant`."""
-    enc = harmony_encoding()
-    tokens = []
-    for m in msgs:
-        if m[0] == "call":
-            msg = (Message.from_role_and_content(Role.ASSISTANT, json.dumps(m[2])).with_channel("commentary")
-                   .with_recipient(f"functions.{m[1]}").with_content_type("<|constrain|>json"))
-        else:
-            msg = Message.from_role_and_content(Role.ASSISTANT, m[1]).with_channel(m[0])
-        tokens += enc.render(msg)
-    assert tokens and tokens[0] == 200006 and enc.decode(tokens[1:2]) == "assistant"
-    tokens = tokens[2:]
-    if tokens[-1] == 200007:  # the last message ends the turn: <|call|> after a call, else <|return|>
-        tokens[-1] = 200012 if msgs[-1][0] == "call" else 200002
-    return tokens
 
 
 def _spec(stream: bool) -> PostprocSpec:
