@@ -70,6 +70,9 @@ class ModelRunner:
         seqs = inputs["sampling_seqs"]
         tokens = sample(logits, SamplingBatch.for_seqs(seqs, self.device))
         out = StepSamples(tokens.tolist())
+        for seq, token in zip(seqs, out.tokens):
+            if seq.grammar is not None:
+                seq.grammar.observe(seq.token_ids, token)
         want = [r for r, s in enumerate(seqs) if s.sampling.logprobs is not None]
         if want:
             rows = torch.tensor(want, device=self.device)

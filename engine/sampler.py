@@ -1,6 +1,6 @@
 """Batched sampling: one pass over [B, V] logits, no per-request loop over the vocabulary.
 
-Order (as vLLM): allowed_token_ids, bad words, min_tokens, logit_bias, the
+Order (as vLLM): allowed_token_ids, the structured-output grammar, bad words, min_tokens, logit_bias, the
 repetition / frequency / presence penalties, temperature, top-k, top-p, min-p.
 Sampling is inverse-CDF with one uniform number per row, drawn from a hash of
 (request seed, output position): a seeded request gets the same tokens alone,
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.grammar import apply_grammars
 from engine.sequence import Sequence
 
 _GREEDY_EPS = 1e-5
@@ -90,6 +91,7 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Applies each request's constraints and penalties to logits [B, V] (a new tensor when any applies)."""
     vocab = logits.shape[1]
     allowed = [(r, s.sampling.allowed_token_ids) for r, s in enumerate(seqs) if s.sampling.allowed_token_ids]
+    constrained = [r for r, s in enumerate(seqs) if s.grammar is not None and s.grammar.active]
     banned_rows, banned_ids = [], []
     bias_rows, bias_ids, bias_vals = [], [], []
     penalized = []
@@ -109,10 +111,12 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
             bias_vals.append(bias)
         if sp.needs_penalties:
             penalized.append(r)
-    if not (allowed or banned_rows or bias_rows or penalized):
+    if not (allowed or constrained or banned_rows or bias_rows or penalized):
         return logits
     logits = logits.clone()
     dev = logits.device
+    if constrained:
+        apply_grammars(logits, constrained, [seqs[r].grammar for r in constrained])
     if allowed:
         rows = torch.tensor([r for r, _ in allowed], device=dev)
         keep = torch.zeros(len(allowed), vocab + 1, dtype=torch.bool, device=dev)

@@ -18,7 +18,8 @@ class Status(enum.Enum):
 class Sequence:
     __slots__ = ("request_id", "index", "leader", "token_ids", "num_prompt_tokens", "sampling", "shard",
                  "postproc_spec", "arrival_time", "seed", "priority", "cache_salt", "order", "status", "block_table",
-                 "block_hashes", "num_registered_blocks", "num_computed_tokens", "num_cached_tokens", "started")
+                 "block_hashes", "num_registered_blocks", "num_computed_tokens", "num_cached_tokens", "started",
+                 "grammar")
 
     def __init__(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, *, seed: int,
                  shard: int = 0, postproc_spec: bytes = b"", arrival_time: float = 0.0, priority: int = 0,
@@ -43,6 +44,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
         self.started = False  # the postproc shard has been told about it
+        self.grammar = None  # a GrammarState when the output is constrained
 
     @property
     def num_tokens(self) -> int:

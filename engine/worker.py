@@ -17,6 +17,7 @@ import torch
 import zmq
 
 from engine.block_manager import BlockManager
+from engine.grammar import Grammars
 from engine.loader import load_model
 from engine.model_runner import ModelRunner, StepSamples, kv_block_bytes
 from engine.replay import ReplayRunner, load_recordings
@@ -156,6 +157,7 @@ class Engine:
                                    max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=max(cfg.max_num_batched_tokens, 1),
                                    max_model_len=cfg.max_model_len, sliding_window=self.runner.sliding_window)
+        self.grammars = Grammars(cfg.model_path, hf["vocab_size"])
         # Aborts that overtook their request (a client gone while it was rendering).
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         log.info("engine: %s %s, %d KV blocks of %d tokens", device, dtype, blocks, cfg.block_size)
@@ -172,6 +174,8 @@ class Engine:
                 seq = Sequence(msg.request_id, prompt, msg.sampling, seed=(seed + index * _CHOICE_SEED_STRIDE) % 2**63,
                                shard=msg.shard, postproc_spec=msg.postproc_spec, arrival_time=msg.arrival_time,
                                priority=msg.priority, cache_salt=msg.cache_salt, index=index, leader=leader)
+                if msg.grammar:
+                    seq.grammar = self.grammars.state(msg.grammar, msg.grammar_trigger, msg.sampling.stop_token_ids)
                 leader = leader or seq
                 self.scheduler.add(seq)
             return []

@@ -68,6 +68,8 @@ class EngineRequest(msgspec.Struct, tag=True, **_WIRE):
     n: int = 1  # choices sampled from the one prompt
     priority: int = 0  # lower is served first
     cache_salt: str = ""
+    grammar: str = ""  # a compiled xgrammar grammar (serialized) that constrains the output
+    grammar_trigger: list[int] = []  # the constraint applies once the output ends with these ids ([]: at once)
 
 
 class Abort(msgspec.Struct, tag=True, **_WIRE):

@@ -61,6 +61,18 @@ class FunctionDef(msgspec.Struct, omit_defaults=True):
     strict: bool | None = None
 
 
+class JsonSchemaFormat(msgspec.Struct, omit_defaults=True):
+    name: str = "response"
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class NamedFunction(msgspec.Struct):
     name: str
 
@@ -125,6 +137,7 @@ class ChatCompletionRequest(_Sampling, **_STRICT):
     top_logprobs: TopLogprobs | None = None
     prompt_token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None
+    response_format: ResponseFormat | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     thinking_token_budget: int | None = None

@@ -12,6 +12,7 @@ from ipc.messages import EngineRequest, PostprocSpec, RenderJob, SamplingParams,
 from ipc.openai import ChatCompletionRequest, CompletionRequest
 from render.errors import RequestError
 from render.extensions import ServingExtension
+from render.structured import GrammarCompiler
 from render.tokenizer import TokenizerBundle
 
 _DECODERS = {
@@ -23,8 +24,9 @@ _spec_encoder = msgspec.msgpack.Encoder()
 
 class ChatCore:
     def __init__(self, extension: ServingExtension, bundle: TokenizerBundle, *, max_model_len: int,
-                 model_vocab_size: int, num_shards: int) -> None:
+                 model_vocab_size: int, num_shards: int, grammars: GrammarCompiler | None = None) -> None:
         self.ext = extension
+        self.grammars = grammars
         self.bundle = bundle
         self.max_model_len = max_model_len
         self.model_vocab_size = model_vocab_size
@@ -32,6 +34,7 @@ class ChatCore:
 
     def render(self, job: RenderJob) -> EngineRequest:
         request = _DECODERS[job.endpoint].decode(job.body)
+        grammar, trigger = "", []
         if job.endpoint == "chat":
             for item in self.ext.unsupported_features(request):
                 raise RequestError(400, f"{item.feature} is not supported by this model: {item.message}",
@@ -41,6 +44,9 @@ class ChatCore:
                 rendered = self.ext.render_prompt(request)
                 prompt, prefix = rendered.prompt_ids, rendered.output_prefix
             max_tokens = request.max_completion_tokens or request.max_tokens
+            if request.response_format is not None and request.response_format.type != "text":
+                grammar = self.grammars.compile(request.response_format)
+                trigger = self.ext.structured_output_format(request)
             top_logprobs = request.top_logprobs if request.logprobs else None
             if request.top_logprobs is not None and not request.logprobs:
                 raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -84,6 +90,8 @@ class ChatCore:
             n=request.n,
             priority=request.priority,
             cache_salt=request.cache_salt or "",
+            grammar=grammar,
+            grammar_trigger=trigger,
         )
 
     def _pretokenized(self, request) -> list[int] | None:

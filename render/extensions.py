@@ -52,6 +52,10 @@ class ServingExtension(Protocol):
 
     def unsupported_features(self, request: ChatCompletionRequest) -> list[Unsupported]: ...
 
+    def structured_output_format(self, request: ChatCompletionRequest) -> list[int]:
+        """Where a response_format constraint starts: once the output ends with these ids ([]: at once)."""
+        ...
+
     def parsers(self) -> list[str]:
         """The chat output parsers, in order (e.g. ["think", "hermes"] or ["harmony"])."""
         ...
@@ -179,6 +183,9 @@ class HfChatTemplateExtension:
         if isinstance(request.tool_choice, NamedToolChoice) and self.options.tool_parser != "hermes":
             out.append(Unsupported("named_tool_choice", "forcing a function needs --tool-parser hermes on this model"))
         return out
+
+    def structured_output_format(self, request: ChatCompletionRequest) -> list[int]:
+        return []
 
     def parsers(self) -> list[str]:
         return [p for p in (self.options.reasoning_parser, self.options.tool_parser) if p]

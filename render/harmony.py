@@ -2,6 +2,7 @@
 token-level parsing of the output (see postproc/harmony.py)."""
 from __future__ import annotations
 
+import json
 from datetime import date
 
 from openai_harmony import (Author, Conversation, DeveloperContent, Message, ReasoningEffort, Role, SystemContent,
@@ -22,6 +23,13 @@ def harmony_messages(request: ChatCompletionRequest, today: str | None = None) -
     system = SystemContent.new().with_reasoning_effort(_EFFORT[request.reasoning_effort or "medium"])
     system = system.with_conversation_start_date(today or date.today().isoformat())
     instructions = "\n\n".join(message_text(m) for m in request.messages if m.role in ("system", "developer"))
+    fmt = request.response_format
+    if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
+        # harmony's place for a structured-output schema (the grammar enforces it; this tells the model)
+        spec = fmt.json_schema
+        described = f"// {spec.description}\n" if spec.description else ""
+        section = f"# Response Formats\n\n## {spec.name}\n\n{described}{json.dumps(spec.schema)}"
+        instructions = f"{instructions}\n\n{section}" if instructions else section
     tools = request.tools if request.tool_choice != "none" else None
     out = [Message.from_role_and_content(Role.SYSTEM, system)]
     if instructions or tools:
@@ -91,6 +99,10 @@ class HarmonyExtension:
             out.append(Unsupported("thinking_token_budget", "gpt-oss has no thinking budget; "
                                                             "use reasoning_effort (low, medium or high)"))
         return out
+
+    def structured_output_format(self, request: ChatCompletionRequest) -> list[int]:
+        # The answer, not the reasoning, is what must follow the format: the final channel.
+        return self.enc.encode("<|channel|>final<|message|>", allowed_special="all")
 
     def parsers(self) -> list[str]:
         return ["harmony"]

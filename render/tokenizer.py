@@ -1,11 +1,12 @@
 """A checkpoint's tokenizer, chat template and end-of-sequence ids."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer
+
+from sluice.checkpoint import eos_token_ids, read_json
 
 
 @dataclass(frozen=True)
@@ -17,17 +18,13 @@ class TokenizerBundle:
     vocab_size: int
 
 
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
 def _token_text(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
 def load_tokenizer(path: Path) -> TokenizerBundle:
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-    tok_cfg = _read_json(path / "tokenizer_config.json")
+    tok_cfg = read_json(path / "tokenizer_config.json")
     template = None
     if (path / "chat_template.jinja").exists():
         template = (path / "chat_template.jinja").read_text()
@@ -38,10 +35,7 @@ def load_tokenizer(path: Path) -> TokenizerBundle:
         template = named.get("default")
     special = {k: _token_text(tok_cfg[k]) or "" for k in ("bos_token", "eos_token", "pad_token", "unk_token")
                if k in tok_cfg}
-    eos: list[int] = []
-    for source in (_read_json(path / "generation_config.json"), _read_json(path / "config.json")):
-        value = source.get("eos_token_id")
-        eos.extend(value if isinstance(value, list) else [value] if value is not None else [])
+    eos = eos_token_ids(path)
     if special.get("eos_token") and (tid := tokenizer.token_to_id(special["eos_token"])) is not None:
         eos.append(tid)
     return TokenizerBundle(tokenizer, template, tuple(dict.fromkeys(eos)), special, tokenizer.get_vocab_size())

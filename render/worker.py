@@ -14,6 +14,7 @@ from ipc.openai import error_body
 from ipc.transport import PullChannel, PushChannel, PushPool
 from render.core import ChatCore
 from render.errors import RequestError
+from render.structured import GrammarCompiler
 from render.extensions import extension_for, options_of
 from render.tokenizer import load_tokenizer
 from sluice.config import ServerConfig
@@ -25,7 +26,8 @@ def build_core(cfg: ServerConfig) -> ChatCore:
     bundle = load_tokenizer(Path(cfg.model_path))
     hf = cfg.hf_config()
     return ChatCore(extension_for(hf, bundle, options_of(cfg)), bundle, max_model_len=cfg.max_model_len,
-                    model_vocab_size=hf["vocab_size"], num_shards=cfg.postproc_workers)
+                    model_vocab_size=hf["vocab_size"], num_shards=cfg.postproc_workers,
+                    grammars=GrammarCompiler(cfg.model_path, hf["vocab_size"]))
 
 
 def run_render(cfg: ServerConfig, index: int) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import math
 
 import httpx
@@ -167,3 +168,22 @@ def test_n_choices_with_prompt_logprobs(client):
                                   extra_body={"ignore_eos": True, "prompt_logprobs": 1})
     assert len(r.choices) == 3
     assert all(len(c.model_extra["prompt_logprobs"]) == r.usage.prompt_tokens for c in r.choices)
+
+
+def test_response_format(server, client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "enum": [1, 2]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "json please"}],
+                                       max_tokens=60, seed=3,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "answer", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"ok", "n"} and value["n"] in (1, 2)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "json please"}],
+                                       max_tokens=30, seed=1, response_format={"type": "json_object"})
+    assert r.choices[0].message.content.startswith("{")
+    bad = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"

@@ -1,0 +1,61 @@
+"""response_format grammars in the engine, and where gpt-oss applies them."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import Tokenizer
+
+from engine.grammar import Grammars
+from ipc.openai import JsonSchemaFormat, ResponseFormat
+from render.structured import GrammarCompiler
+from sluice.builtin_models import ensure_builtin
+from sluice.harmony_vocab import harmony_encoding
+from tests.engine.helpers import generate, make_engine, seq
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "enum": [1, 2, 3]}},
+          "required": ["ok", "n"], "additionalProperties": False}
+FORMAT = ResponseFormat("json_schema", JsonSchemaFormat(schema=SCHEMA))
+
+
+def test_a_json_schema_constrains_the_whole_output(tiny_chat_dir):
+    grammar = GrammarCompiler(str(tiny_chat_dir), 704).compile(FORMAT)
+    runner, sched = make_engine(tiny_chat_dir)
+    tok = Tokenizer.from_file(str(tiny_chat_dir / "tokenizer.json"))
+    eos = tok.token_to_id("<|im_end|>")
+    seqs = []
+    for i in range(4):
+        s = seq(f"r{i}", [5, 6, 7, 8 + i], max_tokens=60, temperature=1.0, seed=i, stop_token_ids=(eos,))
+        s.grammar = Grammars(str(tiny_chat_dir), 704).state(grammar, [], [eos])
+        seqs.append(s)
+    out = generate(runner, sched, seqs)
+    for ids in out.values():
+        assert ids[-1] == eos
+        value = json.loads(tok.decode(ids[:-1]))
+        assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and value["n"] in (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_dir():
+    return ensure_builtin("tiny-gpt-oss")
+
+
+def test_gpt_oss_constrains_only_the_final_channel(gpt_oss_dir):
+    enc = harmony_encoding()
+    trigger = enc.encode("<|channel|>final<|message|>", allowed_special="all")
+    grammar = GrammarCompiler(str(gpt_oss_dir), 201088).compile(FORMAT)
+    grammars = Grammars(str(gpt_oss_dir), 201088)
+    runner, sched = make_engine(gpt_oss_dir, block_size=4)
+    prompt = enc.encode("<|start|>user<|message|>hi<|end|><|start|>assistant", allowed_special="all")
+    force_message = {200008: 100.0}  # the next token is <|message|>, which completes the header
+    final = seq("final", prompt + trigger[:-1], max_tokens=40, logit_bias=force_message, stop_token_ids=(200002,))
+    analysis = seq("analysis", prompt + enc.encode("<|channel|>analysis", allowed_special="all"), max_tokens=3,
+                   logit_bias=force_message, stop_token_ids=(200002,))
+    for s in (final, analysis):
+        s.grammar = grammars.state(grammar, trigger, [200002])
+    out = generate(runner, sched, [final, analysis])
+    assert final.grammar.active and not analysis.grammar.active
+    assert out["final"][0] == 200008 and out["final"][-1] == 200002
+    value = json.loads(enc.decode(out["final"][1:-1]))
+    assert set(value) == {"ok", "n"}
+    assert out["analysis"] == [200008] * 3  # unconstrained: the bias alone decides
