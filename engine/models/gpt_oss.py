@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
-from engine.models.llama import RMSNorm
+from engine.layers import Backbone, DecoderLayer
 from engine.rope import Rotary, rope_params
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -137,35 +137,15 @@ class MoE(nn.Module):
         return out
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, c: GptOssConfig, rotary: Rotary, window: int | None) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c, rotary, window)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MoE(c)
-
-    def forward(self, x, positions, kv, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Backbone(nn.Module):
-    def __init__(self, c: GptOssConfig) -> None:
-        super().__init__()
-        rotary = Rotary(c.head_dim, c.max_positions, c.rope_theta, c.rope_scaling)
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, rotary, w) for w in c.layer_windows)
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-
 class GptOssForCausalLM(nn.Module):
     config_class = GptOssConfig
 
     def __init__(self, c: GptOssConfig) -> None:
         super().__init__()
         self.config = c
-        self.model = Backbone(c)
+        rotary = Rotary(c.head_dim, c.max_positions, c.rope_theta, c.rope_scaling)
+        self.model = Backbone(c.vocab_size, c.hidden_size, c.rms_norm_eps, [
+            DecoderLayer(c.hidden_size, c.rms_norm_eps, Attention(c, rotary, w), MoE(c)) for w in c.layer_windows])
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
     @property
@@ -177,10 +157,7 @@ class GptOssForCausalLM(nn.Module):
         return set(self.config.layer_windows)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_index) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)  # [T, D]
-        for layer, kv in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, kv, meta)
-        return self.lm_head(self.model.norm(x[logits_index])).float()  # [B, V]
+        return self.lm_head(self.model(input_ids, positions, kv_caches, meta, logits_index)).float()  # [B, V]
 
     @staticmethod
     def load_param(name: str, fetch: Callable[[str], torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, list[str]]:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.layers import Backbone, DecoderLayer, RMSNorm
 from engine.rope import Rotary, rope_params
 
 
@@ -65,16 +66,6 @@ class LlamaConfig:
         )
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
-
-
 class Attention(nn.Module):
     def __init__(self, c: LlamaConfig, rotary: Rotary) -> None:
         super().__init__()
@@ -113,35 +104,15 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, c: LlamaConfig, rotary: Rotary) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c, rotary)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
-
-    def forward(self, x, positions, kv, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Backbone(nn.Module):
-    def __init__(self, c: LlamaConfig) -> None:
-        super().__init__()
-        rotary = Rotary(c.head_dim, c.max_positions, c.rope_theta, c.rope_scaling)
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, rotary) for _ in range(c.num_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-
 class LlamaForCausalLM(nn.Module):
     config_class = LlamaConfig
 
     def __init__(self, c: LlamaConfig) -> None:
         super().__init__()
         self.config = c
-        self.model = Backbone(c)
+        rotary = Rotary(c.head_dim, c.max_positions, c.rope_theta, c.rope_scaling)
+        self.model = Backbone(c.vocab_size, c.hidden_size, c.rms_norm_eps, [
+            DecoderLayer(c.hidden_size, c.rms_norm_eps, Attention(c, rotary), MLP(c)) for _ in range(c.num_layers)])
         if not c.tie_word_embeddings:
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
@@ -158,11 +129,5 @@ class LlamaForCausalLM(nn.Module):
     def lm_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-                meta: AttentionMetadata, logits_index: torch.Tensor) -> torch.Tensor:
-        # input_ids, positions: [T]; logits_index: [B] rows whose next token is sampled
-        x = self.model.embed_tokens(input_ids)  # [T, D]
-        for layer, kv in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, kv, meta)
-        h = self.model.norm(x[logits_index])  # [B, D]
-        return F.linear(h, self.lm_weight()).float()  # [B, V]
+    def forward(self, input_ids, positions, kv_caches: list, meta: AttentionMetadata, logits_index) -> torch.Tensor:
+        return F.linear(self.model(input_ids, positions, kv_caches, meta, logits_index), self.lm_weight()).float()

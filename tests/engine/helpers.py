@@ -38,3 +38,20 @@ def generate(runner: ModelRunner, sched: Scheduler, seqs: list[Sequence], max_st
             out[s.request_id].append(tok)
     assert len(sched) == 0, "sequences left unfinished"
     return out
+
+
+def assert_logits_match(runner, sched, hf, seqs: list[Sequence], tol: float) -> int:
+    """Steps the engine to the end, checking every sampled row's logits against transformers' full
+    forward of the same tokens; returns how many rows were checked."""
+    for s in seqs:
+        sched.add(s)
+    checked = 0
+    while (batch := sched.schedule()) is not None:
+        logits, sampling = runner.forward(batch)
+        for row, s in enumerate(sampling):
+            with torch.no_grad():
+                ref = hf(torch.tensor([s.token_ids])).logits[0, -1].float()
+            torch.testing.assert_close(logits[row], ref, rtol=tol, atol=tol)
+            checked += 1
+        sched.update(batch, logits.argmax(-1).tolist())
+    return checked

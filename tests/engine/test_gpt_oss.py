@@ -6,7 +6,7 @@ import torch
 
 from engine.models.gpt_oss import dequantize_mxfp4
 from sluice.builtin_gpt_oss import write_gpt_oss
-from tests.engine.helpers import generate, make_engine, seq
+from tests.engine.helpers import assert_logits_match, generate, make_engine, seq
 
 transformers = pytest.importorskip("transformers")
 PROMPTS = [[200006, 1428, 200008, 13225], list(range(1000, 1030)), list(range(5000, 5050, 2)), [300] * 11]
@@ -37,18 +37,8 @@ def test_mxfp4_dequantization_matches_transformers():
 def test_logits_match_transformers(checkpoints, layout, budget):
     paths, hf = checkpoints
     runner, sched = make_engine(paths[layout], budget=budget, block_size=4)
-    for i, p in enumerate(PROMPTS):  # prompts longer than the sliding window (8)
-        sched.add(seq(f"r{i}", p, max_tokens=5, temperature=0.0))
-    checked = 0
-    while (batch := sched.schedule()) is not None:
-        logits, sampling = runner.forward(batch)
-        for row, s in enumerate(sampling):
-            with torch.no_grad():
-                ref = hf(torch.tensor([s.token_ids])).logits[0, -1].float()
-            torch.testing.assert_close(logits[row], ref, rtol=2e-4, atol=2e-4)
-            checked += 1
-        sched.update(batch, logits.argmax(-1).tolist())
-    assert checked == len(PROMPTS) * 5
+    seqs = [seq(f"r{i}", p, max_tokens=5, temperature=0.0) for i, p in enumerate(PROMPTS)]  # longer than the window
+    assert assert_logits_match(runner, sched, hf, seqs, tol=2e-4) == len(PROMPTS) * 5
 
 
 def test_greedy_equals_transformers_generate(checkpoints):

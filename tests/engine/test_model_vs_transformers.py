@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sluice.builtin_models import write_llama_family
-from tests.engine.helpers import generate, make_engine, seq
+from tests.engine.helpers import assert_logits_match, generate, make_engine, seq
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,17 +41,7 @@ def test_logits_match_through_prefill_and_decode(checkpoint, budget):
     path, hf = checkpoint
     runner, sched = make_engine(path, budget=budget, block_size=8)
     seqs = [seq(f"r{i}", p, max_tokens=6, temperature=0.0) for i, p in enumerate(PROMPTS)]
-    for s in seqs:
-        sched.add(s)
-    checked = 0
-    while (batch := sched.schedule()) is not None:
-        logits, sampling = runner.forward(batch)
-        for row, s in enumerate(sampling):
-            ref = _hf_last_logits(hf, s.token_ids)
-            torch.testing.assert_close(logits[row], ref, rtol=1e-4, atol=1e-4)
-            checked += 1
-        sched.update(batch, logits.argmax(-1).tolist())
-    assert checked == len(PROMPTS) * 6
+    assert assert_logits_match(runner, sched, hf, seqs, tol=1e-4) == len(PROMPTS) * 6
 
 
 def test_greedy_equals_transformers_generate(checkpoint):
