@@ -22,7 +22,8 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *args: str, startup_timeout: float = 180.0) -> None:
+    def __init__(self, *args: str, startup_timeout: float = 180.0, env: dict | None = None,
+                 headers: dict | None = None) -> None:
         """Extra `sluice serve` flags in args; a 2048-block KV cache unless --kv-cache-memory is given."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -30,13 +31,14 @@ class Server:
         if "--kv-cache-memory" not in args:
             args = ("--num-kv-blocks", "2048", *args)
         cmd = [sys.executable, "-m", "sluice.cli", "serve", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
         deadline = time.monotonic() + startup_timeout
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited during startup:\n{self.output()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=1, headers=headers).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -53,8 +55,8 @@ class Server:
     def stage_pid(self, role: str) -> int:
         return int(re.search(rf"{role}\[0\] ready \(pid (\d+)\)", self.output()).group(1))
 
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=5).text
+    def metrics(self, headers: dict | None = None) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics", timeout=5, headers=headers).text
         return {m.group(1): float(m.group(2)) for m in re.finditer(r"^([a-z_:]+) ([0-9.e+-]+)$", text, re.M)}
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:

@@ -6,6 +6,7 @@ worker's ZeroMQ socket into the queues.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import os
 import time
 import uuid
@@ -24,10 +25,11 @@ from ipc.transport import AsyncPullChannel, PushChannel, SubChannel
 from sluice import __version__, envs
 from sluice.config import ServerConfig
 
-MAX_BODY_BYTES = 64 << 20
 _STATUS_INTERVAL_S = 0.2
-_HEARTBEAT_STALE_S = 30.0
+_HEALTH_GENERATE_TIMEOUT_S = 30.0
 _DISCONNECTED = object()
+_TIMED_OUT = object()
+_OPEN_PATHS = {"/health", "/ready", "/health_generate", "/metrics", "/version"}
 _ENDPOINTS = {
     "/v1/chat/completions": ("chat", msgspec.json.Decoder(ChatCompletionRequest), "chatcmpl-"),
     "/v1/completions": ("completions", msgspec.json.Decoder(CompletionRequest), "cmpl-"),
@@ -40,6 +42,10 @@ class Ingress:
         self.names = set(cfg.served_model_names)
         self.address = cfg.addresses.ingress(os.getpid())
         self.pending: dict[str, asyncio.Queue] = {}
+        self._deadlines: dict[str, asyncio.TimerHandle] = {}
+        # This worker's share of --max-pending (the connections are spread over the workers).
+        self.max_pending = -(-cfg.max_pending // cfg.ingress_workers)
+        self.api_keys = [k.encode() for k in cfg.api_keys]
         self.draining = False
         self.engine_dead = False
         self._actx = zmq.asyncio.Context()
@@ -86,8 +92,17 @@ class Ingress:
             await asyncio.sleep(_STATUS_INTERVAL_S)
 
     def healthy(self) -> bool:
+        """The engine is alive and made progress (or idled, answering) within the stall timeout."""
         s = self.stats.read()
-        return not self.engine_dead and s["alive"] == 1 and time.time() - s["heartbeat"] < _HEARTBEAT_STALE_S
+        return not self.engine_dead and s["alive"] == 1 and time.time() - s["heartbeat"] < self.cfg.stall_timeout
+
+    def authorized(self, scope) -> bool:
+        if not self.api_keys or (scope["path"] in _OPEN_PATHS and not self.cfg.protect_metrics):
+            return True
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        token = header[7:] if header[:7].lower() == b"bearer " else b""
+        # compare with every key, always, so the time taken says nothing about which key is close
+        return sum(hmac.compare_digest(token, key) for key in self.api_keys) > 0
 
     # ---- ASGI ---------------------------------------------------------------
 
@@ -98,6 +113,9 @@ class Ingress:
             return
         self.start()
         path, method = scope["path"], scope["method"]
+        if not self.authorized(scope):
+            return await respond_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer KEY'",
+                                       code="invalid_api_key", extra_headers=[(b"www-authenticate", b"Bearer")])
         if path in _ENDPOINTS:
             if method != "POST":
                 return await respond_error(send, 405, f"use POST for {path}")
@@ -106,9 +124,11 @@ class Ingress:
             return await respond_error(send, 405, f"{method} is not allowed on {path}")
         if path == "/v1/models":
             return await respond(send, 200, self._models_body)
-        if path == "/health":
-            ok = self.healthy()
+        if path in ("/health", "/ready"):
+            ok = self.healthy() and not (path == "/ready" and self.draining)
             return await respond(send, 200 if ok else 503, b"{}" if ok else error_body(503, "engine unavailable"))
+        if path == "/health_generate":
+            return await self._health_generate(send)
         if path == "/version":
             return await respond(send, 200, msgspec.json.encode({"version": __version__}))
         if path == "/metrics":
@@ -128,10 +148,11 @@ class Ingress:
 
     async def _generate(self, path: str, receive, send) -> None:
         endpoint, decoder, prefix = _ENDPOINTS[path]
+        limit = self.cfg.max_request_bytes
         try:
-            body = await read_body(receive, MAX_BODY_BYTES)
+            body = await read_body(receive, limit)
         except BodyTooLarge:
-            return await respond_error(send, 413, f"request body larger than {MAX_BODY_BYTES} bytes")
+            return await respond_error(send, 413, f"request body larger than {limit} bytes")
         except ConnectionResetError:
             return
         try:
@@ -144,9 +165,11 @@ class Ingress:
                                        f"{sorted(self.names)}", param="model", code="model_not_found")
         if self.draining or self.engine_dead:
             return await respond_error(send, 503, "the server is shutting down", extra_headers=[(b"retry-after", b"5")])
+        if len(self.pending) >= self.max_pending:
+            return await respond_error(send, 503, "the server is at capacity; retry shortly",
+                                       extra_headers=[(b"retry-after", b"1")])
         rid = prefix + uuid.uuid4().hex
-        q: asyncio.Queue = asyncio.Queue()
-        self.pending[rid] = q
+        q = self._open(rid)
         watcher = asyncio.create_task(_watch_disconnect(receive, q))
         try:
             self._render.put(RenderJob(rid, endpoint, body, self.address, time.time()))
@@ -154,12 +177,30 @@ class Ingress:
                 self._engine.put(Abort([rid]))
         finally:
             watcher.cancel()
-            del self.pending[rid]
+            self._close(rid)
+
+    def _open(self, rid: str) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue()
+        self.pending[rid] = q
+        if self.cfg.request_timeout:
+            self._deadlines[rid] = asyncio.get_running_loop().call_later(self.cfg.request_timeout, q.put_nowait,
+                                                                         _TIMED_OUT)
+        return q
+
+    def _close(self, rid: str) -> None:
+        del self.pending[rid]
+        if (deadline := self._deadlines.pop(rid, None)) is not None:
+            deadline.cancel()
 
     async def _relay(self, q: asyncio.Queue, send, stream: bool) -> bool:
-        """Writes the request's frames to the client; False if the client went away first."""
+        """Writes the request's frames to the client; False if it ended without its last frame (client gone,
+        deadline passed), so the engine must drop it."""
         frame = await q.get()
         if frame is _DISCONNECTED:
+            return False
+        if frame is _TIMED_OUT:
+            await respond_error(send, 504, f"the request did not finish within {self.cfg.request_timeout}s",
+                                code="timeout")
             return False
         try:
             if frame.status != 200 or not stream:
@@ -169,14 +210,39 @@ class Ingress:
             while True:
                 await send({"type": "http.response.body", "body": frame.data, "more_body": not frame.done})
                 if frame.done:
-                    return True
+                    return frame.status == 200
                 frame = await q.get()
                 if frame is _DISCONNECTED:
                     return False
-                if frame.status != 200:  # an error after the stream began: say so in-band, then end
-                    frame = Frame(frame.request_id, b"data: " + frame.data + b"\n\ndata: [DONE]\n\n", True)
+                if frame is _TIMED_OUT:
+                    body = error_body(504, f"the request did not finish within {self.cfg.request_timeout}s",
+                                      code="timeout")
+                    frame = Frame("", b"data: " + body + b"\n\ndata: [DONE]\n\n", True, 504)
+                elif frame.status != 200:  # an error after the stream began: say so in-band, then end
+                    frame = Frame(frame.request_id, b"data: " + frame.data + b"\n\ndata: [DONE]\n\n", True,
+                                  frame.status)
         except OSError:
             return False
+
+    async def _health_generate(self, send) -> None:
+        """One token through the whole pipeline: render, engine, postproc, back here."""
+        rid = "health-" + uuid.uuid4().hex
+        q = self._open(rid)
+        body = msgspec.json.encode({"model": self.cfg.served_model_names[0], "prompt": [0], "max_tokens": 1,
+                                    "ignore_eos": True})
+        t0 = time.perf_counter()
+        try:
+            self._render.put(RenderJob(rid, "completions", body, self.address, time.time()))
+            frame = await asyncio.wait_for(q.get(), _HEALTH_GENERATE_TIMEOUT_S)
+            ok = isinstance(frame, Frame) and frame.status == 200
+        except asyncio.TimeoutError:
+            ok = False
+            self._engine.put(Abort([rid]))
+        finally:
+            self._close(rid)
+        if ok:
+            return await respond(send, 200, msgspec.json.encode({"latency_ms": (time.perf_counter() - t0) * 1000}))
+        return await respond_error(send, 503, "a one-token generation did not come back")
 
 
 async def _watch_disconnect(receive, q: asyncio.Queue) -> None:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from render.extensions import ExtensionOptions, check_parsers
+from sluice import envs
 from sluice.builtin_models import resolve_model
 from sluice.config import ServerConfig, parse_size
 from sluice.supervisor import Supervisor, make_runtime_dir
@@ -58,6 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shm-threshold", type=parse_size, default=1 << 20,
                    help="payloads of at least this many bytes go through shared memory (see bench/RESULTS.md)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
+    s.add_argument("--api-key", action="append", help="require 'Authorization: Bearer KEY' on /v1 routes "
+                   "(repeatable; also SLUICE_API_KEY, comma-separated)")
+    s.add_argument("--protect-metrics", action="store_true", help="require the API key on /metrics and health too")
+    s.add_argument("--max-request-bytes", type=parse_size, default=32 << 20, help="larger bodies get 413")
+    s.add_argument("--request-timeout", type=float, default=0.0, help="per-request deadline in seconds (0: none)")
+    s.add_argument("--max-pending", type=_positive, default=4096,
+                   help="requests in flight before new ones get 503 with Retry-After")
+    s.add_argument("--stall-timeout", type=float, default=2.0,
+                   help="seconds without engine progress before /health and /ready report 503")
+    s.add_argument("--config", help="YAML or TOML file with the same keys as these flags (flags win)")
     return parser
 
 
@@ -96,12 +107,54 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         trust_request_chat_template=args.trust_request_chat_template,
         shm_threshold=args.shm_threshold,
         shutdown_timeout=args.shutdown_timeout,
+        api_keys=(args.api_key or []) + envs.api_keys(),
+        protect_metrics=args.protect_metrics,
+        max_request_bytes=args.max_request_bytes,
+        request_timeout=args.request_timeout,
+        max_pending=args.max_pending,
+        stall_timeout=args.stall_timeout,
     )
     return cfg
 
 
+def load_config_file(path: str) -> dict:
+    """A YAML or TOML file of flag values, keyed by flag name (dashes or underscores)."""
+    text = Path(path).read_text()
+    if path.endswith(".toml"):
+        import tomllib
+
+        data = tomllib.loads(text)
+    else:
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of flag names to values")
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        serve = parser._subparsers._group_actions[0].choices["serve"]
+        values = load_config_file(args.config)
+        known = {a.dest for a in serve._actions}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{args.config}: unknown settings {unknown}")
+        if "model" in values and args.model_pos is None:
+            values.setdefault("model_pos", None)
+        serve.set_defaults(**values)  # the file's values become defaults: flags on the command line win
+        args = parser.parse_args(argv)
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except (ValueError, OSError) as e:
+        sys.exit(f"sluice: {e}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s sluice %(levelname)s %(message)s")
     try:
         cfg = config_from_args(args)

@@ -38,6 +38,12 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     trust_request_chat_template: bool = False
     shm_threshold: int = 1 << 20
     shutdown_timeout: float = 30.0
+    api_keys: list[str] = []
+    protect_metrics: bool = False
+    max_request_bytes: int = 32 << 20
+    request_timeout: float = 0.0  # seconds; 0: none
+    max_pending: int = 4096  # requests in flight across the ingress workers before new ones get 503
+    stall_timeout: float = 2.0  # an engine silent for this long is reported stuck
 
     @property
     def addresses(self) -> Addresses:

@@ -39,3 +39,9 @@ def set_tiktoken_encodings_base(path: str) -> None:
 
 def notify_socket() -> str | None:
     return os.environ.get("NOTIFY_SOCKET")
+
+
+def watchdog_seconds() -> float | None:
+    """systemd's WatchdogSec, when the service has one (WATCHDOG_USEC)."""
+    usec = os.environ.get("WATCHDOG_USEC")
+    return int(usec) / 1e6 if usec else None

@@ -145,8 +145,15 @@ class Supervisor:
         self._stop_requested = True
 
     def _watch(self) -> int:
+        watchdog = envs.watchdog_seconds()
+        last_ping = 0.0
         while not self._stop_requested:
             self._poll_inbox(0.2)
+            # Tell systemd we are alive only while the engine makes progress: a stuck engine gets restarted.
+            if watchdog and time.monotonic() - last_ping >= watchdog / 2 and \
+                    time.time() - self.stats.read()["heartbeat"] < self.cfg.stall_timeout:
+                _sd_notify("WATCHDOG=1")
+                last_ping = time.monotonic()
             dead = [k for k, p in self.stages.items() if not p.is_alive()]
             if dead:
                 role, index = dead[0]
