@@ -11,6 +11,7 @@ cache, from its tokens so far.
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -98,6 +99,7 @@ class Scheduler:
             self.waiting.remove(seq)
             self.bm.allocate(seq, n, hits)
             if seq.num_cached_tokens is None:
+                seq.first_scheduled_time = time.time()
                 seq.num_cached_tokens = len(hits) * self.bm.block_size
                 self.stats.prefix_queries += seq.num_prompt_tokens
                 self.stats.prefix_hits += seq.num_cached_tokens
@@ -134,6 +136,7 @@ class Scheduler:
         """Applies one step: `sampled` holds a token for each sequence that samples, in order."""
         result = StepResult()
         it = iter(sampled)
+        now = time.time()
         for i, seq in enumerate(batch.seqs):
             samples = batch.samples(i)
             seq.num_computed_tokens += batch.num_new_tokens[i]
@@ -142,6 +145,9 @@ class Scheduler:
                 continue
             token = next(it)
             seq.token_ids.append(token)
+            seq.last_token_time = now
+            if not seq.first_token_time:
+                seq.first_token_time = now
             result.new_tokens.append((seq, token))
             reason = self._finish_reason(seq, token)
             if reason is not None:

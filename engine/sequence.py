@@ -19,7 +19,7 @@ class Sequence:
     __slots__ = ("request_id", "index", "leader", "token_ids", "num_prompt_tokens", "sampling", "shard",
                  "postproc_spec", "arrival_time", "seed", "priority", "cache_salt", "order", "status", "block_table",
                  "block_hashes", "num_registered_blocks", "num_computed_tokens", "num_cached_tokens", "started",
-                 "grammar")
+                 "grammar", "render_done_time", "first_scheduled_time", "first_token_time", "last_token_time")
 
     def __init__(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, *, seed: int,
                  shard: int = 0, postproc_spec: bytes = b"", arrival_time: float = 0.0, priority: int = 0,
@@ -45,6 +45,10 @@ class Sequence:
         self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
         self.started = False  # the postproc shard has been told about it
         self.grammar = None  # a GrammarState when the output is constrained
+        self.render_done_time = 0.0
+        self.first_scheduled_time = 0.0
+        self.first_token_time = 0.0
+        self.last_token_time = 0.0
 
     @property
     def num_tokens(self) -> int:

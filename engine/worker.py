@@ -25,7 +25,8 @@ from engine.sampler import TokenLogprobs
 from engine.scheduler import Scheduler, StepResult
 from engine.sequence import Sequence
 from ipc.messages import (Abort, EngineInput, EngineRequest, Logprobs, PostprocInput, PromptLogprobs, Ready, Started,
-                          StepOutputs, SupervisorInput, bytes_to_ids, ids_to_bytes)
+                          StepOutputs, SupervisorInput, Timings, bytes_to_ids, ids_to_bytes)
+from sluice.metrics import observe_finished
 from ipc.stats import EngineStats
 from ipc.transport import PullChannel, PushChannel
 from sluice.config import ServerConfig
@@ -70,6 +71,7 @@ class _ShardStep:
     finished: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)
+    timings: list = field(default_factory=list)
 
 
 def pack_logprobs(entries: list[TokenLogprobs]) -> Logprobs:
@@ -121,14 +123,18 @@ class Outbox:
                 out.indices.append(seq.index)
                 out.tokens.append(token)
         for seq, reason in result.finished:
-            shard_of(seq).finished.append((seq.request_id, seq.index, reason))
+            out = shard_of(seq)
+            out.finished.append((seq.request_id, seq.index, reason))
+            out.timings.append(Timings(seq.request_id, seq.index, seq.arrival_time, seq.render_done_time,
+                                       seq.first_scheduled_time, seq.first_token_time, seq.last_token_time))
+            observe_finished(seq)
         for seq in aborted:
             if (seq.leader or seq).started:
                 shard_of(seq).finished.append((seq.request_id, seq.index, "abort"))
         for shard, out in shards.items():
             self._queue.put((shard, StepOutputs(out.started, out.request_ids, ids_to_bytes(out.indices),
                                                 ids_to_bytes(out.tokens), out.finished, out.logprobs,
-                                                out.prompt_logprobs)))
+                                                out.prompt_logprobs, out.timings)))
 
     def _run(self) -> None:
         while True:
@@ -174,6 +180,7 @@ class Engine:
                 seq = Sequence(msg.request_id, prompt, msg.sampling, seed=(seed + index * _CHOICE_SEED_STRIDE) % 2**63,
                                shard=msg.shard, postproc_spec=msg.postproc_spec, arrival_time=msg.arrival_time,
                                priority=msg.priority, cache_salt=msg.cache_salt, index=index, leader=leader)
+                seq.render_done_time = msg.render_done_time
                 if msg.grammar:
                     seq.grammar = self.grammars.state(msg.grammar, msg.grammar_trigger, msg.sampling.stop_token_ids)
                 leader = leader or seq

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import os
 import time
 import uuid
@@ -22,14 +23,16 @@ from ipc.messages import (Abort, Control, ControlInput, EngineInput, Frame, Ingr
 from ipc.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, error_body
 from ipc.stats import EngineStats
 from ipc.transport import AsyncPullChannel, PushChannel, SubChannel
-from sluice import __version__, envs
+from sluice import __version__, envs, metrics
 from sluice.config import ServerConfig
+from sluice.logs import setup_logging
 
 _STATUS_INTERVAL_S = 0.2
 _HEALTH_GENERATE_TIMEOUT_S = 30.0
 _DISCONNECTED = object()
 _TIMED_OUT = object()
 _OPEN_PATHS = {"/health", "/ready", "/health_generate", "/metrics", "/version"}
+log = logging.getLogger("sluice.ingress")
 _ENDPOINTS = {
     "/v1/chat/completions": ("chat", msgspec.json.Decoder(ChatCompletionRequest), "chatcmpl-"),
     "/v1/completions": ("completions", msgspec.json.Decoder(CompletionRequest), "cmpl-"),
@@ -112,6 +115,23 @@ class Ingress:
         if scope["type"] != "http":
             return
         self.start()
+        status = 0
+
+        async def tracked(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._route(scope, receive, tracked)
+        finally:
+            if scope["path"].startswith("/v1/"):
+                metrics.REQUESTS.labels(scope["path"], str(status)).inc()
+                if status >= 400:
+                    log.info("request refused", extra={"fields": {"path": scope["path"], "status": status}})
+
+    async def _route(self, scope, receive, send) -> None:
         path, method = scope["path"], scope["method"]
         if not self.authorized(scope):
             return await respond_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer KEY'",
@@ -132,7 +152,7 @@ class Ingress:
         if path == "/version":
             return await respond(send, 200, msgspec.json.encode({"version": __version__}))
         if path == "/metrics":
-            return await respond(send, 200, render_metrics(self.stats.read()),
+            return await respond(send, 200, render_metrics(self.stats.read),
                                  [(b"content-type", b"text/plain; version=0.0.4")])
         return await respond_error(send, 404, f"no route for {path}", code="not_found")
 
@@ -182,6 +202,7 @@ class Ingress:
     def _open(self, rid: str) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue()
         self.pending[rid] = q
+        metrics.IN_FLIGHT.labels("ingress").set(len(self.pending))
         if self.cfg.request_timeout:
             self._deadlines[rid] = asyncio.get_running_loop().call_later(self.cfg.request_timeout, q.put_nowait,
                                                                          _TIMED_OUT)
@@ -189,6 +210,7 @@ class Ingress:
 
     def _close(self, rid: str) -> None:
         del self.pending[rid]
+        metrics.IN_FLIGHT.labels("ingress").set(len(self.pending))
         if (deadline := self._deadlines.pop(rid, None)) is not None:
             deadline.cancel()
 
@@ -258,4 +280,6 @@ def create_app() -> Ingress:
     path = envs.config_path()
     if not path:
         raise RuntimeError("SLUICE_CONFIG is not set: start the ingress through `sluice serve`")
-    return Ingress(ServerConfig.load(path))
+    cfg = ServerConfig.load(path)
+    setup_logging(f"ingress[{os.getpid()}]", cfg.log_format)
+    return Ingress(cfg)

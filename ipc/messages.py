@@ -68,6 +68,7 @@ class EngineRequest(msgspec.Struct, tag=True, **_WIRE):
     n: int = 1  # choices sampled from the one prompt
     priority: int = 0  # lower is served first
     cache_salt: str = ""
+    render_done_time: float = 0.0
     grammar: str = ""  # a compiled xgrammar grammar (serialized) that constrains the output
     grammar_trigger: list[int] = []  # the constraint applies once the output ends with these ids ([]: at once)
 
@@ -106,6 +107,18 @@ class PromptLogprobs(msgspec.Struct, **_WIRE):
     values: Logprobs
 
 
+class Timings(msgspec.Struct, **_WIRE):
+    """When a finished choice passed each stage (wall-clock seconds)."""
+
+    request_id: str
+    index: int
+    arrival: float
+    render_done: float
+    first_scheduled: float
+    first_token: float
+    last_token: float
+
+
 class StepOutputs(msgspec.Struct, tag=True, **_WIRE):
     """One engine step's results for the requests one postproc shard owns."""
 
@@ -116,6 +129,7 @@ class StepOutputs(msgspec.Struct, tag=True, **_WIRE):
     finished: list[tuple[str, int, str]]  # (request_id, choice, "stop" | "length" | "abort"); abort: choice -1
     logprobs: list[tuple[int, Logprobs]] = []  # (position in request_ids, logprobs of that token)
     prompt_logprobs: list[PromptLogprobs] = []
+    timings: list[Timings] = []  # for the choices in `finished`
 
 
 PostprocInput = StepOutputs
@@ -184,3 +198,5 @@ class PostprocSpec(msgspec.Struct, **_WIRE):
     output_prefix: list[int] = []  # prompt tokens that begin the assistant's output (the parsers read them first)
     return_token_ids: bool = False
     prompt_token_ids: list[int] | None = None  # with return_token_ids
+    arrival_time: float = 0.0
+    perf_metrics: bool = False  # put each request's timings in its response

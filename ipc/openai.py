@@ -226,16 +226,33 @@ class ChatChoice(msgspec.Struct):
     token_ids: list[int] | None = None
 
 
-class ChatCompletion(msgspec.Struct):
+class PerfMetrics(msgspec.Struct):
+    """--perf-metrics: when the request passed each stage (Unix seconds)."""
+
+    arrival_time: float
+    render_done_time: float
+    first_scheduled_time: float
+    first_token_time: float
+    last_token_time: float
+    num_cached_tokens: int
+
+
+class _Envelope(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Top-level response fields; the optional extensions appear only when asked for."""
+
     id: str
+    object: str
     created: int
     model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    object: str = "chat.completion"
     prompt_logprobs: PromptLogprobList | None = None
     prompt_token_ids_b64: str | None = None
     prompt_token_ids: list[int] | None = None
+    perf_metrics: PerfMetrics | None = None
+
+
+class ChatCompletion(_Envelope, kw_only=True, omit_defaults=True):
+    choices: list[ChatChoice]
+    usage: Usage
 
 
 class Delta(msgspec.Struct, omit_defaults=True):
@@ -253,16 +270,9 @@ class ChunkChoice(msgspec.Struct):
     token_ids: list[int] | None = None
 
 
-class ChatCompletionChunk(msgspec.Struct):
-    id: str
-    created: int
-    model: str
+class ChatCompletionChunk(_Envelope, kw_only=True, omit_defaults=True):
     choices: list[ChunkChoice]
-    usage: Usage | None = None
-    object: str = "chat.completion.chunk"
-    prompt_logprobs: PromptLogprobList | None = None
-    prompt_token_ids_b64: str | None = None
-    prompt_token_ids: list[int] | None = None
+    usage: Usage | None  # null but present, as OpenAI sends it with include_usage
 
 
 class CompletionChoice(msgspec.Struct):
@@ -274,15 +284,9 @@ class CompletionChoice(msgspec.Struct):
     token_ids: list[int] | None = None
 
 
-class Completion(msgspec.Struct):
-    id: str
-    created: int
-    model: str
+class Completion(_Envelope, kw_only=True, omit_defaults=True):
     choices: list[CompletionChoice]
-    usage: Usage | None = None
-    object: str = "text_completion"
-    prompt_token_ids_b64: str | None = None
-    prompt_token_ids: list[int] | None = None
+    usage: Usage | None
 
 
 class ModelCard(msgspec.Struct):

@@ -8,7 +8,7 @@ import numpy as np
 
 from ipc.messages import Logprobs, PostprocSpec
 from ipc.openai import (ChatChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs, ChunkChoice, Completion,
-                        CompletionChoice, CompletionLogprobs, Delta, FunctionCallOut, PromptLogprob,
+                        CompletionChoice, CompletionLogprobs, Delta, FunctionCallOut, PerfMetrics, PromptLogprob,
                         PromptTokensDetails, ResponseMessage, TokenLogprob, ToolCallOut, TopLogprob, Usage)
 from postproc.parsers import Piece
 
@@ -54,12 +54,13 @@ class OpenAIFramer:
               token_ids: list[int]) -> bytes:
         """SSE bytes for one choice this step (empty when there is nothing to say)."""
         out = b""
-        if not self._opened[index]:
+        opening = not self._opened[index]
+        if opening:
             self._opened[index] = True
             if self._chat:
                 out += sse(self._envelope([ChunkChoice(index, Delta(role="assistant", content=""))], first=True))
             piece.content = self.spec.echo + piece.content
-        if piece or finish_reason or logprobs:
+        if piece or finish_reason or logprobs or (opening and not self._chat):
             lp = self._format_logprobs(logprobs, offset=0) if logprobs else None
             ids = token_ids if self.spec.return_token_ids else None
             if self._chat:
@@ -68,12 +69,15 @@ class OpenAIFramer:
                 choice = ChunkChoice(index, delta, finish_reason, lp, ids)
             else:
                 choice = CompletionChoice(index, piece.content, finish_reason, lp, token_ids=ids)
-            out += sse(self._envelope([choice], first=not self._chat and len(out) == 0))
+            out += sse(self._envelope([choice], first=opening and not self._chat))
         return out
 
-    def end(self, completion_tokens: int) -> bytes:
-        usage = sse(self._envelope([], usage=self.usage(completion_tokens))) if self.spec.include_usage else b""
-        return usage + DONE
+    def end(self, completion_tokens: int, perf: PerfMetrics | None = None) -> bytes:
+        """The stream's tail: the usage chunk when asked for (with the timings when asked for), then [DONE]."""
+        if self.spec.include_usage or perf is not None:
+            usage = self.usage(completion_tokens) if self.spec.include_usage else None
+            return sse(self._envelope([], usage=usage, perf=perf)) + DONE
+        return DONE
 
     # ---- one body --------------------------------------------------------------
 
@@ -85,22 +89,17 @@ class OpenAIFramer:
         if finish_reason:
             self._finish[index] = finish_reason
 
-    def body(self, completion_tokens: int) -> bytes:
+    def body(self, completion_tokens: int, perf: PerfMetrics | None = None) -> bytes:
         s = self.spec
-        usage = self.usage(completion_tokens)
         ids = self._token_ids if s.return_token_ids else [None] * s.n
         if self._chat:
             choices = [ChatChoice(i, _message(m), self._finish[i], self._lp(i, 0), ids[i])
                        for i, m in enumerate(self._messages)]
-            return _json.encode(ChatCompletion(s.request_id, s.created, s.model, choices, usage,
-                                               prompt_logprobs=self.prompt_logprobs,
-                                               prompt_token_ids_b64=s.prompt_token_ids_b64,
-                                               prompt_token_ids=s.prompt_token_ids))
-        choices = [CompletionChoice(i, s.echo + m.content, self._finish[i], self._lp(i, len(s.echo)),
-                                    self.prompt_logprobs, ids[i]) for i, m in enumerate(self._messages)]
-        return _json.encode(Completion(s.request_id, s.created, s.model, choices, usage,
-                                       prompt_token_ids_b64=s.prompt_token_ids_b64,
-                                       prompt_token_ids=s.prompt_token_ids))
+        else:
+            choices = [CompletionChoice(i, s.echo + m.content, self._finish[i], self._lp(i, len(s.echo)),
+                                        self.prompt_logprobs, ids[i]) for i, m in enumerate(self._messages)]
+        return _json.encode(self._envelope(choices, self.usage(completion_tokens), first=True, perf=perf,
+                                           whole=True))
 
     # ---- pieces ----------------------------------------------------------------
 
@@ -133,14 +132,21 @@ class OpenAIFramer:
             text_offset=offsets,
         )
 
-    def _envelope(self, choices: list, usage: Usage | None = None, first: bool = False):
+    def _envelope(self, choices: list, usage: Usage | None = None, first: bool = False,
+                  perf: PerfMetrics | None = None, whole: bool = False):
+        """A response (whole) or chunk; `first` carries the per-request extras, `perf` the timings."""
         s = self.spec
-        extra = {"prompt_token_ids_b64": s.prompt_token_ids_b64, "prompt_token_ids": s.prompt_token_ids} if first else {}
-        if self._chat:
-            if first:
+        extra = {}
+        if first:
+            extra = dict(prompt_token_ids_b64=s.prompt_token_ids_b64, prompt_token_ids=s.prompt_token_ids)
+            if self._chat:
                 extra["prompt_logprobs"] = self.prompt_logprobs
-            return ChatCompletionChunk(s.request_id, s.created, s.model, choices, usage, **extra)
-        return Completion(s.request_id, s.created, s.model, choices, usage, **extra)
+        if self._chat:
+            cls, kind = (ChatCompletion, "chat.completion") if whole else (ChatCompletionChunk, "chat.completion.chunk")
+        else:
+            cls, kind = Completion, "text_completion"
+        return cls(id=s.request_id, object=kind, created=s.created, model=s.model, choices=choices, usage=usage,
+                   perf_metrics=perf, **extra)
 
 
 def _message(m: Piece) -> ResponseMessage:

@@ -1,10 +1,15 @@
 """One request's output state in its postproc shard: an output pipeline per choice."""
 from __future__ import annotations
 
+import time
+
+import msgspec
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from ipc.messages import Frame, PostprocSpec, Started
+from ipc.messages import Frame, PostprocSpec, Started, Timings
+from ipc.openai import PerfMetrics
+from sluice import metrics
 from postproc.openai_frames import OpenAIFramer
 from postproc.parsers import TEXT_PARSERS, Piece
 from postproc.stop import StopStrings
@@ -18,6 +23,7 @@ class Choice:
         self.stops = StopStrings(spec.stop, spec.include_stop_str_in_output)
         self.finish_reason: str | None = None
         self.num_tokens = 0
+        self.last_token_at = 0.0
         self.has_tool_calls = False
         self.pending_logprobs: list = []  # streaming: logprobs and ids of tokens whose text is still held back
         self.pending_ids: list[int] = []
@@ -70,8 +76,11 @@ class Choice:
 class RequestOutput:
     def __init__(self, spec: PostprocSpec, tokenizer: Tokenizer, started: Started, text_of) -> None:
         self.spec = spec
+        self.started = started
         self.choices = [Choice(spec, tokenizer) for _ in range(spec.n)]
         self.framer = OpenAIFramer(spec, started.num_prompt_tokens, started.num_cached_tokens, text_of)
+        self.first_token_at = 0.0
+        self.timings: list[Timings] = []  # the engine's, one per finished choice
 
     @property
     def done(self) -> bool:
@@ -86,6 +95,13 @@ class RequestOutput:
         choice = self.choices[index]
         if choice.finish_reason is not None:  # a token in flight after the choice ended early
             return b""
+        now = time.time()
+        if not self.first_token_at:
+            self.first_token_at = now
+            metrics.TTFT.observe(now - self.spec.arrival_time)
+        elif choice.last_token_at:
+            metrics.ITL.observe(now - choice.last_token_at)
+        choice.last_token_at = now
         piece = choice.on_token(token, finish_reason)
         entries = [(token, logprobs)] if logprobs is not None and self.spec.logprobs else []
         if not self.spec.stream:
@@ -100,6 +116,28 @@ class RequestOutput:
         return self.framer.chunk(index, piece, choice.finish_reason, entries, ids)
 
     def final(self) -> Frame:
+        perf = self.perf() if self.spec.perf_metrics else None
         if self.spec.stream:
-            return Frame(self.spec.request_id, self.framer.end(self.completion_tokens), True)
-        return Frame(self.spec.request_id, self.framer.body(self.completion_tokens), True)
+            return Frame(self.spec.request_id, self.framer.end(self.completion_tokens, perf), True)
+        return Frame(self.spec.request_id, self.framer.body(self.completion_tokens, perf), True)
+
+    def perf(self) -> PerfMetrics:
+        t = self.timings or [Timings(self.spec.request_id, 0, self.spec.arrival_time, 0.0, 0.0, 0.0, 0.0)]
+        return PerfMetrics(arrival_time=self.spec.arrival_time,
+                           render_done_time=min(x.render_done for x in t),
+                           first_scheduled_time=min(x.first_scheduled for x in t),
+                           first_token_time=min(x.first_token for x in t),
+                           last_token_time=max(x.last_token for x in t),
+                           num_cached_tokens=self.started.num_cached_tokens)
+
+    def summary(self) -> dict:
+        """The request's line in the logs and in --kv-timing-output."""
+        perf = self.perf()
+        done = time.time()
+        return {"request_id": self.spec.request_id, "endpoint": self.spec.endpoint, "status": 200,
+                "finish_reasons": [c.finish_reason for c in self.choices],
+                "prompt_tokens": self.started.num_prompt_tokens, "cached_tokens": self.started.num_cached_tokens,
+                "completion_tokens": self.completion_tokens,
+                "ttft_ms": round((self.first_token_at - self.spec.arrival_time) * 1000, 3),
+                "e2e_ms": round((done - self.spec.arrival_time) * 1000, 3),
+                **msgspec.structs.asdict(perf)}

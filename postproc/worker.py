@@ -1,6 +1,7 @@
 """Postproc process: owns a shard of request ids; tokens in, frames out."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections import defaultdict
@@ -16,6 +17,7 @@ from ipc.openai import error_body
 from ipc.transport import PullChannel, PushChannel, PushPool
 from postproc.openai_frames import unpack
 from postproc.request import RequestOutput
+from sluice import metrics
 from sluice.config import ServerConfig
 
 _spec_decoder = msgspec.msgpack.Decoder(PostprocSpec)
@@ -23,10 +25,11 @@ log = logging.getLogger("sluice.postproc")
 
 
 class Shard:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, kv_timing_output: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestOutput] = {}
         self._token_text: dict[int, str] = {}
+        self._timing_file = open(kv_timing_output, "a", buffering=1) if kv_timing_output else None
 
     def text_of(self, token: int) -> str:
         text = self._token_text.get(token)
@@ -44,6 +47,9 @@ class Shard:
             if req is not None:
                 req.framer.add_prompt_logprobs(chunk.start, bytes_to_ids(chunk.token_ids).tolist(),
                                                unpack(chunk.values))
+        for t in msg.timings:
+            if (req := self.requests.get(t.request_id)) is not None:
+                req.timings.append(t)
         verdicts = {(rid, i): reason for rid, i, reason in msg.finished}
         logprobs = {pos: unpack(lp)[0] for pos, lp in msg.logprobs}
         data: dict[str, bytearray] = defaultdict(bytearray)
@@ -81,15 +87,28 @@ class Shard:
         for rid, req in touched.items():
             if req.done:
                 del self.requests[rid]
+                self._finished(req)
                 final = req.final()
                 out[req.spec.reply_to].append(Frame(rid, bytes(data[rid]) + final.data, True))
             elif data[rid]:
                 out[req.spec.reply_to].append(Frame(rid, bytes(data[rid])))
+        metrics.IN_FLIGHT.labels("postproc").set(len(self.requests))
         return out, Abort(stop_ids, stop_choices) if stop_ids else None
+
+    def _finished(self, req: RequestOutput) -> None:
+        summary = req.summary()
+        for choice in req.choices:
+            metrics.REQUEST_SUCCESS.labels(choice.finish_reason).inc()
+        metrics.PROMPT_TOKENS.inc(summary["prompt_tokens"])
+        metrics.GENERATION_TOKENS.inc(summary["completion_tokens"])
+        metrics.E2E.observe(summary["e2e_ms"] / 1000)
+        log.info("request done", extra={"fields": summary})
+        if self._timing_file is not None:
+            self._timing_file.write(json.dumps(summary) + "\n")
 
 
 def run_postproc(cfg: ServerConfig, index: int) -> None:
-    shard = Shard(Tokenizer.from_file(str(Path(cfg.model_path) / "tokenizer.json")))
+    shard = Shard(Tokenizer.from_file(str(Path(cfg.model_path) / "tokenizer.json")), cfg.kv_timing_output)
     ctx = zmq.Context()
     addr = cfg.addresses
     inbox: PullChannel[PostprocInput] = PullChannel(ctx, addr.postproc(index), PostprocInput)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import time
 
 import msgspec
 import numpy as np
@@ -24,8 +25,10 @@ _spec_encoder = msgspec.msgpack.Encoder()
 
 class ChatCore:
     def __init__(self, extension: ServingExtension, bundle: TokenizerBundle, *, max_model_len: int,
-                 model_vocab_size: int, num_shards: int, grammars: GrammarCompiler | None = None) -> None:
+                 model_vocab_size: int, num_shards: int, grammars: GrammarCompiler | None = None,
+                 perf_metrics: bool = False) -> None:
         self.ext = extension
+        self.perf_metrics = perf_metrics
         self.grammars = grammars
         self.bundle = bundle
         self.max_model_len = max_model_len
@@ -73,6 +76,8 @@ class ChatCore:
             output_prefix=prefix,
             return_token_ids=request.return_token_ids,
             prompt_token_ids=prompt if request.return_token_ids else None,
+            arrival_time=job.arrival_time,
+            perf_metrics=self.perf_metrics,
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
             n=request.n,
@@ -92,6 +97,7 @@ class ChatCore:
             cache_salt=request.cache_salt or "",
             grammar=grammar,
             grammar_trigger=trigger,
+            render_done_time=time.time(),
         )
 
     def _pretokenized(self, request) -> list[int] | None:

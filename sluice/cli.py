@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ from render.extensions import ExtensionOptions, check_parsers
 from sluice import envs
 from sluice.builtin_models import resolve_model
 from sluice.config import ServerConfig, parse_size
+from sluice.logs import setup_logging
 from sluice.supervisor import Supervisor, make_runtime_dir
 
 DEFAULT_MODEL = "builtin:tiny-chat"
@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests in flight before new ones get 503 with Retry-After")
     s.add_argument("--stall-timeout", type=float, default=2.0,
                    help="seconds without engine progress before /health and /ready report 503")
+    s.add_argument("--perf-metrics", action="store_true",
+                   help="add each request's stage timings to its response (the last chunk of a stream)")
+    s.add_argument("--kv-timing-output", help="append one JSON line of timings per finished request to this file")
+    s.add_argument("--log-format", choices=["text", "json"], default="text")
     s.add_argument("--config", help="YAML or TOML file with the same keys as these flags (flags win)")
     return parser
 
@@ -113,6 +117,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         request_timeout=args.request_timeout,
         max_pending=args.max_pending,
         stall_timeout=args.stall_timeout,
+        perf_metrics=args.perf_metrics,
+        kv_timing_output=str(Path(args.kv_timing_output).resolve()) if args.kv_timing_output else None,
+        log_format=args.log_format,
     )
     return cfg
 
@@ -155,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         args = parse_args(argv)
     except (ValueError, OSError) as e:
         sys.exit(f"sluice: {e}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s sluice %(levelname)s %(message)s")
+    setup_logging("sluice", args.log_format)
     try:
         cfg = config_from_args(args)
     except (ValueError, FileNotFoundError) as e:

@@ -44,6 +44,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     request_timeout: float = 0.0  # seconds; 0: none
     max_pending: int = 4096  # requests in flight across the ingress workers before new ones get 503
     stall_timeout: float = 2.0  # an engine silent for this long is reported stuck
+    perf_metrics: bool = False
+    kv_timing_output: str | None = None
+    log_format: str = "text"  # "text" | "json"
 
     @property
     def addresses(self) -> Addresses:

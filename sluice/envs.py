@@ -37,6 +37,15 @@ def set_tiktoken_encodings_base(path: str) -> None:
     os.environ["TIKTOKEN_ENCODINGS_BASE"] = path
 
 
+def set_prometheus_dir(path: str) -> None:
+    """prometheus_client's multiprocess directory: set before any stage imports prometheus_client."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+
+
+def prometheus_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+
+
 def notify_socket() -> str | None:
     return os.environ.get("NOTIFY_SOCKET")
 

@@ -27,6 +27,7 @@ from ipc.stats import EngineStats
 from ipc.transport import PubChannel, PullChannel
 from sluice import envs
 from sluice.config import ServerConfig
+from sluice.logs import setup_logging
 
 log = logging.getLogger("sluice")
 _READY_TIMEOUT_S = 900.0
@@ -46,8 +47,8 @@ def stage_main(role: str, index: int, config_path: str) -> None:
     _die_with_parent()
     os.setpgrp()  # a terminal's Ctrl-C reaches the supervisor only; it stops the stages in order
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}[{index}] %(levelname)s %(message)s")
     cfg = ServerConfig.load(config_path)
+    setup_logging(f"{role}[{index}]", cfg.log_format)
     if role == "engine":
         from engine.worker import run_engine
         run_engine(cfg)
@@ -71,6 +72,9 @@ class Supervisor:
         self.config_path = str(Path(cfg.runtime_dir) / "config.json")
         cfg.dump(Path(self.config_path))
         os.makedirs(cfg.addresses.shm_dir, mode=0o700)
+        metrics_dir = os.path.join(cfg.runtime_dir, "metrics")
+        os.makedirs(metrics_dir)
+        envs.set_prometheus_dir(metrics_dir)  # inherited by every stage and the granian workers
         self.stats = EngineStats(cfg.addresses.stats_path, create=True)
         self.ctx = zmq.Context()
         self.inbox: PullChannel[SupervisorInput] = PullChannel(self.ctx, cfg.addresses.supervisor, SupervisorInput)

@@ -1,0 +1,37 @@
+"""Prometheus metrics, named after vLLM's where one exists (with our prefix), so dashboards map over.
+
+Every stage process records into prometheus_client's multiprocess files
+(PROMETHEUS_MULTIPROC_DIR, set by the supervisor for all of them); any ingress
+worker's /metrics aggregates them, plus the engine's live gauges.
+"""
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+            80.0, 160.0, 640.0)
+_TOKEN_GAP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+              10.0, 20.0, 40.0, 80.0)
+
+REQUESTS = Counter("sluice:requests", "HTTP requests answered, by endpoint and status", ["endpoint", "status"])
+REQUEST_SUCCESS = Counter("sluice:request_success", "Finished choices by finish reason", ["finished_reason"])
+PROMPT_TOKENS = Counter("sluice:prompt_tokens", "Prompt tokens of finished requests")
+GENERATION_TOKENS = Counter("sluice:generation_tokens_finished", "Generated tokens of finished requests")
+TTFT = Histogram("sluice:time_to_first_token_seconds", "Arrival to the first token", buckets=_LATENCY)
+ITL = Histogram("sluice:inter_token_latency_seconds", "Between a request's successive tokens", buckets=_TOKEN_GAP)
+E2E = Histogram("sluice:e2e_request_latency_seconds", "Arrival to the last token", buckets=_LATENCY)
+QUEUE = Histogram("sluice:request_queue_time_seconds", "Waiting in the engine before first scheduled",
+                  buckets=_LATENCY)
+PREFILL = Histogram("sluice:request_prefill_time_seconds", "First scheduled to first token", buckets=_LATENCY)
+DECODE = Histogram("sluice:request_decode_time_seconds", "First token to last token", buckets=_LATENCY)
+IN_FLIGHT = Gauge("sluice:ingress_requests_in_flight", "Requests the ingress workers hold", ["stage"],
+                  multiprocess_mode="livesum")
+
+
+def observe_finished(seq) -> None:
+    """Engine side: a finished choice's queue, prefill and decode times."""
+    if seq.first_scheduled_time:
+        QUEUE.observe(max(0.0, seq.first_scheduled_time - (seq.render_done_time or seq.arrival_time)))
+    if seq.first_token_time:
+        PREFILL.observe(seq.first_token_time - seq.first_scheduled_time)
+        DECODE.observe(seq.last_token_time - seq.first_token_time)
