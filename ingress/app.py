@@ -18,6 +18,7 @@ import zmq.asyncio
 
 from ingress.http import SSE, BodyTooLarge, read_body, respond, respond_error, validation_error
 from ingress.metrics import render_metrics
+from ipc.addresses import shard_of
 from ipc.messages import (Abort, Control, ControlInput, EngineInput, Frame, IngressInput, IngressStatus,
                           RenderInput, RenderJob, SupervisorInput)
 from ipc.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, error_body
@@ -56,8 +57,11 @@ class Ingress:
         addr = cfg.addresses
         self._inbox: AsyncPullChannel[IngressInput] = AsyncPullChannel(self._actx, self.address, IngressInput)
         self._control: SubChannel[ControlInput] = SubChannel(self._actx, addr.control, ControlInput)
-        self._render: PushChannel[RenderInput] = PushChannel(
-            self._ctx, [addr.render(i) for i in range(cfg.render_workers)])
+        # One channel per render worker, dealt round-robin, so a dead worker's requests are known.
+        self._renders: list[PushChannel[RenderInput]] = [PushChannel(self._ctx, addr.render(i))
+                                                         for i in range(cfg.render_workers)]
+        self._next_render = 0
+        self._rendered_by: dict[str, int] = {}  # request -> render worker, until its first frame
         self._engine: PushChannel[EngineInput] = PushChannel(self._ctx, addr.engine)
         self._supervisor: PushChannel[SupervisorInput] = PushChannel(self._ctx, addr.supervisor)
         self.stats = EngineStats(addr.stats_path)
@@ -76,6 +80,7 @@ class Ingress:
             for frame in msg.frames:
                 q = self.pending.get(frame.request_id)
                 if q is not None:
+                    self._rendered_by.pop(frame.request_id, None)
                     q.put_nowait(frame)
 
     async def _read_control(self) -> None:
@@ -85,9 +90,31 @@ class Ingress:
                 self.draining = True
             elif msg.event == "engine_dead":
                 self.engine_dead = True
-                body = error_body(500, "the engine process died; the server is restarting", code="engine_dead")
-                for rid, q in self.pending.items():
-                    q.put_nowait(Frame(rid, body, done=True, status=500))
+                self._fail(list(self.pending), "the engine process died; the server is restarting", "engine_dead")
+            elif msg.event == "stage_died":
+                self._stage_died(msg.role, msg.index)
+
+    def _stage_died(self, role: str, index: int) -> None:
+        """Fails the requests a dead render or postproc worker held (the supervisor restarts it)."""
+        if role == "render":  # requests it was given that have not produced a frame yet
+            rids = [rid for rid, k in self._rendered_by.items() if k == index]
+        else:
+            rids = [rid for rid in self.pending if shard_of(rid, self.cfg.postproc_workers) == index]
+        self._fail(rids, f"the {role} worker handling this request died; retry it", "worker_died")
+        if rids:
+            self._engine.put(Abort(rids))
+
+    def _fail(self, rids: list[str], message: str, code: str) -> None:
+        body = error_body(500, message, code=code)
+        for rid in rids:
+            self._rendered_by.pop(rid, None)
+            if (q := self.pending.get(rid)) is not None:
+                q.put_nowait(Frame(rid, body, done=True, status=500))
+
+    def _submit(self, rid: str, endpoint: str, body: bytes) -> None:
+        k = self._next_render = (self._next_render + 1) % len(self._renders)
+        self._rendered_by[rid] = k
+        self._renders[k].put(RenderJob(rid, endpoint, body, self.address, time.time()))
 
     async def _report(self) -> None:
         while True:
@@ -192,7 +219,7 @@ class Ingress:
         q = self._open(rid)
         watcher = asyncio.create_task(_watch_disconnect(receive, q))
         try:
-            self._render.put(RenderJob(rid, endpoint, body, self.address, time.time()))
+            self._submit(rid, endpoint, body)
             if not await self._relay(q, send, bool(request.stream)):
                 self._engine.put(Abort([rid]))
         finally:
@@ -210,6 +237,7 @@ class Ingress:
 
     def _close(self, rid: str) -> None:
         del self.pending[rid]
+        self._rendered_by.pop(rid, None)
         metrics.IN_FLIGHT.labels("ingress").set(len(self.pending))
         if (deadline := self._deadlines.pop(rid, None)) is not None:
             deadline.cancel()
@@ -254,7 +282,7 @@ class Ingress:
                                     "ignore_eos": True})
         t0 = time.perf_counter()
         try:
-            self._render.put(RenderJob(rid, "completions", body, self.address, time.time()))
+            self._submit(rid, "completions", body)
             frame = await asyncio.wait_for(q.get(), _HEALTH_GENERATE_TIMEOUT_S)
             ok = isinstance(frame, Frame) and frame.status == 200
         except asyncio.TimeoutError:

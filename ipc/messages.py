@@ -132,7 +132,13 @@ class StepOutputs(msgspec.Struct, tag=True, **_WIRE):
     timings: list[Timings] = []  # for the choices in `finished`
 
 
-PostprocInput = StepOutputs
+class IngressGone(msgspec.Struct, tag=True, **_WIRE):
+    """An ingress worker died: drop (and abort) the requests whose frames go to it."""
+
+    address: str
+
+
+PostprocInput = StepOutputs | IngressGone
 
 
 # ---- render / postproc -> ingress ------------------------------------------
@@ -170,7 +176,9 @@ SupervisorInput = Ready | IngressStatus
 class Control(msgspec.Struct, tag=True, **_WIRE):
     """Broadcast from the supervisor to every ingress worker."""
 
-    event: str  # "drain" | "engine_dead" | "stop"
+    event: str  # "drain" | "engine_dead" | "stage_died"
+    role: str = ""  # stage_died: "render" | "postproc"
+    index: int = -1
 
 
 ControlInput = Control

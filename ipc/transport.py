@@ -182,6 +182,13 @@ class PushPool(Generic[T]):
             ch = self._channels[address] = PushChannel(self._ctx, address, **self._kwargs)
         return ch
 
+    def drop(self, address: str) -> None:
+        """Closes the channel to a destination that is gone (and whatever it still queued for it)."""
+        ch = self._channels.pop(address, None)
+        if ch is not None:
+            ch._sock.setsockopt(zmq.LINGER, 0)
+            ch.close()
+
     def close(self) -> None:
         for ch in self._channels.values():
             ch.close()

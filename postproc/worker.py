@@ -11,8 +11,8 @@ import msgspec
 import zmq
 from tokenizers import Tokenizer
 
-from ipc.messages import (Abort, EngineInput, Frame, Frames, IngressInput, PostprocInput, PostprocSpec, Ready,
-                          StepOutputs, SupervisorInput, bytes_to_ids)
+from ipc.messages import (Abort, EngineInput, Frame, Frames, IngressGone, IngressInput, PostprocInput, PostprocSpec,
+                          Ready, StepOutputs, SupervisorInput, bytes_to_ids)
 from ipc.openai import error_body
 from ipc.transport import PullChannel, PushChannel, PushPool
 from postproc.openai_frames import unpack
@@ -95,6 +95,13 @@ class Shard:
         metrics.IN_FLIGHT.labels("postproc").set(len(self.requests))
         return out, Abort(stop_ids, stop_choices) if stop_ids else None
 
+    def drop_destination(self, address: str) -> list[str]:
+        """Forgets the requests whose frames go to `address`; returns their ids."""
+        gone = [rid for rid, req in self.requests.items() if req.spec.reply_to == address]
+        for rid in gone:
+            del self.requests[rid]
+        return gone
+
     def _finished(self, req: RequestOutput) -> None:
         summary = req.summary()
         for choice in req.choices:
@@ -116,7 +123,14 @@ def run_postproc(cfg: ServerConfig, index: int) -> None:
     replies: PushPool[IngressInput] = PushPool(ctx, **cfg.bulk())
     PushChannel[SupervisorInput](ctx, addr.supervisor).put(Ready("postproc", index, os.getpid()))
     while True:
-        out, abort = shard.on_step(inbox.get())
+        msg = inbox.get()
+        if isinstance(msg, IngressGone):
+            gone = shard.drop_destination(msg.address)
+            if gone:
+                engine.put(Abort(gone))
+            replies.drop(msg.address)
+            continue
+        out, abort = shard.on_step(msg)
         if abort is not None:
             engine.put(abort)
         for address, frames in out.items():

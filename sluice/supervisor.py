@@ -22,9 +22,10 @@ from pathlib import Path
 
 import zmq
 
-from ipc.messages import Control, ControlInput, IngressStatus, Ready, SupervisorInput
+from ipc.messages import (Control, ControlInput, IngressGone, IngressStatus, PostprocInput, Ready,
+                          SupervisorInput)
 from ipc.stats import EngineStats
-from ipc.transport import PubChannel, PullChannel
+from ipc.transport import PubChannel, PullChannel, PushChannel
 from sluice import envs
 from sluice.config import ServerConfig
 from sluice.logs import setup_logging
@@ -79,6 +80,8 @@ class Supervisor:
         self.ctx = zmq.Context()
         self.inbox: PullChannel[SupervisorInput] = PullChannel(self.ctx, cfg.addresses.supervisor, SupervisorInput)
         self.control: PubChannel[ControlInput] = PubChannel(self.ctx, cfg.addresses.control)
+        self.postprocs = [PushChannel[PostprocInput](self.ctx, cfg.addresses.postproc(k))
+                          for k in range(cfg.postproc_workers)]
         self.stages: dict[tuple[str, int], mp.Process] = {}
         self.granian: subprocess.Popen | None = None
         self.ingress_status: dict[int, tuple[float, int]] = {}  # pid -> (time, in flight)
@@ -86,14 +89,17 @@ class Supervisor:
 
     # ---- start ----------------------------------------------------------------
 
+    def _spawn(self, role: str, index: int) -> None:
+        p = mp.get_context("spawn").Process(target=stage_main, args=(role, index, self.config_path),
+                                            name=f"sluice-{role}-{index}")
+        p.start()
+        self.stages[(role, index)] = p
+
     def start_stages(self) -> None:
-        spawn = mp.get_context("spawn")
         roles = [("engine", 0)] + [("render", i) for i in range(self.cfg.render_workers)] + \
                 [("postproc", k) for k in range(self.cfg.postproc_workers)]
         for role, index in roles:
-            p = spawn.Process(target=stage_main, args=(role, index, self.config_path), name=f"sluice-{role}-{index}")
-            p.start()
-            self.stages[(role, index)] = p
+            self._spawn(role, index)
         waiting = set(roles)
         deadline = time.monotonic() + _READY_TIMEOUT_S
         while waiting:
@@ -114,7 +120,8 @@ class Supervisor:
         c = self.cfg
         cmd = [sys.executable, "-m", "granian", "--interface", "asgi", "--factory", "--workers",
                str(c.ingress_workers), "--loop", "uvloop", "--host", c.host, "--port", str(c.port), "--no-ws",
-               "--log-level", "warning", "ingress.app:create_app"]
+               "--respawn-failed-workers", "--respawn-interval", "0.5", "--log-level", "warning",
+               "ingress.app:create_app"]
         env = dict(os.environ, SLUICE_CONFIG=self.config_path)
         self.granian = subprocess.Popen(cmd, env=env, preexec_fn=lambda: (_die_with_parent(), os.setpgrp()))
         deadline = time.monotonic() + 60
@@ -159,12 +166,18 @@ class Supervisor:
                 _sd_notify("WATCHDOG=1")
                 last_ping = time.monotonic()
             dead = [k for k, p in self.stages.items() if not p.is_alive()]
-            if dead:
-                role, index = dead[0]
-                log.error("%s[%d] died (exit code %s): failing in-flight requests and exiting", role, index,
-                          self.stages[dead[0]].exitcode)
+            if ("engine", 0) in dead:
+                log.error("engine died (exit code %s): failing in-flight requests and exiting",
+                          self.stages[("engine", 0)].exitcode)
                 self._fail_in_flight()
                 return 1
+            for role, index in dead:  # render / postproc: fail what it held, start a new one
+                p = self.stages[(role, index)]
+                log.error("%s[%d] (pid %d) died (exit code %s): restarting it", role, index, p.pid, p.exitcode)
+                _forget_process(p.pid)
+                self.control.put(Control("stage_died", role, index))
+                self._spawn(role, index)
+            self._check_ingress_workers()
             if self.granian.poll() is not None:
                 log.error("the HTTP server exited (code %s)", self.granian.returncode)
                 return 1
@@ -172,11 +185,23 @@ class Supervisor:
         self._drain()
         return 0
 
+    def _check_ingress_workers(self) -> None:
+        """granian respawns a dead ingress worker; the requests it held are dropped here, in postproc."""
+        for pid in list(self.ingress_status):
+            if not os.path.exists(f"/proc/{pid}"):
+                log.error("ingress worker %d died: dropping its requests", pid)
+                del self.ingress_status[pid]
+                _forget_process(pid)
+                for channel in self.postprocs:
+                    channel.put(IngressGone(self.cfg.addresses.ingress(pid)))
+
     def _poll_inbox(self, timeout: float) -> None:
         msg = self.inbox.get(timeout=timeout)
         while msg is not None:
             if isinstance(msg, IngressStatus):
                 self.ingress_status[msg.pid] = (time.monotonic(), msg.in_flight)
+            elif isinstance(msg, Ready):  # a restarted stage
+                log.info("%s[%d] ready (pid %d)", msg.role, msg.index, msg.pid)
             msg = self.inbox.get_nowait()
 
     def _fail_in_flight(self) -> None:
@@ -217,6 +242,14 @@ class Supervisor:
         shutil.rmtree(self.cfg.runtime_dir, ignore_errors=True)
         shutil.rmtree(self.cfg.addresses.shm_dir, ignore_errors=True)
         log.info("stopped")
+
+
+def _forget_process(pid: int) -> None:
+    """Drops a dead process's live gauges from the multiprocess metrics."""
+    if envs.prometheus_dir():
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)
 
 
 def _sd_notify(state: str) -> None:
