@@ -6,7 +6,6 @@ worker's ZeroMQ socket into the queues.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import time
@@ -16,8 +15,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ingress.http import SSE, BodyTooLarge, read_body, respond, respond_error, validation_error
+from ingress.http import SSE, BodyTooLarge, authorized, read_body, respond, respond_error, validation_error
 from ingress.metrics import render_metrics
+from ingress.openapi import openapi_document
 from ipc.addresses import shard_of
 from ipc.messages import (Abort, Control, ControlInput, EngineInput, Frame, IngressInput, IngressStatus,
                           RenderInput, RenderJob, SupervisorInput)
@@ -32,7 +32,6 @@ _STATUS_INTERVAL_S = 0.2
 _HEALTH_GENERATE_TIMEOUT_S = 30.0
 _DISCONNECTED = object()
 _TIMED_OUT = object()
-_OPEN_PATHS = {"/health", "/ready", "/health_generate", "/metrics", "/version"}
 log = logging.getLogger("sluice.ingress")
 _ENDPOINTS = {
     "/v1/chat/completions": ("chat", msgspec.json.Decoder(ChatCompletionRequest), "chatcmpl-"),
@@ -69,6 +68,7 @@ class Ingress:
         models = [ModelCard(n, int(time.time()), max_model_len=cfg.max_model_len, root=cfg.model_path)
                   for n in cfg.served_model_names]
         self._models_body = msgspec.json.encode(ModelList(models))
+        self._openapi_body = msgspec.json.encode(openapi_document())
 
     def start(self) -> None:
         if not self._tasks:
@@ -126,13 +126,6 @@ class Ingress:
         s = self.stats.read()
         return not self.engine_dead and s["alive"] == 1 and time.time() - s["heartbeat"] < self.cfg.stall_timeout
 
-    def authorized(self, scope) -> bool:
-        if not self.api_keys or (scope["path"] in _OPEN_PATHS and not self.cfg.protect_metrics):
-            return True
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        token = header[7:] if header[:7].lower() == b"bearer " else b""
-        # compare with every key, always, so the time taken says nothing about which key is close
-        return sum(hmac.compare_digest(token, key) for key in self.api_keys) > 0
 
     # ---- ASGI ---------------------------------------------------------------
 
@@ -160,7 +153,7 @@ class Ingress:
 
     async def _route(self, scope, receive, send) -> None:
         path, method = scope["path"], scope["method"]
-        if not self.authorized(scope):
+        if not authorized(path, scope["headers"], self.api_keys, self.cfg.protect_metrics):
             return await respond_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer KEY'",
                                        code="invalid_api_key", extra_headers=[(b"www-authenticate", b"Bearer")])
         if path in _ENDPOINTS:
@@ -176,6 +169,8 @@ class Ingress:
             return await respond(send, 200 if ok else 503, b"{}" if ok else error_body(503, "engine unavailable"))
         if path == "/health_generate":
             return await self._health_generate(send)
+        if path == "/openapi.json":
+            return await respond(send, 200, self._openapi_body)
         if path == "/version":
             return await respond(send, 200, msgspec.json.encode({"version": __version__}))
         if path == "/metrics":

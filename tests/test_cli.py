@@ -32,3 +32,17 @@ def test_api_keys_from_flags_and_environment(monkeypatch, tiny_chat_dir):
 def test_a_parser_that_cannot_apply_fails_at_startup():
     with pytest.raises(ValueError, match="cannot apply"):
         config_from_args(parse_args(["serve", "--tool-parser", "gpt_oss"]))
+
+
+def test_runtime_directory_is_private():
+    import os
+    import shutil
+    import stat
+
+    from sluice.supervisor import make_runtime_dir
+
+    path = make_runtime_dir()
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
+    finally:
+        shutil.rmtree(path)
