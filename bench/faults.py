@@ -171,8 +171,8 @@ def disconnects(server: Server, clients: int) -> dict[str, float]:
 
 
 def idle_then_active(server: Server, connections: int) -> dict[int, int]:
-    """Open every connection, wait, then send a request on all at once: each is served or refused (503)."""
-    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}).encode()
+    """Open every connection, wait, then start a stream on all at once: each is served or refused (503)."""
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": True}).encode()
     request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     port = int(server.url.rsplit(":", 1)[1])

@@ -17,6 +17,7 @@ from render.errors import RequestError
 from render.structured import GrammarCompiler
 from render.extensions import extension_for, options_of
 from render.tokenizer import load_tokenizer
+from sluice import metrics
 from sluice.config import ServerConfig
 
 log = logging.getLogger("sluice.render")
@@ -39,16 +40,25 @@ def run_render(cfg: ServerConfig, index: int) -> None:
     replies: PushPool[IngressInput] = PushPool(ctx)
     PushChannel[SupervisorInput](ctx, addr.supervisor).put(Ready("render", index, os.getpid()))
     while True:
-        job = jobs.get()
-        try:
-            engine.put(core.render(job))
-            continue
-        except RequestError as e:
-            err = e
-        except (msgspec.ValidationError, msgspec.DecodeError) as e:  # the ingress validated it; be safe anyway
-            err = RequestError(400, str(e))
-        except Exception:
-            log.exception("render failed for %s", job.request_id)
-            err = RequestError(500, "internal error while rendering the request")
-        body = error_body(err.status, err.message, err.param, err.code)
-        replies.get(job.reply_to).put(Frames([Frame(job.request_id, body, done=True, status=err.status)]))
+        backlog = [jobs.get(), *jobs.drain()]
+        for i, job in enumerate(backlog):
+            metrics.IN_FLIGHT.labels("render").set(len(backlog) - i)
+            error = _render_one(core, job, engine)
+            if error is not None:
+                body = error_body(error.status, error.message, error.param, error.code)
+                replies.get(job.reply_to).put(Frames([Frame(job.request_id, body, done=True, status=error.status)]))
+        metrics.IN_FLIGHT.labels("render").set(0)
+
+
+def _render_one(core: ChatCore, job, engine) -> RequestError | None:
+    """Renders one job and sends it to the engine; the error to answer with, if it cannot be served."""
+    try:
+        engine.put(core.render(job))
+        return None
+    except RequestError as e:
+        return e
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:  # the ingress validated it; be safe anyway
+        return RequestError(400, str(e))
+    except Exception:
+        log.exception("render failed for %s", job.request_id)
+        return RequestError(500, "internal error while rendering the request")

@@ -24,7 +24,7 @@ QUEUE = Histogram("sluice:request_queue_time_seconds", "Waiting in the engine be
                   buckets=_LATENCY)
 PREFILL = Histogram("sluice:request_prefill_time_seconds", "First scheduled to first token", buckets=_LATENCY)
 DECODE = Histogram("sluice:request_decode_time_seconds", "First token to last token", buckets=_LATENCY)
-IN_FLIGHT = Gauge("sluice:ingress_requests_in_flight", "Requests the ingress workers hold", ["stage"],
+IN_FLIGHT = Gauge("sluice:stage_requests_in_flight", "Requests each stage holds (render: its backlog)", ["stage"],
                   multiprocess_mode="livesum")
 
 

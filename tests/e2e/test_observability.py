@@ -71,5 +71,7 @@ def test_metrics_aggregate_every_process(observed):
     for name in ("queue", "prefill", "decode"):
         assert delta(f"sluice:request_{name}_time_seconds_count") == 10
     assert delta("sluice:generation_tokens_finished_total") == 20
-    for gauge in ("sluice:num_requests_running", "sluice:kv_cache_usage_perc", "sluice:prefix_cache_hit_rate"):
-        assert gauge in after
+    for gauge in ("sluice:num_requests_running", "sluice:kv_cache_usage_perc", "sluice:prefix_cache_hit_rate",
+                  'sluice:stage_requests_in_flight{stage="ingress"}', 'sluice:stage_requests_in_flight{stage="render"}',
+                  'sluice:stage_requests_in_flight{stage="postproc"}'):
+        assert gauge in after, gauge
