@@ -20,12 +20,19 @@ class GrammarState:
 
 
 class Grammars:
-    """Builds matchers from serialized grammars (the tokenizer info is made once, at startup, on a thread)."""
+    """Builds matchers from serialized grammars. The tokenizer info (and xgrammar itself) is loaded on a
+    thread when the first constrained request arrives, not at startup: the engine spends nothing on
+    structured output until someone uses it."""
 
     def __init__(self, model_path: str, vocab_size: int) -> None:
         from sluice.checkpoint import Background, tokenizer_info
 
-        self._info = Background(lambda: tokenizer_info(model_path, vocab_size))
+        self._info = Background(lambda: tokenizer_info(model_path, vocab_size), lazy=True)
+
+    def ready(self) -> bool:
+        """Whether matchers can be built now; starts loading what they need if not."""
+        self._info.start()
+        return self._info.ready
 
     def state(self, grammar: str, trigger: list[int], stop_token_ids) -> GrammarState:
         import xgrammar as xgr

@@ -33,6 +33,7 @@ from sluice.config import ServerConfig
 
 log = logging.getLogger("sluice.engine")
 _IDLE_POLL_S = 0.25
+_HELD_POLL_S = 0.01
 _MAX_EARLY_ABORTS = 10_000
 _REPLAY_KV_BLOCKS = 1 << 16  # nothing is stored: blocks are only accounted
 _CHOICE_SEED_STRIDE = 0x9E3779B97F4A7C15  # choice i of a seeded request samples with its own stream
@@ -164,6 +165,7 @@ class Engine:
                                    max_num_batched_tokens=max(cfg.max_num_batched_tokens, 1),
                                    max_model_len=cfg.max_model_len, sliding_window=self.runner.sliding_window)
         self.grammars = Grammars(cfg.model_path, hf["vocab_size"])
+        self._held: list[EngineRequest] = []  # constrained requests waiting for structured output to load
         # Aborts that overtook their request (a client gone while it was rendering).
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         log.info("engine: %s %s, %d KV blocks of %d tokens", device, dtype, blocks, cfg.block_size)
@@ -172,6 +174,9 @@ class Engine:
         """Adds a request or applies an abort; returns the sequences aborted."""
         if isinstance(msg, EngineRequest):
             if self._early_aborts.pop(msg.request_id, 0) is None:
+                return []
+            if msg.grammar and not self.grammars.ready():
+                self._held.append(msg)  # until structured output has loaded; admitted by admit_held()
                 return []
             seed = msg.sampling.seed if msg.sampling.seed is not None else random.getrandbits(63)
             prompt = bytes_to_ids(msg.prompt_token_ids).tolist()
@@ -188,7 +193,11 @@ class Engine:
             return []
         assert isinstance(msg, Abort)
         aborted = []
+        held = {m.request_id for m in self._held}
+        self._held = [m for m in self._held if m.request_id not in msg.request_ids]
         for rid, choice in itertools.zip_longest(msg.request_ids, msg.choices, fillvalue=-1):
+            if rid in held:
+                continue
             seqs = self.scheduler.abort(rid, choice)
             if seqs:
                 aborted += seqs
@@ -197,6 +206,16 @@ class Engine:
                 if len(self._early_aborts) > _MAX_EARLY_ABORTS:
                     self._early_aborts.popitem(last=False)
         return aborted
+
+    @property
+    def held(self) -> bool:
+        return bool(self._held)
+
+    def admit_held(self) -> None:
+        if self._held and self.grammars.ready():
+            held, self._held = self._held, []
+            for msg in held:
+                self.accept(msg)
 
     def step(self) -> tuple[StepResult, StepSamples | None]:
         batch = self.scheduler.schedule()
@@ -221,10 +240,11 @@ def run_engine(cfg: ServerConfig) -> None:
     while True:
         if len(sched):
             msgs = inbox.drain()
-        else:
-            first = inbox.get(timeout=_IDLE_POLL_S)
+        else:  # idle: block (briefly, while a constrained request waits for structured output to load)
+            first = inbox.get(timeout=_HELD_POLL_S if engine.held else _IDLE_POLL_S)
             msgs = [first, *inbox.drain()] if first is not None else []
         aborted = [s for m in msgs for s in engine.accept(m)]
+        engine.admit_held()
         t0 = time.perf_counter()
         result, samples = engine.step()
         if samples is not None:

@@ -208,3 +208,4 @@ class PostprocSpec(msgspec.Struct, **_WIRE):
     prompt_token_ids: list[int] | None = None  # with return_token_ids
     arrival_time: float = 0.0
     perf_metrics: bool = False  # put each request's timings in its response
+    stream_interval: int = 1  # a stream sends a frame every this many tokens (the first at once)

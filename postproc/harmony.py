@@ -12,6 +12,7 @@ from ipc.openai import FunctionCallOut, ToolCallOut
 from postproc.parsers import Piece, new_call_id
 
 _FUNCTIONS = "functions."
+_MESSAGE_ENDS = frozenset({200007, 200012, 200002})  # <|end|>, <|call|>, <|return|>
 
 
 class HarmonyParser:
@@ -19,8 +20,8 @@ class HarmonyParser:
         self._parser = StreamableParser(encoding, role=Role.ASSISTANT)
         self.num_calls = 0
         self.failed = False
-        self._open: int | None = None  # index (in the parser's messages) of the tool call being streamed
-        self._seen = 0
+        self._open: int | None = None  # index of the message (tool call) being streamed
+        self._done = 0  # messages completed so far (parser.messages is rebuilt on every access: not per token)
         for token in prefix:  # a forced start (tool_choice naming a function) is already in the prompt
             self._parser.process(token)
 
@@ -38,16 +39,18 @@ class HarmonyParser:
         if delta:
             recipient = p.current_recipient or ""
             if recipient.startswith(_FUNCTIONS):
-                self._call_delta(piece, len(p.messages), recipient, delta)
+                self._call_delta(piece, self._done, recipient, delta)
             elif p.current_channel == "analysis":
                 piece.reasoning = delta
             else:
                 piece.content = delta
-        for i in range(self._seen, len(p.messages)):  # a call that ended before any argument text
-            recipient = p.messages[i].recipient or ""
-            if recipient.startswith(_FUNCTIONS) and self._open != i:
-                self._call_delta(piece, i, recipient, "")
-        self._seen = len(p.messages)
+        if token in _MESSAGE_ENDS:
+            messages = p.messages
+            for i in range(self._done, len(messages)):  # a call that ended before any argument text
+                recipient = messages[i].recipient or ""
+                if recipient.startswith(_FUNCTIONS) and self._open != i:
+                    self._call_delta(piece, i, recipient, "")
+            self._done = len(messages)
         return piece
 
     def _call_delta(self, piece: Piece, message: int, recipient: str, arguments: str) -> None:

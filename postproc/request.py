@@ -25,8 +25,10 @@ class Choice:
         self.num_tokens = 0
         self.last_token_at = 0.0
         self.has_tool_calls = False
-        self.pending_logprobs: list = []  # streaming: logprobs and ids of tokens whose text is still held back
+        self.pending_logprobs: list = []  # streaming: what the next frame carries
         self.pending_ids: list[int] = []
+        self.pending = Piece()
+        self.frames_sent = 0
         self.harmony = None
         if spec.output_mode == "tokens":
             from postproc.harmony import HarmonyParser
@@ -109,8 +111,12 @@ class RequestOutput:
             return b""
         choice.pending_logprobs += entries
         choice.pending_ids.append(token)
-        if not piece and not choice.finish_reason:
-            return self.framer.chunk(index, Piece(), None, [], [])
+        choice.pending.extend(piece)
+        interval = 1 if choice.frames_sent == 0 else self.spec.stream_interval  # the first token goes at once
+        if not choice.finish_reason and (not choice.pending or len(choice.pending_ids) < interval):
+            return self.framer.chunk(index, Piece(), None, [], []) if not choice.frames_sent else b""
+        choice.frames_sent += 1
+        piece, choice.pending = choice.pending, Piece()
         entries, choice.pending_logprobs = choice.pending_logprobs, []
         ids, choice.pending_ids = choice.pending_ids, []
         return self.framer.chunk(index, piece, choice.finish_reason, entries, ids)

@@ -115,6 +115,10 @@ class Shard:
 
 
 def run_postproc(cfg: ServerConfig, index: int) -> None:
+    if cfg.hf_config().get("model_type") == "gpt_oss" and cfg.harmony:
+        from sluice.harmony_vocab import harmony_encoding
+
+        harmony_encoding()  # now, not on the first request
     shard = Shard(Tokenizer.from_file(str(Path(cfg.model_path) / "tokenizer.json")), cfg.kv_timing_output)
     ctx = zmq.Context()
     addr = cfg.addresses

@@ -26,9 +26,10 @@ _spec_encoder = msgspec.msgpack.Encoder()
 class ChatCore:
     def __init__(self, extension: ServingExtension, bundle: TokenizerBundle, *, max_model_len: int,
                  model_vocab_size: int, num_shards: int, grammars: GrammarCompiler | None = None,
-                 perf_metrics: bool = False) -> None:
+                 perf_metrics: bool = False, stream_interval: int = 1) -> None:
         self.ext = extension
         self.perf_metrics = perf_metrics
+        self.stream_interval = stream_interval
         self.grammars = grammars
         self.bundle = bundle
         self.max_model_len = max_model_len
@@ -78,6 +79,7 @@ class ChatCore:
             prompt_token_ids=prompt if request.return_token_ids else None,
             arrival_time=job.arrival_time,
             perf_metrics=self.perf_metrics,
+            stream_interval=self.stream_interval,
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
             n=request.n,

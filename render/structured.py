@@ -20,7 +20,9 @@ class GrammarCompiler:
 
             return xgr.GrammarCompiler(tokenizer_info(model_path, vocab_size))
 
-        self._compiler = Background(build)
+        # Loaded when the first response_format arrives (that request waits for it, as in vLLM), so a
+        # server that never sees one spends nothing on xgrammar.
+        self._compiler = Background(build, lazy=True)
 
     def compile(self, fmt: ResponseFormat) -> str:
         """The serialized grammar for a response_format ("" for plain text)."""

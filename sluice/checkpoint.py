@@ -20,32 +20,61 @@ def eos_token_ids(path: Path) -> list[int]:
 
 
 def tokenizer_info(model_path: str, vocab_size: int):
-    """xgrammar's TokenizerInfo for the checkpoint (its default stop ids; each matcher sets its own)."""
+    """xgrammar's TokenizerInfo for the checkpoint, straight from tokenizer.json's vocabulary
+    (its default stop ids only; each matcher sets its own)."""
     import xgrammar as xgr
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer
 
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(Path(model_path) / "tokenizer.json"))
-    return xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size,
-                                              stop_token_ids=eos_token_ids(Path(model_path)) or None)
+    path = Path(model_path) / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    vocab = [""] * vocab_size
+    for token, i in Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True).items():
+        if i < vocab_size:
+            vocab[i] = token
+    kinds = json.dumps([spec.get("decoder"), spec.get("pre_tokenizer"), spec.get("normalizer")])
+    if '"ByteLevel"' in kinds:
+        vocab_type, prefix_space = xgr.VocabType.BYTE_LEVEL, False
+    elif '"ByteFallback"' in kinds:  # sentencepiece-style: "▁" marks a space, and a leading one is implied
+        vocab_type, prefix_space = xgr.VocabType.BYTE_FALLBACK, '"Prepend"' in kinds or '"first"' in kinds
+    else:
+        vocab_type, prefix_space = xgr.VocabType.RAW, False
+    return xgr.TokenizerInfo(vocab, vocab_type=vocab_type, vocab_size=vocab_size,
+                             stop_token_ids=eos_token_ids(Path(model_path)) or None, add_prefix_space=prefix_space)
 
 
 class Background:
-    """A value built on a thread at startup, so the first request that needs it does not stall a stage."""
+    """A value built on a thread, so building it does not stall a stage's loop.
 
-    def __init__(self, build) -> None:
+    Built at once, or (lazy=True) on the first `start()` / `get()`."""
+
+    def __init__(self, build, lazy: bool = False) -> None:
+        self._build = build
         self._done = threading.Event()
+        self._started = False
         self._value = self._error = None
+        if not lazy:
+            self.start()
+
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
 
         def run():
             try:
-                self._value = build()
+                self._value = self._build()
             except Exception as e:  # reported to whoever asks for the value
                 self._error = e
             self._done.set()
 
         threading.Thread(target=run, name="warm-up", daemon=True).start()
 
+    @property
+    def ready(self) -> bool:
+        return self._done.is_set()
+
     def get(self):
+        self.start()
         self._done.wait()
         if self._error is not None:
             raise self._error

@@ -26,6 +26,8 @@ def _positive(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="An OpenAI-compatible LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("bench", help="load generator: `sluice bench serve --help`, `sluice bench sweep --help`",
+                   add_help=False)
     s = sub.add_parser("serve", help="serve a model over HTTP")
     s.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as --model")
     s.add_argument("--model", help=f"checkpoint directory, HF hub id, or builtin:NAME (default {DEFAULT_MODEL})")
@@ -68,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests in flight before new ones get 503 with Retry-After")
     s.add_argument("--stall-timeout", type=float, default=2.0,
                    help="seconds without engine progress before /health and /ready report 503")
+    s.add_argument("--stream-interval", type=_positive, default=1,
+                   help="stream a frame every N tokens per request (the first token at once)")
     s.add_argument("--perf-metrics", action="store_true",
                    help="add each request's stage timings to its response (the last chunk of a stream)")
     s.add_argument("--kv-timing-output", help="append one JSON line of timings per finished request to this file")
@@ -118,6 +122,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_pending=args.max_pending,
         stall_timeout=args.stall_timeout,
         perf_metrics=args.perf_metrics,
+        stream_interval=args.stream_interval,
         kv_timing_output=str(Path(args.kv_timing_output).resolve()) if args.kv_timing_output else None,
         log_format=args.log_format,
     )
@@ -158,6 +163,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # the load generator has its own flags
+        from bench.serve import main as bench_main
+
+        return bench_main(argv[1:])
     try:
         args = parse_args(argv)
     except (ValueError, OSError) as e:

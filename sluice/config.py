@@ -45,6 +45,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_pending: int = 4096  # requests in flight across the ingress workers before new ones get 503
     stall_timeout: float = 2.0  # an engine silent for this long is reported stuck
     perf_metrics: bool = False
+    stream_interval: int = 1
     kv_timing_output: str | None = None
     log_format: str = "text"  # "text" | "json"
 

@@ -97,3 +97,17 @@ def test_a_failing_request_gets_an_error_and_the_others_go_on(shard, monkeypatch
     assert frames["bad"].status == 500 and json.loads(frames["bad"].data)["error"]["code"] == "internal_error"
     assert frames["good"].status == 200 and json.loads(frames["good"].data)["choices"][0]["finish_reason"] == "length"
     assert abort.request_ids == ["bad"] and abort.choices == [-1] and shard.requests == {}
+
+
+@pytest.mark.parametrize("interval", [1, 3, 8])
+def test_stream_interval_batches_tokens_into_frames(shard, interval):
+    text = "The river runs to the sea while the market opens"
+    n = len(shard.tokenizer.encode(text, add_special_tokens=False).ids)
+    spec_kw = dict(stream=True, stream_interval=interval, return_token_ids=True)
+    data, _ = feed(shard, text, started=start(shard, "r1", **spec_kw))
+    events = [e for e in sse_events(data) if e != "[DONE]" and e["choices"]]
+    content = [e for e in events if e["choices"][0]["delta"].get("content") or e["choices"][0].get("token_ids")]
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == text
+    sizes = [len(e["choices"][0]["token_ids"]) for e in content]
+    assert sum(sizes) == n and sizes[0] == 1  # the first token at once
+    assert all(s == interval for s in sizes[1:-1]) and sizes[-1] <= interval
