@@ -2,6 +2,7 @@ import os
 import sys
 from pathlib import Path
 
+import openai
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -15,3 +16,23 @@ def tiny_chat_dir() -> Path:
     from sluice.builtin_models import ensure_builtin
 
     return ensure_builtin("tiny-chat")
+
+
+@pytest.fixture(scope="session")
+def server():
+    from bench.server import Server
+
+    s = Server("--postproc-workers", "2", "--render-workers", "2", "--ingress-workers", "2")
+    yield s
+    assert s.stop() == 0, s.output()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def aclient(server):
+    """A factory: an async client belongs to the event loop it is used in."""
+    return lambda: openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
