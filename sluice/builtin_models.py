@@ -111,15 +111,17 @@ def write_llama_family(
     sliding_window: int | None = None,
     seed: int = 0,
     num_shards: int = 2,
+    tokenizer=None,
 ) -> Path:
     """Writes a random-weight Llama-family checkpoint (Llama, Mistral, Qwen2 or Qwen3 layout)."""
     import torch
 
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer()
+    tok = tokenizer or train_tokenizer()  # a given tokenizer (e.g. o200k) must have <|endoftext|>
     tok.save(str(out / "tokenizer.json"))
     vocab_size = (tok.get_vocab_size() + 63) // 64 * 64
-    eos, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
+    eos = tok.token_to_id("<|endoftext|>")
+    im_end = tok.token_to_id("<|im_end|>") or eos
     model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                   "Qwen3ForCausalLM": "qwen3"}[architecture]
     qkv_bias = architecture == "Qwen2ForCausalLM"
@@ -151,7 +153,8 @@ def write_llama_family(
     (out / "chat_template.jinja").write_text((Path(__file__).parent / "data" / "chatml.jinja").read_text())
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|im_end|>",
+        # only tokens the tokenizer has: transformers would append any other as a new, out-of-range id
+        "eos_token": tok.id_to_token(im_end),
         "pad_token": "<|endoftext|>",
         "bos_token": None,
         "model_max_length": max_position_embeddings,
