@@ -83,8 +83,14 @@ def ppid(pid: int) -> int:
         return -1
 
 
-def ingress_workers(server: Server) -> list[int]:
-    granian = int(re.search(r"granian pid (\d+)", server.output()).group(1))
+def ingress_workers(server: Server, timeout: float = 10) -> list[int]:
+    """The granian worker processes (the supervisor logs granian's pid just after /health answers)."""
+    deadline = time.monotonic() + timeout
+    while (m := re.search(r"granian pid (\d+)", server.output())) is None:
+        if time.monotonic() > deadline:
+            raise AssertionError("the server never logged granian's pid")
+        time.sleep(0.05)
+    granian = int(m.group(1))
     return [int(p) for p in os.listdir("/proc") if p.isdigit() and ppid(int(p)) == granian]
 
 

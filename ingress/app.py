@@ -136,22 +136,16 @@ class Ingress:
             return
         self.start()
         status = 0
-
-        async def tracked(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
         try:
-            await self._route(scope, receive, tracked)
+            status = await self._route(scope, receive, send)
         finally:
             if scope["path"].startswith("/v1/"):
                 metrics.REQUESTS.labels(scope["path"], str(status)).inc()
                 if status >= 400:
                     log.info("request refused", extra={"fields": {"path": scope["path"], "status": status}})
 
-    async def _route(self, scope, receive, send) -> None:
+    async def _route(self, scope, receive, send) -> int:
+        """Answers one HTTP request; returns the status it sent (0: none, the client left first)."""
         path, method = scope["path"], scope["method"]
         if not authorized(path, scope["headers"], self.api_keys, self.cfg.protect_metrics):
             return await respond_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer KEY'",
@@ -188,7 +182,7 @@ class Ingress:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    async def _generate(self, path: str, receive, send) -> None:
+    async def _generate(self, path: str, receive, send) -> int:
         endpoint, decoder, prefix = _ENDPOINTS[path]
         limit = self.cfg.max_request_bytes
         try:
@@ -196,7 +190,7 @@ class Ingress:
         except BodyTooLarge:
             return await respond_error(send, 413, f"request body larger than {limit} bytes")
         except ConnectionResetError:
-            return
+            return 0
         try:
             request = decoder.decode(body)
         except msgspec.MsgspecError as e:
@@ -215,8 +209,10 @@ class Ingress:
         watcher = asyncio.create_task(_watch_disconnect(receive, q))
         try:
             self._submit(rid, endpoint, body)
-            if not await self._relay(q, send, bool(request.stream)):
+            delivered, status = await self._relay(q, send, bool(request.stream))
+            if not delivered:
                 self._engine.put(Abort([rid]))
+            return status
         finally:
             watcher.cancel()
             self._close(rid)
@@ -237,28 +233,26 @@ class Ingress:
         if (deadline := self._deadlines.pop(rid, None)) is not None:
             deadline.cancel()
 
-    async def _relay(self, q: asyncio.Queue, send, stream: bool) -> bool:
-        """Writes the request's frames to the client; False if it ended without its last frame (client gone,
-        deadline passed), so the engine must drop it."""
+    async def _relay(self, q: asyncio.Queue, send, stream: bool) -> tuple[bool, int]:
+        """Writes the request's frames to the client. Returns whether it got its last frame (if not: client
+        gone, deadline passed, so the engine must drop it) and the status sent."""
         frame = await q.get()
         if frame is _DISCONNECTED:
-            return False
+            return False, 0
         if frame is _TIMED_OUT:
-            await respond_error(send, 504, f"the request did not finish within {self.cfg.request_timeout}s",
-                                code="timeout")
-            return False
+            return False, await respond_error(send, 504, f"the request did not finish within "
+                                              f"{self.cfg.request_timeout}s", code="timeout")
         try:
             if frame.status != 200 or not stream:
-                await respond(send, frame.status, frame.data)
-                return True
+                return True, await respond(send, frame.status, frame.data)
             await send({"type": "http.response.start", "status": 200, "headers": SSE})
             while True:
                 await send({"type": "http.response.body", "body": frame.data, "more_body": not frame.done})
                 if frame.done:
-                    return frame.status == 200
+                    return frame.status == 200, 200
                 frame = await q.get()
                 if frame is _DISCONNECTED:
-                    return False
+                    return False, 200
                 if frame is _TIMED_OUT:
                     body = error_body(504, f"the request did not finish within {self.cfg.request_timeout}s",
                                       code="timeout")
@@ -267,9 +261,9 @@ class Ingress:
                     frame = Frame(frame.request_id, b"data: " + frame.data + b"\n\ndata: [DONE]\n\n", True,
                                   frame.status)
         except OSError:
-            return False
+            return False, 200
 
-    async def _health_generate(self, send) -> None:
+    async def _health_generate(self, send) -> int:
         """One token through the whole pipeline: render, engine, postproc, back here."""
         rid = "health-" + uuid.uuid4().hex
         q = self._open(rid)

@@ -34,14 +34,16 @@ async def read_body(receive, limit: int) -> bytes:
             return b"".join(chunks)
 
 
-async def respond(send, status: int, body: bytes, headers: list = JSON) -> None:
+async def respond(send, status: int, body: bytes, headers: list = JSON) -> int:
+    """Sends a whole response; returns its status."""
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+    return status
 
 
 async def respond_error(send, status: int, message: str, param: str | None = None, code=None,
-                        extra_headers: list = ()) -> None:
-    await respond(send, status, error_body(status, message, param, code), JSON + list(extra_headers))
+                        extra_headers: list = ()) -> int:
+    return await respond(send, status, error_body(status, message, param, code), JSON + list(extra_headers))
 
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/health_generate", "/metrics", "/version", "/openapi.json"})

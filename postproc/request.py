@@ -92,8 +92,10 @@ class RequestOutput:
     def completion_tokens(self) -> int:
         return sum(c.num_tokens for c in self.choices)
 
-    def on_token(self, index: int, token: int, finish_reason: str | None, logprobs: tuple | None) -> bytes:
-        """Feeds choice `index` one token; returns the SSE bytes to send now (streaming)."""
+    def on_token(self, index: int, token: int, finish_reason: str | None, logprobs: tuple | None,
+                 gaps: list[float] | None = None) -> bytes:
+        """Feeds choice `index` one token; returns the SSE bytes to send now (streaming). The time since
+        the choice's previous token goes into `gaps` (observed in bulk by the caller)."""
         choice = self.choices[index]
         if choice.finish_reason is not None:  # a token in flight after the choice ended early
             return b""
@@ -101,8 +103,8 @@ class RequestOutput:
         if not self.first_token_at:
             self.first_token_at = now
             metrics.TTFT.observe(now - self.spec.arrival_time)
-        elif choice.last_token_at:
-            metrics.ITL.observe(now - choice.last_token_at)
+        elif choice.last_token_at and gaps is not None:
+            gaps.append(now - choice.last_token_at)
         choice.last_token_at = now
         piece = choice.on_token(token, finish_reason)
         entries = [(token, logprobs)] if logprobs is not None and self.spec.logprobs else []

@@ -57,13 +57,14 @@ class Shard:
         stop_ids, stop_choices = [], []
         indices = bytes_to_ids(msg.indices).tolist()
         failed: dict[str, RequestOutput] = {}
+        gaps: list[float] = []
         for pos, (rid, index, token) in enumerate(zip(msg.request_ids, indices, bytes_to_ids(msg.token_ids).tolist())):
             req = self.requests.get(rid)
             if req is None or rid in failed:
                 continue
             verdict = verdicts.get((rid, index))
             try:
-                data[rid] += req.on_token(index, token, verdict, logprobs.get(pos))
+                data[rid] += req.on_token(index, token, verdict, logprobs.get(pos), gaps)
             except Exception:  # one request's bad state must not take the shard down
                 log.exception("postproc failed for %s", rid)
                 failed[rid] = self.requests.pop(rid)
@@ -92,6 +93,7 @@ class Shard:
                 out[req.spec.reply_to].append(Frame(rid, bytes(data[rid]) + final.data, True))
             elif data[rid]:
                 out[req.spec.reply_to].append(Frame(rid, bytes(data[rid])))
+        metrics.observe_many(metrics.ITL, gaps)
         metrics.IN_FLIGHT.labels("postproc").set(len(self.requests))
         return out, Abort(stop_ids, stop_choices) if stop_ids else None
 
