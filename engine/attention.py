@@ -4,8 +4,10 @@ Every scheduled token is one row of a flat batch [T]. Each layer writes the new
 keys/values into the paged cache through `slot_mapping`, then attends, per
 group of sequences, over keys gathered from the cache through block tables.
 Decodes (one query each) and prefill chunks form separate groups so a long
-prompt does not pad every decode to its length. A group carries one mask per
-attention window the model uses (None: full causal attention).
+prompt does not pad every decode to its length. A group carries, per attention
+window the model uses (None: full causal attention), the cache slots its keys
+come from and its mask: a model whose sliding-window layers keep their KV in a
+pool of their own gathers those layers' keys from that pool.
 """
 from __future__ import annotations
 
@@ -19,13 +21,13 @@ import torch.nn.functional as F
 class AttentionGroup:
     q_index: torch.Tensor  # [B, Q] rows of the flat batch (pads point at row 0)
     out_index: torch.Tensor  # [B, Q] where results go (pads go to the dummy row T)
-    kv_slots: torch.Tensor  # [B, K] cache slots of each sequence's context (pads: 0)
+    kv_slots: dict[int | None, torch.Tensor]  # window -> [B, K] cache slots of each sequence's keys (pads: 0)
     masks: dict[int | None, torch.Tensor]  # window -> [B, 1, Q, K] bool, True = attend
 
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    slot_mapping: dict[int | None, torch.Tensor]  # window -> [T] cache slot of each new token
     groups: list[AttentionGroup]
     num_tokens: int
 
@@ -41,13 +43,13 @@ def paged_attention(
     window: int | None = None,
     sinks: torch.Tensor | None = None,  # [H] learned logits of a "sink" key (gpt-oss)
 ) -> torch.Tensor:
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    k_cache.index_copy_(0, meta.slot_mapping[window], k)
+    v_cache.index_copy_(0, meta.slot_mapping[window], v)
     out = q.new_empty(meta.num_tokens + 1, q.shape[1], q.shape[2])
     for g in meta.groups:
         qg = q[g.q_index].transpose(1, 2)  # [B, H, Q, D]
-        kg = k_cache[g.kv_slots].transpose(1, 2)  # [B, Hkv, K, D]
-        vg = v_cache[g.kv_slots].transpose(1, 2)
+        kg = k_cache[g.kv_slots[window]].transpose(1, 2)  # [B, Hkv, K, D]
+        vg = v_cache[g.kv_slots[window]].transpose(1, 2)
         mask = g.masks[window]
         if sinks is None:
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True)

@@ -20,10 +20,16 @@ from engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 table: str = "block_table") -> None:
+        """`table`: the Sequence attribute this pool's blocks go in. The primary pool ("block_table")
+        also owns the sequence's computed-token count; a model whose sliding-window layers keep their
+        KV apart has a second pool ("window_table") that follows it."""
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.table = table
+        self.primary = table == "block_table"
+        self.enable_prefix_caching = enable_prefix_caching and self.primary
         self.ref_count = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # hash -> block
@@ -52,7 +58,7 @@ class BlockManager:
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks that hold the start of seq's tokens (never its last token: that one's logits are needed)."""
-        if not self.enable_prefix_caching or seq.block_table or seq.scores_prompt:
+        if not self.enable_prefix_caching or getattr(seq, self.table) or seq.scores_prompt:
             return []
         hits = []
         for i in range((seq.num_tokens - 1) // self.block_size):
@@ -64,19 +70,21 @@ class BlockManager:
 
     def free_outside_window(self, seq: Sequence, first_needed: int) -> None:
         """Frees seq's blocks that hold only positions before `first_needed` (a sliding window slid past them)."""
-        for i in range(min(first_needed // self.block_size, len(seq.block_table))):
-            block = seq.block_table[i]
+        table = getattr(seq, self.table)
+        for i in range(min(first_needed // self.block_size, len(table))):
+            block = table[i]
             if block >= 0:
-                seq.block_table[i] = -1
+                table[i] = -1
                 self._release(block)
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Makes seq's newly computed full blocks reusable by others."""
         if not self.enable_prefix_caching:
             return
-        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        table = seq.block_table
+        full = min(seq.num_computed_tokens // self.block_size, len(table))
         for i in range(seq.num_registered_blocks, full):
-            h, block = self._hash(seq, i), seq.block_table[i]
+            h, block = self._hash(seq, i), table[i]
             if block >= 0 and self.block_hash[block] is None and h not in self.cached:
                 self.block_hash[block] = h
                 self.cached[h] = block
@@ -86,7 +94,7 @@ class BlockManager:
 
     def _missing(self, seq: Sequence, num_new_tokens: int, hits: list[int]) -> int:
         computed = len(hits) * self.block_size if hits else seq.num_computed_tokens
-        have = len(seq.block_table) + len(hits)
+        have = len(getattr(seq, self.table)) + len(hits)
         return max(0, -(-(computed + num_new_tokens) // self.block_size) - have)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> bool:
@@ -97,11 +105,12 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> None:
         assert self.can_allocate(seq, num_new_tokens, hits), "allocate() without can_allocate()"
         missing = self._missing(seq, num_new_tokens, hits)
+        table = getattr(seq, self.table)
         for block in hits:
             if self.ref_count[block] == 0:
                 del self._free[block]
             self.ref_count[block] += 1
-            seq.block_table.append(block)
+            table.append(block)
         if hits:
             seq.num_computed_tokens = len(hits) * self.block_size
             seq.num_registered_blocks = len(hits)
@@ -111,16 +120,17 @@ class BlockManager:
                 del self.cached[h]
                 self.block_hash[block] = None
             self.ref_count[block] = 1
-            seq.block_table.append(block)
+            table.append(block)
 
     def deallocate(self, seq: Sequence) -> None:
         # Tail blocks first, so a prefix outlives the blocks that extend it.
-        for block in reversed(seq.block_table):
+        for block in reversed(getattr(seq, self.table)):
             if block >= 0:
                 self._release(block)
-        seq.block_table = []
-        seq.num_computed_tokens = 0
-        seq.num_registered_blocks = 0
+        setattr(seq, self.table, [])
+        if self.primary:
+            seq.num_computed_tokens = 0
+            seq.num_registered_blocks = 0
 
     def _release(self, block: int) -> None:
         self.ref_count[block] -= 1

@@ -26,28 +26,40 @@ class StepSamples:
     prompt_logprobs: list[PromptLogprobChunk] = field(default_factory=list)
 
 
-def kv_block_bytes(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
+def kv_block_bytes(model: torch.nn.Module, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
     layers, heads, dim = model.kv_shape
+    layers = layers if num_layers is None else num_layers
     return 2 * layers * block_size * heads * dim * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_pools(model: torch.nn.Module) -> dict[int | None, str]:
+    """Each attention window -> the Sequence table its KV blocks go in. Sliding-window layers beside
+    full-attention ones (gpt-oss) keep theirs apart, so what falls out of the window can be freed."""
+    windows = set(model.layer_windows)
+    hybrid = None in windows and len(windows) > 1
+    return {w: "window_table" if hybrid and w is not None else "block_table" for w in windows}
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, num_window_blocks: int = 0) -> None:
+        """`num_window_blocks`: the size of the sliding-window layers' own pool, when they have one."""
         self.model = model
         self.block_size = block_size
-        # The attention windows the layers use (None: full attention). With one window shared by
-        # every layer, gathers stop at the window and the scheduler frees what falls out of it.
-        self.windows: set[int | None] = getattr(model, "attention_windows", {None})
-        self.sliding_window = next(iter(self.windows)) if len(self.windows) == 1 else None
+        self.tables = kv_pools(model)  # window -> the Sequence table its blocks are in
+        self.windows = set(self.tables)
+        self.hybrid = "window_table" in self.tables.values()
+        # The window whose out-of-window blocks the scheduler frees (in the window pool when hybrid).
+        self.sliding_window = next((w for w in self.windows if w is not None), None) \
+            if self.hybrid or len(self.windows) == 1 else None
         self.device = device
-        layers, heads, dim = model.kv_shape
-        # One (K, V) pair per layer: [num_blocks * block_size, Hkv, D]
-        self.kv_caches = [
-            (torch.zeros(num_blocks * block_size, heads, dim, dtype=dtype, device=device),
-             torch.zeros(num_blocks * block_size, heads, dim, dtype=dtype, device=device))
-            for _ in range(layers)
-        ]
+        _, heads, dim = model.kv_shape
+        # One (K, V) pair per layer: [blocks in its pool * block_size, Hkv, D]
+        self.kv_caches = []
+        for w in model.layer_windows:
+            slots = (num_window_blocks if self.tables[w] == "window_table" else num_blocks) * block_size
+            self.kv_caches.append((torch.zeros(slots, heads, dim, dtype=dtype, device=device),
+                                   torch.zeros(slots, heads, dim, dtype=dtype, device=device)))
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
@@ -89,17 +101,19 @@ class ModelRunner:
 
     def _prepare(self, batch: ScheduledBatch) -> dict:
         bs = self.block_size
-        ids, positions, slots, logits_index, sampling_seqs = [], [], [], [], []
+        ids, positions, logits_index, sampling_seqs = [], [], [], []
+        slots: dict[int | None, list] = {w: [] for w in self.windows}
         prompt_index, prompt_rows = [], []  # rows whose logits score the next prompt token
         decode_rows, prefill_rows = [], []  # (seq, flat offset, start, n)
         offset = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             pos = np.arange(start, start + n)
-            table = np.asarray(seq.block_table)
             ids.append(seq.token_ids[start : start + n])
             positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
+            for w, name in self.tables.items():
+                table = np.asarray(getattr(seq, name))
+                slots[w].append(table[pos // bs] * bs + pos % bs)
             (decode_rows if n == 1 else prefill_rows).append((seq, offset, start, n))
             if seq.scores_prompt and start < seq.num_prompt_tokens - 1:
                 count = min(start + n, seq.num_prompt_tokens - 1) - start
@@ -112,7 +126,7 @@ class ModelRunner:
         dev = self.device
         groups = [self._group(rows, offset) for rows in (decode_rows, prefill_rows) if rows]
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            slot_mapping={w: torch.from_numpy(np.concatenate(s)).to(dev) for w, s in slots.items()},
             groups=groups,
             num_tokens=offset,
         )
@@ -127,36 +141,40 @@ class ModelRunner:
         }
 
     def _group(self, rows: list[tuple[Sequence, int, int, int]], num_tokens: int) -> AttentionGroup:
-        bs, window = self.block_size, self.sliding_window
+        bs = self.block_size
         b = len(rows)
         q_max = max(n for _, _, _, n in rows)
         starts = np.array([start for _, _, start, _ in rows])
         lens = np.array([n for _, _, _, n in rows])
-        first = np.maximum(starts - window + 1, 0) // bs if window else np.zeros(b, dtype=np.int64)  # first block
-        last = -(-(starts + lens) // bs)  # one past the last block
-        width = int((last - first).max()) * bs
         q_index = np.zeros((b, q_max), dtype=np.int64)
         out_index = np.full((b, q_max), num_tokens, dtype=np.int64)
-        slot_rows = np.zeros((b, width), dtype=np.int64)
-        in_block = np.arange(bs)
-        for r, (seq, off, start, n) in enumerate(rows):
+        for r, (_, off, _, n) in enumerate(rows):
             q_index[r, :n] = out_index[r, :n] = np.arange(off, off + n)
-            table = np.asarray(seq.block_table[first[r] : last[r]])
-            slot_rows[r, : len(table) * bs] = (table[:, None] * bs + in_block).ravel()
         q_pos = starts[:, None] + np.arange(q_max)[None, :]  # [B, Q] absolute positions
-        k_pos = first[:, None] * bs + np.arange(width)[None, :]  # [B, K]
-        causal = k_pos[:, None, :] <= q_pos[:, :, None]
         valid_q = np.arange(q_max)[None, :] < lens[:, None]
+        last = -(-(starts + lens) // bs)  # one past each row's last block
+        in_block = np.arange(bs)
         dev = self.device
-        masks = {}
-        for w in self.windows:
-            mask = causal & (k_pos[:, None, :] > q_pos[:, :, None] - w) if w else causal.copy()
+        kv_slots, masks = {}, {}
+        for w, name in self.tables.items():
+            # a windowed view starts at the first block the window still reaches
+            first = np.maximum(starts - w + 1, 0) // bs if w else np.zeros(b, dtype=np.int64)
+            width = int((last - first).max()) * bs
+            slot_rows = np.zeros((b, width), dtype=np.int64)
+            for r, (seq, _, _, _) in enumerate(rows):
+                table = np.asarray(getattr(seq, name)[first[r] : last[r]])
+                slot_rows[r, : len(table) * bs] = (table[:, None] * bs + in_block).ravel()
+            k_pos = first[:, None] * bs + np.arange(width)[None, :]  # [B, K]
+            mask = k_pos[:, None, :] <= q_pos[:, :, None]  # causal
+            if w:
+                mask &= k_pos[:, None, :] > q_pos[:, :, None] - w
             mask &= valid_q[:, :, None]
             mask[:, :, 0] |= ~valid_q  # a pad query attends to one key, so softmax stays finite
+            kv_slots[w] = torch.from_numpy(slot_rows).to(dev)
             masks[w] = torch.from_numpy(mask).unsqueeze(1).to(dev)
         return AttentionGroup(
             q_index=torch.from_numpy(q_index).to(dev),
             out_index=torch.from_numpy(out_index).to(dev),
-            kv_slots=torch.from_numpy(slot_rows).to(dev),
+            kv_slots=kv_slots,
             masks=masks,
         )

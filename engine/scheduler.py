@@ -44,8 +44,12 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, sliding_window: int | None = None) -> None:
+                 max_model_len: int, sliding_window: int | None = None,
+                 window_pool: BlockManager | None = None) -> None:
+        """`sliding_window`: with no `window_pool`, every layer's window (the one pool frees what falls
+        out of it); with a `window_pool`, the window of the layers whose KV lives there."""
         self.bm = block_manager
+        self.window_pool = window_pool
         self.sliding_window = sliding_window
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -81,10 +85,10 @@ class Scheduler:
                 continue
             n = min(seq.num_uncomputed, self._budget)
             if self.sliding_window:  # this step's first query sees keys from here on
-                self.bm.free_outside_window(seq, seq.num_computed_tokens - self.sliding_window + 1)
+                (self.window_pool or self.bm).free_outside_window(seq, seq.num_computed_tokens - self.sliding_window + 1)
             if not self._make_room(seq, n, []):
                 continue  # seq itself was preempted
-            self.bm.allocate(seq, n)
+            self._allocate(seq, n, [])
             self._take(seq, n)
         i = 0
         while i < len(self.waiting) and len(self.running) < self.max_num_seqs and self._budget > 0:
@@ -97,7 +101,7 @@ class Scheduler:
             if not self._make_room(seq, n, hits):
                 break
             self.waiting.remove(seq)
-            self.bm.allocate(seq, n, hits)
+            self._allocate(seq, n, hits)
             if seq.num_cached_tokens is None:
                 seq.first_scheduled_time = time.time()
                 seq.num_cached_tokens = len(hits) * self.bm.block_size
@@ -111,7 +115,8 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, n: int, hits: list[int]) -> bool:
         """Preempts lower-priority running sequences until seq fits; False if seq cannot (or was preempted)."""
-        while not self.bm.can_allocate(seq, n, hits):
+        while not (self.bm.can_allocate(seq, n, hits) and
+                   (self.window_pool is None or self.window_pool.can_allocate(seq, n))):
             victim = max(self.running, key=_order, default=None)
             if victim is None or (seq.status is Status.WAITING and victim.order < seq.order):
                 return False
@@ -121,13 +126,23 @@ class Scheduler:
                 return False
         return True
 
+    def _allocate(self, seq: Sequence, n: int, hits: list[int]) -> None:
+        if self.window_pool is not None:
+            self.window_pool.allocate(seq, n)
+        self.bm.allocate(seq, n, hits)
+
+    def _deallocate(self, seq: Sequence) -> None:
+        if self.window_pool is not None:
+            self.window_pool.deallocate(seq)
+        self.bm.deallocate(seq)  # last: it resets the computed-token count
+
     def _take(self, seq: Sequence, n: int) -> None:
         self._step[seq] = n
         self._budget -= n
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.bm.deallocate(seq)
+        self._deallocate(seq)
         seq.status = Status.WAITING
         bisect.insort(self.waiting, seq, key=_order)
         self.stats.num_preemptions += 1
@@ -168,7 +183,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
-        self.bm.deallocate(seq)
+        self._deallocate(seq)
         seq.status = Status.FINISHED
         group = self._by_id[seq.request_id]
         group.remove(seq)

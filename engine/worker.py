@@ -19,7 +19,7 @@ import zmq
 from engine.block_manager import BlockManager
 from engine.grammar import Grammars
 from engine.loader import load_model
-from engine.model_runner import ModelRunner, StepSamples, kv_block_bytes
+from engine.model_runner import ModelRunner, StepSamples, kv_block_bytes, kv_pools
 from engine.replay import ReplayRunner, load_recordings
 from engine.sampler import TokenLogprobs
 from engine.scheduler import Scheduler, StepResult
@@ -54,13 +54,26 @@ def pick_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dtype:
     return torch.float16 if declared == "float16" else torch.bfloat16
 
 
-def num_kv_blocks(cfg: ServerConfig, model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> int:
+def num_kv_blocks(cfg: ServerConfig, model: torch.nn.Module, dtype: torch.dtype,
+                  device: torch.device) -> tuple[int, int]:
+    """(blocks of the main pool, blocks of the sliding-window layers' own pool, 0 if they have none)."""
+    pools = kv_pools(model)
+    window_layers = sum(pools[w] == "window_table" for w in model.layer_windows)
+    window = next((w for w, name in pools.items() if name == "window_table"), None)
+    # what the window pool can ever need: each running sequence's window plus one step's chunk
+    window_need = cfg.max_num_seqs * (-(-(window - 1 + cfg.max_num_batched_tokens) // cfg.block_size) + 1) \
+        if window else 0
     if cfg.num_kv_blocks:
-        return cfg.num_kv_blocks
+        return cfg.num_kv_blocks, min(window_need, cfg.num_kv_blocks)
     budget = cfg.kv_cache_memory
     if not budget:
         budget = int(torch.cuda.mem_get_info(device)[0] * 0.85) if device.type == "cuda" else 1 << 30
-    return budget // kv_block_bytes(model, cfg.block_size, dtype)
+    full = kv_block_bytes(model, cfg.block_size, dtype, model.kv_shape[0] - window_layers)
+    if not window:
+        return budget // full, 0
+    windowed = kv_block_bytes(model, cfg.block_size, dtype, window_layers)
+    window_blocks = min(window_need, budget // 2 // windowed)
+    return (budget - window_blocks * windowed) // full, window_blocks
 
 
 @dataclass
@@ -150,25 +163,35 @@ class Engine:
         device = pick_device(cfg.device)
         dtype = pick_dtype(cfg.dtype, hf, device)
         if cfg.runner == "replay":
-            blocks = cfg.num_kv_blocks or _REPLAY_KV_BLOCKS
+            blocks, window_blocks = cfg.num_kv_blocks or _REPLAY_KV_BLOCKS, 0
             recordings = load_recordings(cfg.replay_file) if cfg.replay_file else None
             self.runner = ReplayRunner(hf["vocab_size"], recordings, cfg.replay_step_ms / 1000)
         else:
             model = load_model(Path(cfg.model_path), dtype, device)
-            blocks = num_kv_blocks(cfg, model, dtype, device)
-            self.runner = ModelRunner(model, blocks, cfg.block_size, dtype, device)
+            blocks, window_blocks = num_kv_blocks(cfg, model, dtype, device)
+            self.runner = ModelRunner(model, blocks, cfg.block_size, dtype, device, window_blocks)
         if blocks * cfg.block_size < cfg.max_model_len:
             raise SystemExit(f"the KV cache holds {blocks * cfg.block_size} tokens, less than max_model_len "
                              f"{cfg.max_model_len}: raise --kv-cache-memory / --num-kv-blocks or lower --max-model-len")
-        self.scheduler = Scheduler(BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching),
+        hybrid = getattr(self.runner, "hybrid", False)
+        window = self.runner.sliding_window
+        if hybrid and window_blocks * cfg.block_size < window - 1 + cfg.max_num_batched_tokens + cfg.block_size:
+            raise SystemExit(f"the sliding-window layers' pool ({window_blocks} blocks) cannot hold one window "
+                             f"({window}) and a step ({cfg.max_num_batched_tokens} tokens): raise the KV budget "
+                             "or lower --max-num-batched-tokens")
+        # a cached prefix is only in the main pool: with a window pool, prefixes are recomputed
+        self.scheduler = Scheduler(BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching and not hybrid),
                                    max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=max(cfg.max_num_batched_tokens, 1),
-                                   max_model_len=cfg.max_model_len, sliding_window=self.runner.sliding_window)
+                                   max_model_len=cfg.max_model_len, sliding_window=self.runner.sliding_window,
+                                   window_pool=BlockManager(window_blocks, cfg.block_size, False, "window_table")
+                                   if hybrid else None)
         self.grammars = Grammars(cfg.model_path, hf["vocab_size"])
         self._held: list[EngineRequest] = []  # constrained requests waiting for structured output to load
         # Aborts that overtook their request (a client gone while it was rendering).
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
-        log.info("engine: %s %s, %d KV blocks of %d tokens", device, dtype, blocks, cfg.block_size)
+        log.info("engine: %s %s, %d KV blocks of %d tokens (+%d for sliding-window layers)", device, dtype, blocks,
+                 cfg.block_size, window_blocks)
 
     def accept(self, msg: EngineInput) -> list[Sequence]:
         """Adds a request or applies an abort; returns the sequences aborted."""

@@ -153,8 +153,9 @@ class GptOssForCausalLM(nn.Module):
         return self.config.num_layers, self.config.num_kv_heads, self.config.head_dim
 
     @property
-    def attention_windows(self) -> set[int | None]:
-        return set(self.config.layer_windows)
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window (None: full attention)."""
+        return self.config.layer_windows
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_index) -> torch.Tensor:
         return self.lm_head(self.model(input_ids, positions, kv_caches, meta, logits_index)).float()  # [B, V]

@@ -123,8 +123,9 @@ class LlamaForCausalLM(nn.Module):
         return c.num_layers, c.num_kv_heads, c.head_dim
 
     @property
-    def attention_windows(self) -> set[int | None]:
-        return {self.config.sliding_window}
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window (None: full attention)."""
+        return (self.config.sliding_window,) * self.config.num_layers
 
     def lm_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight

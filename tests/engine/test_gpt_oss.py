@@ -48,3 +48,23 @@ def test_greedy_equals_transformers_generate(checkpoints):
     for i, p in enumerate(PROMPTS):
         ref = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert out[f"r{i}"] == ref[0, len(p):].tolist()
+
+
+def test_sliding_layers_free_what_falls_out_of_their_window(checkpoints):
+    paths, hf = checkpoints
+    runner, sched = make_engine(paths["mxfp4"], block_size=4, budget=8)
+    assert runner.hybrid and sched.window_pool is not None and not sched.bm.enable_prefix_caching
+    prompt = list(range(1000, 1040))
+    s = seq("long", prompt, max_tokens=40, temperature=0.0)
+    sched.add(s)
+    out, peak_window, peak_full = [], 0, 0
+    while (batch := sched.schedule()) is not None:
+        peak_window = max(peak_window, sched.window_pool.num_used)
+        peak_full = max(peak_full, sched.bm.num_used)
+        out += [tok for _, tok in sched.update(batch, runner.run(batch).tokens).new_tokens]
+    # 80 tokens: the full-attention layers hold all 20 blocks; the sliding layers (window 8) only the
+    # blocks the window and one 8-token chunk reach
+    assert peak_full == 20 and peak_window <= -(-(8 - 1 + 8) // 4) + 1
+    assert sched.window_pool.num_free == sched.window_pool.num_blocks and sched.bm.num_free == sched.bm.num_blocks
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert out == ref[0, len(prompt):].tolist()

@@ -189,3 +189,35 @@ def test_prefix_cache_hits_salts_and_choice_deferral():
     sched.update(batch, [7])
     batch = sched.schedule()
     assert child in batch.seqs and child.num_cached_tokens == 16
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompts=st.lists(st.integers(1, 30), min_size=1, max_size=8),
+    max_tokens=st.integers(1, 12),
+    window=st.integers(2, 9),
+    budget=st.integers(1, 24),
+    window_blocks=st.integers(0, 30),
+)
+def test_a_window_pool_frees_as_it_goes_and_everything_completes(prompts, max_tokens, window, budget, window_blocks):
+    block_size = 4
+    longest = max(prompts) + max_tokens
+    main_blocks = -(-longest // block_size) * 2
+    window_blocks = max(window_blocks, -(-(window - 1 + budget) // block_size) + 1)  # one sequence must fit
+    pool = BlockManager(window_blocks, block_size, False, "window_table")
+    sched = Scheduler(BlockManager(main_blocks, block_size, False), max_num_seqs=4, max_num_batched_tokens=budget,
+                      max_model_len=1000, sliding_window=window, window_pool=pool)
+    for i, n in enumerate(prompts):
+        sched.add(seq(f"r{i}", [1] * n, max_tokens=max_tokens))
+    peak = 0
+
+    def on_step(step, result):
+        nonlocal peak
+        for s in sched.running:  # a running sequence holds only the blocks its window still reaches
+            held = [b for b in s.window_table if b >= 0]
+            assert len(held) <= -(-(window - 1 + budget) // block_size) + 1
+        peak = max(peak, pool.num_used)
+
+    outputs, _ = run(sched, on_step=on_step)
+    assert {k: len(v) for k, v in outputs.items()} == {f"r{i}": max_tokens for i in range(len(prompts))}
+    assert pool.num_free == window_blocks and sched.bm.num_free == main_blocks and len(sched) == 0
