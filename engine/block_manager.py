@@ -29,7 +29,8 @@ class BlockManager:
         self.block_size = block_size
         self.table = table
         self.primary = table == "block_table"
-        self.enable_prefix_caching = enable_prefix_caching and self.primary
+        self.registered = "num_registered_blocks" if self.primary else "num_registered_window_blocks"
+        self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # hash -> block
@@ -81,39 +82,52 @@ class BlockManager:
         """Makes seq's newly computed full blocks reusable by others."""
         if not self.enable_prefix_caching:
             return
-        table = seq.block_table
+        table = getattr(seq, self.table)
         full = min(seq.num_computed_tokens // self.block_size, len(table))
-        for i in range(seq.num_registered_blocks, full):
+        for i in range(getattr(seq, self.registered), full):
             h, block = self._hash(seq, i), table[i]
             if block >= 0 and self.block_hash[block] is None and h not in self.cached:
                 self.block_hash[block] = h
                 self.cached[h] = block
-        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+        setattr(seq, self.registered, max(getattr(seq, self.registered), full))
+
+    def cached_blocks(self, seq: Sequence, first: int, end: int) -> list[int] | None:
+        """seq's blocks first..end-1 if every one is cached here (a window pool's part of a prefix hit)."""
+        hits = []
+        for i in range(first, end):
+            block = self.cached.get(self._hash(seq, i))
+            if block is None:
+                return None
+            hits.append(block)
+        return hits
 
     # ---- the five verbs -------------------------------------------------------
 
-    def _missing(self, seq: Sequence, num_new_tokens: int, hits: list[int]) -> int:
-        computed = len(hits) * self.block_size if hits else seq.num_computed_tokens
-        have = len(getattr(seq, self.table)) + len(hits)
+    def _missing(self, seq: Sequence, num_new_tokens: int, hits: list[int], skip: int) -> int:
+        computed = (skip + len(hits)) * self.block_size if hits else seq.num_computed_tokens
+        have = len(getattr(seq, self.table)) + skip + len(hits)
         return max(0, -(-(computed + num_new_tokens) // self.block_size) - have)
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> bool:
-        """Whether the cache can hold `num_new_tokens` more of seq's tokens (after the cached `hits`)."""
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = (), skip: int = 0) -> bool:
+        """Whether the cache can hold `num_new_tokens` more of seq's tokens (after the cached `hits`, which
+        stand for its blocks skip.. : a window pool needs no blocks before the window)."""
         revived = sum(1 for b in hits if self.ref_count[b] == 0)  # cached blocks that sit in the free list
-        return self._missing(seq, num_new_tokens, hits) + revived <= len(self._free)
+        return self._missing(seq, num_new_tokens, hits, skip) + revived <= len(self._free)
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> None:
-        assert self.can_allocate(seq, num_new_tokens, hits), "allocate() without can_allocate()"
-        missing = self._missing(seq, num_new_tokens, hits)
+    def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = (), skip: int = 0) -> None:
+        assert self.can_allocate(seq, num_new_tokens, hits, skip), "allocate() without can_allocate()"
+        missing = self._missing(seq, num_new_tokens, hits, skip)
         table = getattr(seq, self.table)
+        table.extend([-1] * skip if hits else [])
         for block in hits:
             if self.ref_count[block] == 0:
                 del self._free[block]
             self.ref_count[block] += 1
             table.append(block)
         if hits:
-            seq.num_computed_tokens = len(hits) * self.block_size
-            seq.num_registered_blocks = len(hits)
+            setattr(seq, self.registered, skip + len(hits))
+            if self.primary:
+                seq.num_computed_tokens = len(hits) * self.block_size
         for _ in range(missing):
             block, _ = self._free.popitem(last=False)
             if (h := self.block_hash[block]) is not None:  # evict the least recently used cached block
@@ -128,9 +142,9 @@ class BlockManager:
             if block >= 0:
                 self._release(block)
         setattr(seq, self.table, [])
+        setattr(seq, self.registered, 0)
         if self.primary:
             seq.num_computed_tokens = 0
-            seq.num_registered_blocks = 0
 
     def _release(self, block: int) -> None:
         self.ref_count[block] -= 1

@@ -96,12 +96,12 @@ class Scheduler:
             if seq.leader is not None and seq.leader.prefilling() and self.bm.enable_prefix_caching:
                 i += 1  # wait for the leader's prompt to be cached, then reuse it
                 continue
-            hits = self.bm.cached_prefix(seq)
+            hits, window_hits = self._prefix_hits(seq)
             n = min(seq.num_tokens - len(hits) * self.bm.block_size, self._budget)
-            if not self._make_room(seq, n, hits):
+            if not self._make_room(seq, n, hits, window_hits):
                 break
             self.waiting.remove(seq)
-            self._allocate(seq, n, hits)
+            self._allocate(seq, n, hits, window_hits)
             if seq.num_cached_tokens is None:
                 seq.first_scheduled_time = time.time()
                 seq.num_cached_tokens = len(hits) * self.bm.block_size
@@ -113,10 +113,25 @@ class Scheduler:
         step, self._step = self._step, {}
         return ScheduledBatch(list(step), list(step.values())) if step else None
 
-    def _make_room(self, seq: Sequence, n: int, hits: list[int]) -> bool:
+    def _prefix_hits(self, seq: Sequence) -> tuple[list[int], tuple[list[int], int]]:
+        """Cached blocks of seq's prompt: the main pool's, and (when the window layers keep a pool of their
+        own) that pool's last blocks before them, with the index of the first: a hit is only as long as
+        both pools have what the next token attends to."""
+        hits = self.bm.cached_prefix(seq)
+        if self.window_pool is None:
+            return hits, ([], 0)
+        bs = self.bm.block_size
+        for k in range(len(hits), 0, -1):
+            first = max(0, k * bs - (self.sliding_window - 1)) // bs
+            tail = self.window_pool.cached_blocks(seq, first, k)
+            if tail is not None:
+                return hits[:k], (tail, first)
+        return [], ([], 0)
+
+    def _make_room(self, seq: Sequence, n: int, hits: list[int], window_hits=([], 0)) -> bool:
         """Preempts lower-priority running sequences until seq fits; False if seq cannot (or was preempted)."""
         while not (self.bm.can_allocate(seq, n, hits) and
-                   (self.window_pool is None or self.window_pool.can_allocate(seq, n))):
+                   (self.window_pool is None or self.window_pool.can_allocate(seq, n, *window_hits))):
             victim = max(self.running, key=_order, default=None)
             if victim is None or (seq.status is Status.WAITING and victim.order < seq.order):
                 return False
@@ -126,10 +141,10 @@ class Scheduler:
                 return False
         return True
 
-    def _allocate(self, seq: Sequence, n: int, hits: list[int]) -> None:
+    def _allocate(self, seq: Sequence, n: int, hits: list[int], window_hits=([], 0)) -> None:
         if self.window_pool is not None:
-            self.window_pool.allocate(seq, n)
-        self.bm.allocate(seq, n, hits)
+            self.window_pool.allocate(seq, n, *window_hits)
+        self.bm.allocate(seq, n, hits)  # last: it sets the computed-token count
 
     def _deallocate(self, seq: Sequence) -> None:
         if self.window_pool is not None:
@@ -156,6 +171,8 @@ class Scheduler:
             samples = batch.samples(i)
             seq.num_computed_tokens += batch.num_new_tokens[i]
             self.bm.register_full_blocks(seq)
+            if self.window_pool is not None:
+                self.window_pool.register_full_blocks(seq)
             if not samples:
                 continue
             token = next(it)

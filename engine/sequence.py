@@ -18,7 +18,7 @@ class Status(enum.Enum):
 class Sequence:
     __slots__ = ("request_id", "index", "leader", "token_ids", "num_prompt_tokens", "sampling", "shard",
                  "postproc_spec", "arrival_time", "seed", "priority", "cache_salt", "order", "status", "block_table",
-                 "window_table",
+                 "window_table", "num_registered_window_blocks",
                  "block_hashes", "num_registered_blocks", "num_computed_tokens", "num_cached_tokens", "started",
                  "grammar", "render_done_time", "first_scheduled_time", "first_token_time", "last_token_time")
 
@@ -43,6 +43,7 @@ class Sequence:
         self.window_table: list[int] = []  # sliding-window layers' blocks, when they have a pool of their own
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
+        self.num_registered_window_blocks = 0
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
         self.started = False  # the postproc shard has been told about it

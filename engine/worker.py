@@ -179,12 +179,12 @@ class Engine:
             raise SystemExit(f"the sliding-window layers' pool ({window_blocks} blocks) cannot hold one window "
                              f"({window}) and a step ({cfg.max_num_batched_tokens} tokens): raise the KV budget "
                              "or lower --max-num-batched-tokens")
-        # a cached prefix is only in the main pool: with a window pool, prefixes are recomputed
-        self.scheduler = Scheduler(BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching and not hybrid),
+        self.scheduler = Scheduler(BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching),
                                    max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=max(cfg.max_num_batched_tokens, 1),
                                    max_model_len=cfg.max_model_len, sliding_window=self.runner.sliding_window,
-                                   window_pool=BlockManager(window_blocks, cfg.block_size, False, "window_table")
+                                   window_pool=BlockManager(window_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                                            "window_table")
                                    if hybrid else None)
         self.grammars = Grammars(cfg.model_path, hf["vocab_size"])
         self._held: list[EngineRequest] = []  # constrained requests waiting for structured output to load

@@ -53,7 +53,7 @@ def test_greedy_equals_transformers_generate(checkpoints):
 def test_sliding_layers_free_what_falls_out_of_their_window(checkpoints):
     paths, hf = checkpoints
     runner, sched = make_engine(paths["mxfp4"], block_size=4, budget=8)
-    assert runner.hybrid and sched.window_pool is not None and not sched.bm.enable_prefix_caching
+    assert runner.hybrid and sched.window_pool is not None
     prompt = list(range(1000, 1040))
     s = seq("long", prompt, max_tokens=40, temperature=0.0)
     sched.add(s)
@@ -68,3 +68,21 @@ def test_sliding_layers_free_what_falls_out_of_their_window(checkpoints):
     assert sched.window_pool.num_free == sched.window_pool.num_blocks and sched.bm.num_free == sched.bm.num_blocks
     ref = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert out == ref[0, len(prompt):].tolist()
+
+
+def test_prefix_caching_with_a_window_pool_gives_the_same_logits(checkpoints):
+    paths, hf = checkpoints
+    runner, sched = make_engine(paths["bf16"], block_size=4)
+    prompt = list(range(2000, 2030))  # 30 tokens: 7 full blocks could be reused
+    generate(runner, sched, [seq("first", prompt, max_tokens=1, temperature=0.0)])
+    # the window pool freed the blocks before the window as the first prompt was computed, but they
+    # stay cached: the whole prefix (and the window's tail of it) is found again
+    again = seq("again", prompt + [7, 8], max_tokens=1, temperature=0.0)
+    sched.add(again)
+    batch = sched.schedule()
+    assert again.num_cached_tokens == 28 and batch.num_new_tokens == [4]
+    assert again.window_table[:5] == [-1] * 5 and min(again.window_table[5:]) >= 0  # window 8: blocks 5, 6
+    logits, _ = runner.forward(batch)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + [7, 8]])).logits[0, -1].float()
+    torch.testing.assert_close(logits[0], ref, rtol=2e-4, atol=2e-4)
