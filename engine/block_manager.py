@@ -6,8 +6,10 @@ of its prompt and tenants with different salts share nothing. A block whose
 ref count falls to zero stays cached in an LRU of free blocks until it is
 needed for something else; uncached free blocks are handed out first.
 
-With a sliding window, blocks that fell out of every layer's window are freed
-while the sequence runs; its block table keeps -1 in their place.
+With a sliding window, blocks that fell out of the window are freed while the
+sequence runs; its table keeps -1 in their place. A model whose sliding-window
+layers sit beside full-attention ones (gpt-oss) gives them a pool of their own
+(a second BlockManager over `window_table`), cached under the same hashes.
 """
 from __future__ import annotations
 
