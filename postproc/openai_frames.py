@@ -43,6 +43,10 @@ class OpenAIFramer:
         self._token_ids: list[list[int]] = [[] for _ in range(spec.n)]
         self._finish: list[str | None] = [None] * spec.n
         self.prompt_logprobs: list | None = None
+        # A plain chunk is this request's constant envelope around one encoded choice: encode it once.
+        envelope = _json.encode(self._envelope([]))
+        cut = envelope.index(b'"choices":[') + len(b'"choices":[')
+        self._head, self._tail = b"data: " + envelope[:cut], envelope[cut:] + b"\n\n"
 
     def usage(self, completion_tokens: int) -> Usage:
         p = self.num_prompt_tokens
@@ -69,7 +73,10 @@ class OpenAIFramer:
                 choice = ChunkChoice(index, delta, finish_reason, lp, ids)
             else:
                 choice = CompletionChoice(index, piece.content, finish_reason, lp, token_ids=ids)
-            out += sse(self._envelope([choice], first=opening and not self._chat))
+            if opening and not self._chat:  # a completion's first chunk carries the per-request extras
+                out += sse(self._envelope([choice], first=True))
+            else:
+                out += self._head + _json.encode(choice) + self._tail
         return out
 
     def end(self, completion_tokens: int, perf: PerfMetrics | None = None) -> bytes:
