@@ -13,13 +13,10 @@ import argparse
 import json
 import os
 import subprocess
-import time
-
-import httpx
 
 from bench.checkpoints import tiny_llama_o200k
 from bench.serve import add_load_args, serve
-from bench.server import Server, free_port
+from bench.server import Server, free_port, wait_healthy
 
 
 class VllmServer:
@@ -33,19 +30,11 @@ class VllmServer:
                                       "--distributed-executor-backend", "uni", "--dtype", "bfloat16",
                                       "--gpu-memory-utilization", "0.3"],
                                      env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited; see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"vLLM did not start; see {self.log.name}")
-            time.sleep(1)
+        try:
+            wait_healthy(self.proc, self.url, timeout)
+        except RuntimeError as e:
+            self.stop()
+            raise RuntimeError(f"vLLM: {e}; see {self.log.name}") from None
 
     def stop(self) -> None:
         self.proc.terminate()

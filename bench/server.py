@@ -15,6 +15,22 @@ import httpx
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, headers: dict | None = None) -> None:
+    """Until `url`/health answers 200; RuntimeError if the process exits or the time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited during startup (code {proc.returncode})")
+        try:
+            if httpx.get(url + "/health", timeout=1, headers=headers).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server was not healthy after {timeout}s")
+        time.sleep(0.2)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -33,19 +49,11 @@ class Server:
         cmd = [sys.executable, "-m", "sluice.cli", "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited during startup:\n{self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1, headers=headers).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"server not healthy after {startup_timeout}s:\n{self.output()}")
-            time.sleep(0.2)
+        try:
+            wait_healthy(self.proc, self.url, startup_timeout, headers)
+        except RuntimeError as e:
+            self.stop()
+            raise RuntimeError(f"{e}:\n{self.output()}") from None
 
     def output(self) -> str:
         self.log.flush()
