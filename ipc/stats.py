@@ -10,6 +10,7 @@ from ipc.shm import map_file
 
 FIELDS = ("heartbeat", "num_running", "num_waiting", "kv_used_blocks", "kv_total_blocks", "num_steps",
           "num_preemptions", "generated_tokens", "alive", "prefix_queries", "prefix_hits", "step_time")
+_INDEX = {name: i for i, name in enumerate(FIELDS)}
 
 
 class EngineStats:
@@ -19,7 +20,7 @@ class EngineStats:
 
     def set(self, **values: float) -> None:
         for k, v in values.items():
-            self._values[FIELDS.index(k)] = v
+            self._values[_INDEX[k]] = v
 
     def read(self) -> dict[str, float]:
         return dict(zip(FIELDS, self._values.tolist()))

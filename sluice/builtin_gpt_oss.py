@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sluice.builtin_models import save_sharded
+from sluice.builtin_models import save_sharded, seeded_randn
 
 
 def write_gpt_oss(
@@ -72,10 +72,8 @@ def write_gpt_oss(
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|return|>", "pad_token": "<|endoftext|>",
         "bos_token": "<|startoftext|>", "model_max_length": 131072}, indent=2))
 
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape: int, std: float = 0.02, mean: float = 0.0) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * std + mean).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)  # draws the weights, then the MXFP4 blocks and scales
+    randn = seeded_randn(gen, torch.bfloat16)
 
     e, h, i = num_experts, hidden_size, intermediate_size
     tensors = {"model.embed_tokens.weight": randn(VOCAB_SIZE, h, std=0.5), "model.norm.weight": randn(h, std=0.1,

@@ -160,10 +160,7 @@ def write_llama_family(
         "model_max_length": max_position_embeddings,
     }, indent=2))
 
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape: int, std: float = 0.02, mean: float = 0.0) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * std + mean
+    randn = seeded_randn(torch.Generator().manual_seed(seed))
 
     q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
     tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": randn(vocab_size, hidden_size, std=0.5)}
@@ -191,6 +188,17 @@ def write_llama_family(
         tensors["lm_head.weight"] = randn(vocab_size, hidden_size, std=0.5)
     save_sharded(out, tensors, num_shards)
     return out
+
+
+def seeded_randn(gen, dtype=None):
+    """randn(*shape, std, mean) drawing from one seeded generator: the same calls give the same weights."""
+    import torch
+
+    def randn(*shape: int, std: float = 0.02, mean: float = 0.0) -> torch.Tensor:
+        t = torch.randn(*shape, generator=gen) * std + mean
+        return t if dtype is None else t.to(dtype)
+
+    return randn
 
 
 def save_sharded(out: Path, tensors: dict, num_shards: int) -> None:
