@@ -16,6 +16,7 @@ from engine.block_manager import BlockManager
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
+from engine.worker import keep_heap_memory
 from engine.sequence import Sequence
 from ipc.messages import SamplingParams
 
@@ -71,6 +72,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    keep_heap_memory()  # as the engine process does
     path = tiny_llama_o200k()
     model = load_model(path, dtype, torch.device("cpu"))
     head = model.lm_head.weight

@@ -7,6 +7,7 @@ import torch
 from dataclasses import dataclass, field
 
 from engine.attention import AttentionGroup, AttentionMetadata
+from engine.lm_head import LMHead
 from engine.sampler import SamplingBatch, TokenLogprobs, logprobs_of, sample
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -45,6 +46,7 @@ class ModelRunner:
                  device: torch.device, num_window_blocks: int = 0) -> None:
         """`num_window_blocks`: the size of the sliding-window layers' own pool, when they have one."""
         self.model = model
+        self.lm_head = LMHead(model.lm_weight())
         self.block_size = block_size
         self.tables = kv_pools(model)  # window -> the Sequence table its blocks are in
         self.windows = set(self.tables)
@@ -63,14 +65,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Logits [B, V] for the sequences that sample this step, and those sequences."""
+        """Float32 logits [B, V] for the sequences that sample this step, and those sequences."""
         logits, inputs = self._forward(batch)
-        return logits[inputs["num_prompt_rows"]:], inputs["sampling_seqs"]
+        return logits[inputs["num_prompt_rows"]:].float(), inputs["sampling_seqs"]
 
     def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, dict]:
         inputs = self._prepare(batch)
-        logits = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"],
+        hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"],
                             inputs["logits_index"])
+        logits = self.lm_head(hidden)
         return logits, inputs
 
     @torch.inference_mode()

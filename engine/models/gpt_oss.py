@@ -157,8 +157,12 @@ class GptOssForCausalLM(nn.Module):
         """Each layer's attention window (None: full attention)."""
         return self.config.layer_windows
 
+    def lm_weight(self) -> torch.Tensor:
+        return self.lm_head.weight
+
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_index) -> torch.Tensor:
-        return self.lm_head(self.model(input_ids, positions, kv_caches, meta, logits_index)).float()  # [B, V]
+        """The normed hidden states [B, D] of the rows in `logits_index` (the runner's LM head scores them)."""
+        return self.model(input_ids, positions, kv_caches, meta, logits_index)
 
     @staticmethod
     def load_param(name: str, fetch: Callable[[str], torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, list[str]]:

@@ -131,4 +131,5 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     def forward(self, input_ids, positions, kv_caches: list, meta: AttentionMetadata, logits_index) -> torch.Tensor:
-        return F.linear(self.model(input_ids, positions, kv_caches, meta, logits_index), self.lm_weight()).float()
+        """The normed hidden states [B, D] of the rows in `logits_index` (the runner's LM head scores them)."""
+        return self.model(input_ids, positions, kv_caches, meta, logits_index)

@@ -3,6 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from engine.sampler import SamplingBatch, sample, uniform_from
 from ipc.messages import SamplingParams
@@ -112,3 +113,60 @@ def test_logprobs_are_raw_with_ranks():
     lp = logits.log_softmax(-1)[0]
     assert entry.rank == 2 and entry.logprob == pytest.approx(lp[2].item())
     assert entry.top_ids == [1, 2] and entry.top_logprobs == pytest.approx([lp[1].item(), lp[2].item()])
+
+
+# The blocked scans span one block and a shorter last one (1024 + 40 columns) in these.
+_WIDE = 1064
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 2 * _WIDE), st.integers(0, 2**32 - 1),
+       st.sampled_from([torch.float32, torch.bfloat16]))
+def test_blocked_argmax_is_torch_argmax_ties_included(rows, vocab, seed, dtype):
+    from engine.sampler import argmax
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 4, (rows, vocab), generator=g).to(dtype)  # few values: many ties
+    assert argmax(x).tolist() == x.argmax(dim=-1).tolist()
+    assert argmax(x[:, : vocab // 2 + 1].contiguous()).tolist() == x[:, : vocab // 2 + 1].argmax(-1).tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 2 * _WIDE), st.integers(0, 2**32 - 1), st.data())
+def test_inverse_cdf_is_the_full_running_sum_search(rows, vocab, seed, data):
+    """Small integer masses and u = j/1024 keep every sum exact in float32: the two-level search must
+    pick exactly the token a full cumsum and searchsorted picks, zero-mass tokens never."""
+    from engine.sampler import inverse_cdf
+
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.randint(0, 4, (rows, vocab), generator=g).float()
+    probs[:, torch.randint(0, vocab, (1,), generator=g)] = 1.0  # every row has some mass
+    u = torch.tensor([data.draw(st.integers(0, 1023)) / 1024 for _ in range(rows)])
+    cdf = probs.double().cumsum(dim=-1)
+    want = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    got = inverse_cdf(probs, u)
+    assert got.tolist() == want.tolist()
+    assert (probs.gather(1, got.unsqueeze(1)) > 0).all()
+
+
+def test_seeded_rows_over_a_wide_vocabulary_are_independent_of_the_batch_and_follow_it():
+    torch.manual_seed(1)
+    logits = torch.randn(8, 3 * _WIDE) * 3
+    p = SamplingParams(1, temperature=0.8)
+    full = sample(logits, _batch([p] * 8, seeds=[7 * i for i in range(8)], steps=[5] * 8))
+    for i in range(8):
+        assert sample(logits[i : i + 1], _batch([p], seeds=[7 * i], steps=[5])).item() == full[i].item()
+    probs = torch.tensor([0.25, 0.25, 0.5])
+    wide = torch.full((3000, 3 * _WIDE), float("-inf"))
+    wide[:, [5, _WIDE + 3, 3 * _WIDE - 1]] = probs.log()  # one token in each block, the last in the tail
+    out = sample(wide, _batch([SamplingParams(1)] * 3000, seeds=list(range(3000))))
+    freq = [(out == t).float().mean().item() for t in (5, _WIDE + 3, 3 * _WIDE - 1)]
+    assert np.allclose(freq, probs.numpy(), atol=0.03)
+
+
+def test_bfloat16_logits_sample_as_their_float32_values():
+    torch.manual_seed(2)
+    logits = (torch.randn(6, 3 * _WIDE) * 4).bfloat16()
+    for kw in ({"temperature": 0.0}, {"temperature": 0.7, "top_k": 50}, {"temperature": 1.0, "min_p": 0.05}):
+        params = [SamplingParams(1, **kw)] * 6
+        assert sample(logits, _batch(params)).tolist() == sample(logits.float(), _batch(params)).tolist()
