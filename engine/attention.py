@@ -47,9 +47,9 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping[window], v)
     out = q.new_empty(meta.num_tokens + 1, q.shape[1], q.shape[2])
     for g in meta.groups:
-        qg = q[g.q_index].transpose(1, 2)  # [B, H, Q, D]
-        kg = k_cache[g.kv_slots[window]].transpose(1, 2)  # [B, Hkv, K, D]
-        vg = v_cache[g.kv_slots[window]].transpose(1, 2)
+        qg = _rows(q, g.q_index).transpose(1, 2)  # [B, H, Q, D]
+        kg = _rows(k_cache, g.kv_slots[window]).transpose(1, 2)  # [B, Hkv, K, D]
+        vg = _rows(v_cache, g.kv_slots[window]).transpose(1, 2)
         mask = g.masks[window]
         if sinks is None:
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -57,6 +57,12 @@ def paged_attention(
             o = _attention_with_sinks(qg, kg, vg, mask, scale, sinks)
         out[g.out_index] = o.transpose(1, 2)  # [B, Q, H, D]
     return out[: meta.num_tokens]
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index] for an index [B, N] into x's first dimension: [B, N, ...] (index_select: ~3x faster on the
+    CPU than advanced indexing)."""
+    return x.index_select(0, index.view(-1)).view(*index.shape, *x.shape[1:])
 
 
 def _attention_with_sinks(q, k, v, mask, scale, sinks):

@@ -18,6 +18,32 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
+# Projections that read the same input run as one matmul: the model holds one stacked weight, which the
+# loader builds from the checkpoint's separate tensors (concatenated on the output dimension, in order).
+STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def stacked_parts(name: str) -> list[str]:
+    """The checkpoint tensors a stacked parameter is built from ([] when `name` is not one)."""
+    module, _, leaf = name.rpartition(".")
+    parent, _, last = module.rpartition(".")
+    return [f"{parent}.{part}.{leaf}" for part in STACKED.get(last, ())]
+
+
+def split_qkv(qkv: torch.Tensor, heads: tuple[int, int, int], rotary: nn.Module, positions: torch.Tensor,
+              qk_norm: tuple[nn.Module, nn.Module] | None = None):
+    """q [T, H, D], k and v [T, Hkv, D] from a stacked qkv projection [T, (H + 2 Hkv) D], with rotary
+    applied to q and k in one pass (after their per-head norms, when the model has them)."""
+    h, hkv, d = heads
+    qkv = qkv.view(qkv.shape[0], h + 2 * hkv, d)
+    v = qkv[:, h + hkv :]
+    if qk_norm is not None:
+        q, k = qk_norm[0](qkv[:, :h]), qk_norm[1](qkv[:, h : h + hkv])
+        return rotary(q, positions), rotary(k, positions), v
+    q, k = rotary(qkv[:, : h + hkv], positions).split([h, hkv], dim=1)
+    return q, k, v
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)). Names follow HF checkpoints."""
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.layers import stacked_parts
 from engine.models.registry import model_class
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -47,6 +48,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn
     for name, target in params.items():
         if name in files:
             tensor, used = fetch(name), [name]
+        elif (parts := stacked_parts(name)) and all(p in files for p in parts):
+            tensor, used = torch.cat([fetch(p) for p in parts]), parts
         elif hasattr(model, "load_param"):  # a model-specific encoding (e.g. MXFP4 experts)
             try:
                 tensor, used = model.load_param(name, fetch, dtype)

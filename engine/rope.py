@@ -81,10 +81,20 @@ class Rotary(torch.nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         self.cos = (freqs.cos() * scale).float()
         self.sin = (freqs.sin() * scale).float()
+        self._last: tuple = (None, None, None, None)
+
+    def _at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at `positions` [T, 1, D/2]; every layer of a step asks with the same tensor, and
+        looks them up once."""
+        last_positions, last_dtype, cos, sin = self._last
+        if last_positions is not positions or last_dtype != dtype:
+            cos = self.cos[positions].unsqueeze(1).to(dtype)
+            sin = self.sin[positions].unsqueeze(1).to(dtype)
+            self._last = (positions, dtype, cos, sin)
+        return cos, sin
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [T, H, D], positions: [T]
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        cos, sin = self._at(positions, x.dtype)  # [T, 1, D/2]
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

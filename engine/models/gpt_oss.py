@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
-from engine.layers import Backbone, DecoderLayer
+from engine.layers import Backbone, DecoderLayer, split_qkv
 from engine.rope import Rotary, rope_params
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -78,9 +78,8 @@ class Attention(nn.Module):
     def __init__(self, c: GptOssConfig, rotary: Rotary, window: int | None) -> None:
         super().__init__()
         self.c = c
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=True)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=True)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=True)
+        self.heads = (c.num_heads, c.num_kv_heads, c.head_dim)
+        self.qkv_proj = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=True)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=True)
         self.sinks = nn.Parameter(torch.empty(c.num_heads))
         self.rotary = rotary
@@ -88,12 +87,9 @@ class Attention(nn.Module):
         self.scale = c.head_dim**-0.5
 
     def forward(self, x, positions, kv, meta: AttentionMetadata) -> torch.Tensor:
-        c, t = self.c, x.shape[0]
-        q = self.rotary(self.q_proj(x).view(t, c.num_heads, c.head_dim), positions)  # [T, H, D]
-        k = self.rotary(self.k_proj(x).view(t, c.num_kv_heads, c.head_dim), positions)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, c.num_kv_heads, c.head_dim)
+        q, k, v = split_qkv(self.qkv_proj(x), self.heads, self.rotary, positions)
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, window=self.window, sinks=self.sinks)
-        return self.o_proj(o.reshape(t, -1))
+        return self.o_proj(o.reshape(x.shape[0], -1))
 
 
 class Router(nn.Module):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
-from engine.layers import Backbone, DecoderLayer, RMSNorm
+from engine.layers import Backbone, DecoderLayer, RMSNorm, split_qkv
 from engine.rope import Rotary, rope_params
 
 
@@ -70,38 +70,32 @@ class Attention(nn.Module):
     def __init__(self, c: LlamaConfig, rotary: Rotary) -> None:
         super().__init__()
         self.c = c
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        self.heads = (c.num_heads, c.num_kv_heads, c.head_dim)
+        self.qkv_proj = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=c.qkv_bias)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.rotary = rotary
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
         self.scale = c.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        c, t = self.c, x.shape[0]
-        q = self.q_proj(x).view(t, c.num_heads, c.head_dim)  # [T, H, D]
-        k = self.k_proj(x).view(t, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, positions), self.rotary(k, positions)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, window=c.sliding_window)
-        return self.o_proj(o.reshape(t, -1))
+        norms = (self.q_norm, self.k_norm) if self.c.qk_norm else None
+        q, k, v = split_qkv(self.qkv_proj(x), self.heads, self.rotary, positions, norms)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, window=self.c.sliding_window)
+        return self.o_proj(o.reshape(x.shape[0], -1))
 
 
 class MLP(nn.Module):
     def __init__(self, c: LlamaConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class LlamaForCausalLM(nn.Module):
