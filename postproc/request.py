@@ -94,11 +94,17 @@ class RequestOutput:
 
     def on_token(self, index: int, token: int, finish_reason: str | None, logprobs: tuple | None,
                  gaps: list[float] | None = None) -> bytes:
-        """Feeds choice `index` one token; returns the SSE bytes to send now (streaming). The time since
-        the choice's previous token goes into `gaps` (observed in bulk by the caller)."""
+        """Feeds choice `index` one token; returns the SSE bytes to send now (streaming)."""
+        self.feed(index, token, finish_reason, logprobs, gaps)
+        return self.chunk(index)
+
+    def feed(self, index: int, token: int, finish_reason: str | None, logprobs: tuple | None,
+             gaps: list[float] | None = None) -> None:
+        """Feeds choice `index` one token: what it adds waits for `chunk`. The time since the choice's
+        previous token goes into `gaps` (observed in bulk by the caller)."""
         choice = self.choices[index]
         if choice.finish_reason is not None:  # a token in flight after the choice ended early
-            return b""
+            return
         now = time.time()
         if not self.first_token_at:
             self.first_token_at = now
@@ -110,11 +116,19 @@ class RequestOutput:
         entries = [(token, logprobs)] if logprobs is not None and self.spec.logprobs else []
         if not self.spec.stream:
             self.framer.add(index, piece, entries, [token], choice.finish_reason)
-            return b""
+            return
         choice.pending_logprobs += entries
         choice.pending_ids.append(token)
         choice.pending.extend(piece)
-        interval = 1 if choice.frames_sent == 0 else self.spec.stream_interval  # the first token goes at once
+
+    def chunk(self, index: int) -> bytes:
+        """The SSE bytes choice `index` sends now (streaming): everything fed since its last chunk, in one
+        chunk, once `stream_interval` tokens are waiting (the first token at once, the last whatever the
+        count)."""
+        choice = self.choices[index]
+        if not self.spec.stream or not choice.pending_ids:
+            return b""
+        interval = 1 if choice.frames_sent == 0 else self.spec.stream_interval
         if not choice.finish_reason and (not choice.pending or len(choice.pending_ids) < interval):
             return self.framer.chunk(index, Piece(), None, [], []) if not choice.frames_sent else b""
         choice.frames_sent += 1

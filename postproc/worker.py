@@ -37,8 +37,40 @@ class Shard:
             text = self._token_text[token] = self.tokenizer.decode([token], skip_special_tokens=False)
         return text
 
-    def on_step(self, msg: StepOutputs) -> tuple[dict[str, list[Frame]], Abort | None]:
-        """Frames per ingress address, and the choices that stop strings ended (to abort in the engine)."""
+    def on_steps(self, msgs: list[StepOutputs]) -> tuple[dict[str, list[Frame]], Abort | None]:
+        """Frames per ingress address for the steps given (oldest first), and the choices that stop strings
+        ended (to abort in the engine). A request that got tokens in several of these steps (the shard fell
+        behind the engine) gets them in one chunk: under load it sends fewer, larger frames."""
+        touched: dict[str, RequestOutput] = {}
+        fed: dict[tuple[str, int], None] = {}  # (request, choice) fed tokens, in order
+        failed: dict[str, RequestOutput] = {}
+        stop_ids, stop_choices = [], []
+        gaps: list[float] = []
+        for msg in msgs:
+            self._feed(msg, touched, fed, failed, stop_ids, stop_choices, gaps)
+        out: dict[str, list[Frame]] = defaultdict(list)
+        for rid, req in failed.items():
+            stop_ids.append(rid)
+            stop_choices.append(-1)
+            body = error_body(500, "internal error while producing the output", code="internal_error")
+            out[req.spec.reply_to].append(Frame(rid, body, True, 500))
+        data: dict[str, bytes] = defaultdict(bytes)
+        for rid, index in fed:
+            if rid in touched:
+                data[rid] += touched[rid].chunk(index)
+        for rid, req in touched.items():
+            if req.done:
+                del self.requests[rid]
+                self._finished(req)
+                out[req.spec.reply_to].append(Frame(rid, data[rid] + req.final().data, True))
+            elif data[rid]:
+                out[req.spec.reply_to].append(Frame(rid, data[rid]))
+        metrics.observe_many(metrics.ITL, gaps)
+        metrics.IN_FLIGHT.labels("postproc").set(len(self.requests))
+        return out, Abort(stop_ids, stop_choices) if stop_ids else None
+
+    def _feed(self, msg: StepOutputs, touched: dict, fed: dict, failed: dict, stop_ids: list, stop_choices: list,
+              gaps: list) -> None:
         for s in msg.started:
             self.requests[s.request_id] = RequestOutput(_spec_decoder.decode(s.postproc_spec), self.tokenizer, s,
                                                         self.text_of)
@@ -52,50 +84,28 @@ class Shard:
                 req.timings.append(t)
         verdicts = {(rid, i): reason for rid, i, reason in msg.finished}
         logprobs = {pos: unpack(lp)[0] for pos, lp in msg.logprobs}
-        data: dict[str, bytearray] = defaultdict(bytearray)
-        touched: dict[str, RequestOutput] = {}
-        stop_ids, stop_choices = [], []
         indices = bytes_to_ids(msg.indices).tolist()
-        failed: dict[str, RequestOutput] = {}
-        gaps: list[float] = []
         for pos, (rid, index, token) in enumerate(zip(msg.request_ids, indices, bytes_to_ids(msg.token_ids).tolist())):
             req = self.requests.get(rid)
-            if req is None or rid in failed:
+            if req is None:
                 continue
             verdict = verdicts.get((rid, index))
             try:
-                data[rid] += req.on_token(index, token, verdict, logprobs.get(pos), gaps)
+                req.feed(index, token, verdict, logprobs.get(pos), gaps)
             except Exception:  # one request's bad state must not take the shard down
                 log.exception("postproc failed for %s", rid)
                 failed[rid] = self.requests.pop(rid)
+                touched.pop(rid, None)
                 continue
             touched[rid] = req
+            fed[(rid, index)] = None
             if verdict is None and req.choices[index].ended_early:
                 stop_ids.append(rid)
                 stop_choices.append(index)
         for (rid, index), reason in verdicts.items():
-            req = self.requests.get(rid)
-            if reason == "abort" and req is not None:  # the ingress asked for it: nobody is listening
+            if reason == "abort" and rid in self.requests:  # the ingress asked for it: nobody is listening
                 del self.requests[rid]
                 touched.pop(rid, None)
-        out: dict[str, list[Frame]] = defaultdict(list)
-        for rid, req in failed.items():
-            touched.pop(rid, None)
-            stop_ids.append(rid)
-            stop_choices.append(-1)
-            body = error_body(500, "internal error while producing the output", code="internal_error")
-            out[req.spec.reply_to].append(Frame(rid, body, True, 500))
-        for rid, req in touched.items():
-            if req.done:
-                del self.requests[rid]
-                self._finished(req)
-                final = req.final()
-                out[req.spec.reply_to].append(Frame(rid, bytes(data[rid]) + final.data, True))
-            elif data[rid]:
-                out[req.spec.reply_to].append(Frame(rid, bytes(data[rid])))
-        metrics.observe_many(metrics.ITL, gaps)
-        metrics.IN_FLIGHT.labels("postproc").set(len(self.requests))
-        return out, Abort(stop_ids, stop_choices) if stop_ids else None
 
     def drop_destination(self, address: str) -> list[str]:
         """Forgets the requests whose frames go to `address`; returns their ids."""
@@ -129,14 +139,14 @@ def run_postproc(cfg: ServerConfig, index: int) -> None:
     replies: PushPool[IngressInput] = PushPool(ctx, **cfg.bulk())
     PushChannel[SupervisorInput](ctx, addr.supervisor).put(Ready("postproc", index, os.getpid()))
     while True:
-        msg = inbox.get()
-        if isinstance(msg, IngressGone):
-            gone = shard.drop_destination(msg.address)
-            if gone:
-                engine.put(Abort(gone))
-            replies.drop(msg.address)
-            continue
-        out, abort = shard.on_step(msg)
+        msgs = [inbox.get(), *inbox.drain()]  # all that waits: steps that queued up go out together
+        for msg in msgs:
+            if isinstance(msg, IngressGone):
+                gone = shard.drop_destination(msg.address)
+                if gone:
+                    engine.put(Abort(gone))
+                replies.drop(msg.address)
+        out, abort = shard.on_steps([m for m in msgs if isinstance(m, StepOutputs)])
         if abort is not None:
             engine.put(abort)
         for address, frames in out.items():

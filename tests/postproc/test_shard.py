@@ -1,10 +1,12 @@
 """A postproc shard fed fake engine steps."""
 from __future__ import annotations
 
+import itertools
 import json
 
 import msgspec
 import pytest
+from hypothesis import given, settings, strategies as st
 from tokenizers import Tokenizer
 
 from ipc.messages import PostprocSpec, Started, StepOutputs, ids_to_bytes
@@ -22,15 +24,19 @@ def start(shard, rid, **spec):
     return Started(rid, msgspec.msgpack.encode(spec), num_prompt_tokens=5, num_cached_tokens=2)
 
 
-def feed(shard, text, rid="r1", started=None, final="length", eos=None):
-    """Feeds `text` token by token; returns every frame's data in order."""
+def feed(shard, text, rid="r1", started=None, final="length", eos=None, groups=None):
+    """Feeds `text` token by token, one step each, the steps handed over in `groups` of the given sizes
+    (default: one at a time); returns every frame's data in order."""
     ids = shard.tokenizer.encode(text, add_special_tokens=False).ids + ([eos] if eos is not None else [])
+    steps = [StepOutputs([started] if (i == 0 and started) else [], [rid], ids_to_bytes([0]), ids_to_bytes([tok]),
+                         [(rid, 0, "stop" if eos is not None else final)] if i == len(ids) - 1 else [])
+             for i, tok in enumerate(ids)]
     data, stopped = [], []
-    for i, tok in enumerate(ids):
-        last = i == len(ids) - 1
-        msg = StepOutputs([started] if (i == 0 and started) else [], [rid], ids_to_bytes([0]), ids_to_bytes([tok]),
-                          [(rid, 0, "stop" if eos is not None else final)] if last else [])
-        out, abort = shard.on_step(msg)
+    for size in itertools.chain(groups or [], itertools.repeat(1)):
+        if not steps:
+            break
+        out, abort = shard.on_steps(steps[:size])
+        del steps[:size]
         data += [f.data for f in out.get("ipc://r", [])]
         stopped += abort.request_ids if abort else []
     return data, stopped
@@ -69,30 +75,30 @@ def test_stop_string_ends_the_request_and_asks_for_an_abort(shard):
     body = json.loads(data[-1])
     assert body["choices"][0]["text"] == "The river " and body["choices"][0]["finish_reason"] == "stop"
     assert stopped == ["r1"] and shard.requests == {}
-    out, _ = shard.on_step(StepOutputs([], ["r1"], ids_to_bytes([0]), ids_to_bytes([5]), [("r1", 0, "abort")]))
+    out, _ = shard.on_steps([StepOutputs([], ["r1"], ids_to_bytes([0]), ids_to_bytes([5]), [("r1", 0, "abort")])])
     assert out == {}
 
 
 def test_abort_drops_state_silently(shard):
-    shard.on_step(StepOutputs([start(shard, "r1", stream=True)], ["r1"], ids_to_bytes([0]), ids_to_bytes([50]), []))
-    out, _ = shard.on_step(StepOutputs([], [], b"", b"", [("r1", 0, "abort")]))
+    shard.on_steps([StepOutputs([start(shard, "r1", stream=True)], ["r1"], ids_to_bytes([0]), ids_to_bytes([50]), [])])
+    out, _ = shard.on_steps([StepOutputs([], [], b"", b"", [("r1", 0, "abort")])])
     assert out == {} and shard.requests == {}
 
 
 def test_a_failing_request_gets_an_error_and_the_others_go_on(shard, monkeypatch):
     from postproc.request import RequestOutput
 
-    shard.on_step(StepOutputs([start(shard, "bad"), start(shard, "good")], [], b"", b"", []))
-    real = RequestOutput.on_token
+    shard.on_steps([StepOutputs([start(shard, "bad"), start(shard, "good")], [], b"", b"", [])])
+    real = RequestOutput.feed
 
     def explode(self, *args):
         if self.spec.request_id == "bad":
             raise RuntimeError("boom")
         return real(self, *args)
 
-    monkeypatch.setattr(RequestOutput, "on_token", explode)
-    out, abort = shard.on_step(StepOutputs([], ["bad", "good"], ids_to_bytes([0, 0]), ids_to_bytes([50, 51]),
-                                           [("good", 0, "length")]))
+    monkeypatch.setattr(RequestOutput, "feed", explode)
+    out, abort = shard.on_steps([StepOutputs([], ["bad", "good"], ids_to_bytes([0, 0]), ids_to_bytes([50, 51]),
+                                            [("good", 0, "length")])])
     frames = {f.request_id: f for f in out["ipc://r"]}
     assert frames["bad"].status == 500 and json.loads(frames["bad"].data)["error"]["code"] == "internal_error"
     assert frames["good"].status == 200 and json.loads(frames["good"].data)["choices"][0]["finish_reason"] == "length"
@@ -111,3 +117,29 @@ def test_stream_interval_batches_tokens_into_frames(shard, interval):
     sizes = [len(e["choices"][0]["token_ids"]) for e in content]
     assert sum(sizes) == n and sizes[0] == 1  # the first token at once
     assert all(s == interval for s in sizes[1:-1]) and sizes[-1] <= interval
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(1, 6), max_size=30), st.sampled_from(["chat", "completions"]))
+def test_steps_handed_over_together_stream_the_same_output_in_fewer_frames(tiny_chat_dir, groups, endpoint):
+    """A shard that fell behind gets several steps at once: each request then sends what they hold in one
+    chunk. The text, finish reason and usage are the same as one step at a time."""
+    text = "The quick brown fox jumps over the lazy dog, then rests by the river until dusk."
+    tokenizer = Tokenizer.from_file(str(tiny_chat_dir / "tokenizer.json"))
+    runs = []
+    for g in (None, groups):
+        shard = Shard(tokenizer)
+        data, _ = feed(shard, text, started=start(shard, "r1", stream=True, include_usage=True, endpoint=endpoint),
+                       groups=g)
+        events = sse_events(data)
+        choices = [e["choices"][0] for e in events[:-2]]
+        streamed = "".join(c["delta"].get("content") or "" if endpoint == "chat" else c["text"] for c in choices)
+        runs.append((len(data), streamed, choices[-1]["finish_reason"], events[-2]["usage"], events[-1]))
+    (frames_alone, *alone), (frames_together, *together) = runs
+    assert together == alone and alone[0] == text
+    handovers, left = 0, frames_alone  # one frame per step when alone
+    for size in itertools.chain(groups, itertools.repeat(1)):
+        if left <= 0:
+            break
+        left, handovers = left - size, handovers + 1
+    assert frames_together == handovers
