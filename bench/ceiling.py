@@ -77,13 +77,13 @@ def main() -> None:
         proc.terminate()
         proc.wait()
     print(f"{'server':22} {'conc':>5} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
-          f"{'ITL p99':>8} {'ratio':>6}")
+          f"{'ITL p99':>8} {'tok/event':>9} {'ratio':>6}")
     for name, by_c in rows.items():
         for c, s in by_c.items():
             ratio = s["output_token_throughput"] / rows["granian static SSE"][c]["output_token_throughput"]
             print(f"{name:22} {c:>5} {s['output_token_throughput']:>10.0f} {s['ttft_ms']['median']:>9.1f} "
                   f"{s['ttft_ms']['p99']:>9.1f} {s['itl_ms']['median']:>8.2f} {s['itl_ms']['p99']:>8.2f} "
-                  f"{ratio:>6.2f}")
+                  f"{s['tokens_per_event']:>9.2f} {ratio:>6.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2, default=str)

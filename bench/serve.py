@@ -178,13 +178,15 @@ def summarize(results: list[Result], wall: float, goodput: dict[str, float]) -> 
         "output_tokens": out_tokens, "goodput_requests_per_s": len(good) / wall if goodput else None,
         "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats(tpot),
         "itl_ms": _stats([g for r in ok for g in r.gaps]), "e2e_ms": _stats([r.e2e for r in ok]),
+        # above 1: the server sent several tokens in some events (--stream-interval, or merging under load)
+        "tokens_per_event": out_tokens / max(1, sum(len(r.gaps) + 1 for r in ok)),
     }
 
 
 def print_summary(s: dict) -> None:
     print(f"requests {s['completed']}/{s['requests']} in {s['duration_s']:.2f}s; errors {s['errors'] or 'none'}")
     print(f"request throughput {s['request_throughput']:.2f}/s, output {s['output_token_throughput']:.1f} tok/s, "
-          f"total {s['total_token_throughput']:.1f} tok/s")
+          f"total {s['total_token_throughput']:.1f} tok/s, {s['tokens_per_event']:.2f} tokens per event")
     if s["goodput_requests_per_s"] is not None:
         print(f"goodput {s['goodput_requests_per_s']:.2f} req/s")
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):

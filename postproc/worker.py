@@ -139,7 +139,8 @@ def run_postproc(cfg: ServerConfig, index: int) -> None:
     replies: PushPool[IngressInput] = PushPool(ctx, **cfg.bulk())
     PushChannel[SupervisorInput](ctx, addr.supervisor).put(Ready("postproc", index, os.getpid()))
     while True:
-        msgs = [inbox.get(), *inbox.drain()]  # all that waits: steps that queued up go out together
+        # all that waits: steps that queued up go out together (or one by one, without coalescing)
+        msgs = [inbox.get(), *inbox.drain()] if cfg.coalesce_frames else [inbox.get()]
         for msg in msgs:
             if isinstance(msg, IngressGone):
                 gone = shard.drop_destination(msg.address)

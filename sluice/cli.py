@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds without engine progress before /health and /ready report 503")
     s.add_argument("--stream-interval", type=_positive, default=1,
                    help="stream a frame every N tokens per request (the first token at once)")
+    s.add_argument("--no-coalesce-frames", dest="coalesce_frames", action="store_false",
+                   help="one SSE event per token (per --stream-interval tokens) even when the postproc falls "
+                        "behind the engine (default: a request's tokens from steps that queued up go in one event)")
     s.add_argument("--perf-metrics", action="store_true",
                    help="add each request's stage timings to its response (the last chunk of a stream)")
     s.add_argument("--kv-timing-output", help="append one JSON line of timings per finished request to this file")
@@ -123,6 +126,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         stall_timeout=args.stall_timeout,
         perf_metrics=args.perf_metrics,
         stream_interval=args.stream_interval,
+        coalesce_frames=args.coalesce_frames,
         kv_timing_output=str(Path(args.kv_timing_output).resolve()) if args.kv_timing_output else None,
         log_format=args.log_format,
     )

@@ -46,6 +46,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     stall_timeout: float = 2.0  # an engine silent for this long is reported stuck
     perf_metrics: bool = False
     stream_interval: int = 1
+    coalesce_frames: bool = True  # a request's tokens from steps queued at the postproc go in one event
     kv_timing_output: str | None = None
     log_format: str = "text"  # "text" | "json"
 

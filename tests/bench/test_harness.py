@@ -28,6 +28,7 @@ def test_counts_agree_with_the_server(server):
     assert s["output_tokens"] == 24 * 12
     assert server.metrics()["sluice:generation_tokens_total"] - before == (24 + 2) * 12  # + the warm-up
     assert s["goodput_requests_per_s"] == s["request_throughput"]  # SLOs nobody misses
+    assert 1 <= s["tokens_per_event"] <= 12  # each event with output carries at least one token
     assert s["ttft_ms"]["median"] > 0 and s["tpot_ms"]["median"] > 0 and s["e2e_ms"]["p99"] >= s["e2e_ms"]["median"]
 
 

@@ -134,8 +134,9 @@ def text_parsers(tmp_path_factory, tiny_chat_dir):
     text = '<think>Plan: call the tool.</think>Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     ids = tok.encode(text, add_special_tokens=False).ids + [tok.token_to_id("<|im_end|>")]
     path = tmp_path_factory.mktemp("replay") / "text.jsonl"
-    path.write_text("\n".join(json.dumps(ids) for _ in range(2)))
-    s = Server("--runner", "replay", "--replay-file", str(path), "--reasoning-parser", "think", "--tool-parser", "hermes")
+    path.write_text("\n".join(json.dumps(ids) for _ in range(3)))
+    s = Server("--runner", "replay", "--replay-file", str(path), "--reasoning-parser", "think", "--tool-parser", "hermes",
+               "--no-coalesce-frames")
     yield s
     assert s.stop() == 0, s.output()
 
@@ -152,3 +153,8 @@ def test_think_and_hermes_parsers_end_to_end(text_parsers):
     s = _merge(client.chat.completions.create(stream=True, **kw))
     assert (s["content"], s["reasoning"], s["finish"]) == ("Sure.", "Plan: call the tool.", "tool_calls")
     assert s["calls"][0]["name"] == "get_weather" and json.loads(s["calls"][0]["arguments"]) == {"city": "Paris"}
+    # The replay engine runs far ahead of the postproc; --no-coalesce-frames still sends a token per event.
+    chunks = client.completions.create(model=kw["model"], prompt="Weather?", max_tokens=200, stream=True,
+                                       extra_body={"return_token_ids": True})
+    ids = [c.choices[0].model_extra["token_ids"] for c in chunks if c.choices]
+    assert [len(i) for i in ids] == [1] * r.usage.completion_tokens
