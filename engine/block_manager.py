@@ -110,6 +110,11 @@ class BlockManager:
         have = len(getattr(seq, self.table)) + skip + len(hits)
         return max(0, -(-(computed + num_new_tokens) // self.block_size) - have)
 
+    def has_room(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether seq's blocks already hold `num_new_tokens` more tokens (most decode steps: nothing to
+        allocate)."""
+        return seq.num_computed_tokens + num_new_tokens <= len(getattr(seq, self.table)) * self.block_size
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = (), skip: int = 0) -> bool:
         """Whether the cache can hold `num_new_tokens` more of seq's tokens (after the cached `hits`, which
         stand for its blocks skip.. : a window pool needs no blocks before the window)."""

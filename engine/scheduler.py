@@ -86,9 +86,10 @@ class Scheduler:
             n = min(seq.num_uncomputed, self._budget)
             if self.sliding_window:  # this step's first query sees keys from here on
                 (self.window_pool or self.bm).free_outside_window(seq, seq.num_computed_tokens - self.sliding_window + 1)
-            if not self._make_room(seq, n, []):
-                continue  # seq itself was preempted
-            self._allocate(seq, n, [])
+            if not (self.bm.has_room(seq, n) and (self.window_pool is None or self.window_pool.has_room(seq, n))):
+                if not self._make_room(seq, n, []):
+                    continue  # seq itself was preempted
+                self._allocate(seq, n, [])
             self._take(seq, n)
         i = 0
         while i < len(self.waiting) and len(self.running) < self.max_num_seqs and self._budget > 0:

@@ -247,10 +247,20 @@ class Ingress:
                 return True, await respond(send, frame.status, frame.data)
             await send({"type": "http.response.start", "status": 200, "headers": SSE})
             while True:
-                await send({"type": "http.response.body", "body": frame.data, "more_body": not frame.done})
+                # Frames that queued up while this one was sent go out in one write: the same events, fewer
+                # sends (the ingress falls behind under load). A sentinel or an error stops the merge.
+                parts, after = [frame.data], None
+                while not frame.done and not q.empty():
+                    after = q.get_nowait()
+                    if not isinstance(after, Frame) or after.status != 200:
+                        break
+                    frame, after = after, None
+                    parts.append(frame.data)
+                body = parts[0] if len(parts) == 1 else b"".join(parts)
+                await send({"type": "http.response.body", "body": body, "more_body": not frame.done})
                 if frame.done:
                     return frame.status == 200, 200
-                frame = await q.get()
+                frame = after if after is not None else await q.get()
                 if frame is _DISCONNECTED:
                     return False, 200
                 if frame is _TIMED_OUT:

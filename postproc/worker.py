@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from sluice.config import ServerConfig
 
 _spec_decoder = msgspec.msgpack.Decoder(PostprocSpec)
 log = logging.getLogger("sluice.postproc")
+_METRICS_INTERVAL_S = 0.25
 
 
 class Shard:
@@ -30,6 +32,8 @@ class Shard:
         self.requests: dict[str, RequestOutput] = {}
         self._token_text: dict[int, str] = {}
         self._timing_file = open(kv_timing_output, "a", buffering=1) if kv_timing_output else None
+        self._gaps: list[float] = []  # inter-token gaps not yet in the ITL histogram
+        self._metrics_at = 0.0
 
     def text_of(self, token: int) -> str:
         text = self._token_text.get(token)
@@ -65,9 +69,19 @@ class Shard:
                 out[req.spec.reply_to].append(Frame(rid, data[rid] + req.final().data, True))
             elif data[rid]:
                 out[req.spec.reply_to].append(Frame(rid, data[rid]))
-        metrics.observe_many(metrics.ITL, gaps)
-        metrics.IN_FLIGHT.labels("postproc").set(len(self.requests))
+        self._gaps += gaps
+        if not self.requests or time.monotonic() - self._metrics_at >= _METRICS_INTERVAL_S:
+            self._record_metrics()
         return out, Abort(stop_ids, stop_choices) if stop_ids else None
+
+    def _record_metrics(self) -> None:
+        """Each multiprocess metric update checks the pid and packs into an mmap: per step that costs more
+        than framing the step's tokens, so the per-step ones go in at most every _METRICS_INTERVAL_S (and
+        whenever the shard empties, so an idle server's metrics are complete)."""
+        metrics.observe_many(metrics.ITL, self._gaps)
+        metrics.IN_FLIGHT.labels("postproc").set(len(self.requests))
+        self._gaps = []
+        self._metrics_at = time.monotonic()
 
     def _feed(self, msg: StepOutputs, touched: dict, fed: dict, failed: dict, stop_ids: list, stop_choices: list,
               gaps: list) -> None:
