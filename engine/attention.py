@@ -51,10 +51,10 @@ def paged_attention(
         kg = _rows(k_cache, g.kv_slots[window]).transpose(1, 2)  # [B, Hkv, K, D]
         vg = _rows(v_cache, g.kv_slots[window]).transpose(1, 2)
         mask = g.masks[window]
-        if sinks is None:
+        if sinks is None and (qg.shape[2] > 1 or qg.shape[0] == 1):
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True)
-        else:
-            o = _attention_with_sinks(qg, kg, vg, mask, scale, sinks)
+        else:  # batched decodes: torch's CPU SDPA is 2-4x slower than these few matmuls for one query each
+            o = _attention(qg, kg, vg, mask, scale, sinks)
         out[g.out_index] = o.transpose(1, 2)  # [B, Q, H, D]
     return out[: meta.num_tokens]
 
@@ -65,13 +65,19 @@ def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, index.view(-1)).view(*index.shape, *x.shape[1:])
 
 
-def _attention_with_sinks(q, k, v, mask, scale, sinks):
-    """Softmax over the keys and one extra per-head sink logit, whose share of attention goes nowhere."""
-    groups = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)  # [B, H, K, D]
-    v = v.repeat_interleave(groups, dim=1)
-    scores = (q @ k.transpose(-1, -2)).float() * scale  # [B, H, Q, K]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
-    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
-    return (probs.to(v.dtype) @ v)  # [B, H, Q, D]
+def _attention(q, k, v, mask, scale, sinks=None):
+    """softmax(q k^T scale) v in float32 for q [B, H, Q, D], k and v [B, Hkv, K, D], mask [B, 1, Q, K]
+    (grouped-query: each k/v head serves H/Hkv query heads, without repeating it). `sinks` [H]: a per-head
+    extra logit whose share of the attention goes nowhere (gpt-oss)."""
+    b, h, nq, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    scores = (q.reshape(b, hkv, g * nq, d).float() @ k.float().transpose(-1, -2)).mul_(scale)  # [B, Hkv, G*Q, K]
+    scores = scores.view(b, hkv, g, nq, -1).masked_fill_(~mask.unsqueeze(2), float("-inf"))
+    if sinks is None:
+        probs = scores.softmax(dim=-1)
+    else:
+        sink = sinks.float().view(1, hkv, g, 1, 1).expand(b, hkv, g, nq, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    out = probs.reshape(b, hkv, g * nq, -1) @ v.float()  # [B, Hkv, G*Q, D]
+    return out.view(b, h, nq, d).to(q.dtype)

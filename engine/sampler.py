@@ -176,17 +176,17 @@ _CPU_ROWS = 8
 
 def _draw(logits: torch.Tensor, scale: torch.Tensor, sb: SamplingBatch, rows: slice) -> torch.Tensor:
     """Samples rows of logits [R, V] scaled by 1/scale [R, 1], with their top-k / top-p / min-p."""
-    logits = logits / scale  # float32, our own copy
+    if not bool((scale == 1.0).all()):
+        logits = logits / scale  # float32
     if sb.any_top_k:
         logits = _apply_top_k(logits, sb.top_k[rows])
     if sb.any_top_p:
         logits = _apply_top_p(logits, sb.top_p[rows])
-    # One working buffer: every full-vocabulary allocation costs page faults that dwarf the arithmetic.
-    # Unnormalized probabilities suffice, since the target is scaled by each row's total; after the shift
-    # each row's largest is 1, which min-p compares against.
-    probs = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+    # torch's softmax kernel (max, exp and sum in two passes, reading bf16 as it goes) is twice as fast
+    # here as the same steps one op at a time.
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     if sb.any_min_p:
-        probs.mul_(probs >= sb.min_p[rows].unsqueeze(1))
+        probs.mul_(probs >= sb.min_p[rows].unsqueeze(1) * probs.amax(dim=-1, keepdim=True))
     return inverse_cdf(probs, sb.uniform[rows].to(probs.dtype))
 
 
