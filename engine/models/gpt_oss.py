@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
-from engine.layers import Backbone, DecoderLayer, split_qkv
+from engine.layers import Backbone, DecoderLayer, Linear, split_qkv
 from engine.rope import Rotary, rope_params
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -79,8 +79,8 @@ class Attention(nn.Module):
         super().__init__()
         self.c = c
         self.heads = (c.num_heads, c.num_kv_heads, c.head_dim)
-        self.qkv_proj = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=True)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=True)
+        self.qkv_proj = Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=True)
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=True)
         self.sinks = nn.Parameter(torch.empty(c.num_heads))
         self.rotary = rotary
         self.window = window

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
-from engine.layers import Backbone, DecoderLayer, RMSNorm, split_qkv
+from engine.layers import Backbone, DecoderLayer, Linear, RMSNorm, split_qkv
 from engine.rope import Rotary, rope_params
 
 
@@ -71,12 +71,12 @@ class Attention(nn.Module):
         super().__init__()
         self.c = c
         self.heads = (c.num_heads, c.num_kv_heads, c.head_dim)
-        self.qkv_proj = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=c.qkv_bias)
+        self.qkv_proj = Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=c.qkv_bias)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.rotary = rotary
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
         self.scale = c.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
@@ -90,8 +90,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, c: LlamaConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
