@@ -56,11 +56,12 @@ class Choice:
         else:
             # An engine "stop" means this token is a stop token: it is not shown.
             piece = Piece(content="" if finish_reason == "stop" else self.decode.step(self.tokenizer, token) or "")
-        piece.content = self.stops.feed(piece.content)
-        if self.stops.stopped:
-            finish_reason = "stop"
-        elif finish_reason:
-            piece.content += self.stops.flush()
+        if self.stops.stops:
+            piece.content = self.stops.feed(piece.content)
+            if self.stops.stopped:
+                finish_reason = "stop"
+            elif finish_reason:
+                piece.content += self.stops.flush()
         if self.harmony is None:
             piece = self._parse(piece, finish_reason is not None)
         self.has_tool_calls |= bool(piece.tool_calls)
@@ -83,10 +84,11 @@ class RequestOutput:
         self.framer = OpenAIFramer(spec, started.num_prompt_tokens, started.num_cached_tokens, text_of)
         self.first_token_at = 0.0
         self.timings: list[Timings] = []  # the engine's, one per finished choice
+        self.num_finished = 0  # choices with a finish reason
 
     @property
     def done(self) -> bool:
-        return all(c.finish_reason is not None for c in self.choices)
+        return self.num_finished == len(self.choices)
 
     @property
     def completion_tokens(self) -> int:
@@ -113,11 +115,13 @@ class RequestOutput:
             gaps.append(now - choice.last_token_at)
         choice.last_token_at = now
         piece = choice.on_token(token, finish_reason)
+        self.num_finished += choice.finish_reason is not None
         entries = [(token, logprobs)] if logprobs is not None and self.spec.logprobs else []
         if not self.spec.stream:
             self.framer.add(index, piece, entries, [token], choice.finish_reason)
             return
-        choice.pending_logprobs += entries
+        if entries:
+            choice.pending_logprobs += entries
         choice.pending_ids.append(token)
         choice.pending.extend(piece)
 

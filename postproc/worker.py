@@ -103,9 +103,9 @@ class Shard:
             req = self.requests.get(rid)
             if req is None:
                 continue
-            verdict = verdicts.get((rid, index))
+            verdict = verdicts.get((rid, index)) if verdicts else None
             try:
-                req.feed(index, token, verdict, logprobs.get(pos), gaps)
+                req.feed(index, token, verdict, logprobs.get(pos) if logprobs else None, gaps)
             except Exception:  # one request's bad state must not take the shard down
                 log.exception("postproc failed for %s", rid)
                 failed[rid] = self.requests.pop(rid)
