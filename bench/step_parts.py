@@ -1,0 +1,132 @@
+"""Where a decode step's time goes, in process, and what each vocabulary-sized kernel choice costs.
+
+    python -m bench.step_parts [--batches 1,16,64] [--dtype bfloat16] [--kernels] [--no-keep-heap]
+
+Part 1 runs Sluice's scheduler and paged runner on the tiny o200k Llama (130-token prompts, so each
+decode attends to ~130-190 keys, as in bench/peer.py's load) and times each part of a decode step,
+greedy and at temperature 1. Part 2 (--kernels) times the choices the runner and sampler make against
+the plain torch calls they replace, on the same shapes.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from bench.checkpoints import tiny_llama_o200k
+from engine.block_manager import BlockManager
+from engine.lm_head import LMHead
+from engine.loader import load_model
+from engine.model_runner import ModelRunner
+from engine.sampler import SamplingBatch, argmax, inverse_cdf, sample
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.worker import keep_heap_memory
+from ipc.messages import SamplingParams
+
+PARTS = ("schedule", "prepare", "backbone", "lm head", "sampling", "update")
+
+
+def step_parts(model, dtype, batch: int, temperature: float, steps: int = 40) -> dict[str, float]:
+    """Mean milliseconds of each part of a decode step at this batch size."""
+    runner = ModelRunner(model, 4096, 16, dtype, torch.device("cpu"))
+    sched = Scheduler(BlockManager(4096, 16), max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096)
+    rng = np.random.default_rng(0)
+    for i in range(batch):
+        sched.add(Sequence(f"r{i}", rng.integers(0, 199_000, 130).tolist(),
+                           SamplingParams(max_tokens=steps + 20, temperature=temperature), seed=i))
+    for _ in range(10):  # the prefill, then warm-up decodes
+        b = sched.schedule()
+        sched.update(b, runner.run(b).tokens)
+    total = dict.fromkeys(PARTS, 0.0)
+
+    def timed(part, fn):
+        t0 = time.perf_counter()
+        out = fn()
+        total[part] += time.perf_counter() - t0
+        return out
+
+    with torch.inference_mode():
+        for _ in range(steps):
+            b = timed("schedule", sched.schedule)
+            inputs = timed("prepare", lambda: runner._prepare(b))
+            hidden = timed("backbone", lambda: runner.model(inputs["input_ids"], inputs["positions"],
+                                                             runner.kv_caches, inputs["meta"], inputs["logits_index"]))
+            logits = timed("lm head", lambda: runner.lm_head(hidden))
+            seqs = inputs["sampling_seqs"]
+            tokens = timed("sampling", lambda: sample(logits, SamplingBatch.for_seqs(seqs, runner.device)).tolist())
+            timed("update", lambda: sched.update(b, tokens))
+    return {k: 1000 * v / steps for k, v in total.items()}
+
+
+def bench_ms(fn, n: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return 1000 * (time.perf_counter() - t0) / n
+
+
+def kernels(model, batches: list[int]) -> list[tuple[str, int, float, float]]:
+    """(what, batch, plain torch ms, Sluice's ms) for each kernel choice."""
+    weight = model.lm_weight().detach().bfloat16()
+    head = LMHead(weight)
+    rows = []
+    for b in batches:
+        h = torch.randn(b, weight.shape[1]).bfloat16()
+        rows.append(("LM head, bf16 (F.linear / oneDNN packed)", b, bench_ms(lambda: F.linear(h, weight)),
+                     bench_ms(lambda: head(h))))
+        logits = torch.randn(b, weight.shape[0]) * 3
+        rows.append(("greedy (torch.argmax / blocked)", b, bench_ms(lambda: logits.argmax(-1)),
+                     bench_ms(lambda: argmax(logits))))
+        u = torch.rand(b)
+
+        def full_cdf():  # the previous sampler: exp one op at a time, then a full-vocabulary cumsum
+            p = logits.clone()
+            p = p.sub_(p.amax(-1, keepdim=True)).exp_().cumsum_(-1)
+            return torch.searchsorted(p, (u * p[:, -1]).unsqueeze(1), right=True)
+
+        rows.append(("temperature 1 (exp + cumsum / softmax + two-level)", b, bench_ms(full_cdf),
+                     bench_ms(lambda: inverse_cdf(torch.softmax(logits, -1), u))))
+        q = torch.randn(b, 4, 1, 32).bfloat16()
+        k, v = torch.randn(b, 2, 160, 32).bfloat16(), torch.randn(b, 2, 160, 32).bfloat16()
+        mask = torch.ones(b, 1, 1, 160, dtype=torch.bool)
+        from engine.attention import _attention
+
+        rows.append(("decode attention, 160 keys (SDPA / grouped matmuls)", b,
+                     bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), 200),
+                     bench_ms(lambda: _attention(q, k, v, mask, 0.17), 200)))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--kernels", action="store_true")
+    parser.add_argument("--no-keep-heap", action="store_true",
+                        help="leave glibc's malloc as it is (the engine process keeps large tensors on the heap)")
+    args = parser.parse_args()
+    if not args.no_keep_heap:
+        keep_heap_memory()
+    dtype = getattr(torch, args.dtype)
+    model = load_model(tiny_llama_o200k(), dtype, torch.device("cpu"))
+    batches = [int(b) for b in args.batches.split(",")]
+    print(f"{'batch':>5} {'temp':>4} " + " ".join(f"{p:>9}" for p in PARTS) + f" {'step ms':>8}")
+    for b in batches:
+        for temp in (0.0, 1.0):
+            parts = step_parts(model, dtype, b, temp)
+            print(f"{b:>5} {temp:>4g} " + " ".join(f"{parts[p]:>9.2f}" for p in PARTS)
+                  + f" {sum(parts.values()):>8.2f}")
+    if args.kernels:
+        print(f"\n{'kernel (torch / Sluice)':52} {'batch':>5} {'torch ms':>9} {'sluice ms':>9} {'speed-up':>8}")
+        for what, b, plain, ours in kernels(model, batches):
+            print(f"{what:52} {b:>5} {plain:>9.2f} {ours:>9.2f} {plain / ours:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()
