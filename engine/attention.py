@@ -51,9 +51,11 @@ def paged_attention(
         kg = _rows(k_cache, g.kv_slots[window]).transpose(1, 2)  # [B, Hkv, K, D]
         vg = _rows(v_cache, g.kv_slots[window]).transpose(1, 2)
         mask = g.masks[window]
-        if sinks is None and (qg.shape[2] > 1 or qg.shape[0] == 1):
+        # Batched decodes on the CPU: torch's SDPA there is 2-4x slower than a few matmuls for one query each.
+        cpu_decodes = q.device.type == "cpu" and qg.shape[2] == 1 and qg.shape[0] > 1
+        if sinks is None and not cpu_decodes:
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True)
-        else:  # batched decodes: torch's CPU SDPA is 2-4x slower than these few matmuls for one query each
+        else:
             o = _attention(qg, kg, vg, mask, scale, sinks)
         out[g.out_index] = o.transpose(1, 2)  # [B, Q, H, D]
     return out[: meta.num_tokens]

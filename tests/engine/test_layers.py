@@ -1,0 +1,39 @@
+"""The CPU fast paths give F.linear's values: the packed LM head and the row-bucketed linears."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+from engine.layers import Linear, row_bucket
+from engine.lm_head import LMHead
+
+
+@given(st.integers(1, 5000))
+def test_row_buckets_are_few_and_waste_at_most_a_quarter(n):
+    b = row_bucket(n)
+    assert n <= b <= max(n, 16) * 1.25 and row_bucket(b) == b
+
+
+def test_row_buckets_below_2049_are_a_few_dozen():
+    assert len({row_bucket(n) for n in range(1, 2049)}) <= 16 + 4 * 7
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 300), st.sampled_from([torch.bfloat16, torch.float32]), st.booleans())
+def test_bucketed_linear_is_f_linear(rows, dtype, bias):
+    torch.manual_seed(rows)
+    layer = Linear(64, 48, bias=bias).to(dtype)
+    x = torch.randn(rows, 64).to(dtype)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(1, 70), st.sampled_from([torch.bfloat16, torch.float32]))
+def test_packed_lm_head_is_f_linear(rows, dtype):
+    torch.manual_seed(rows)
+    weight = torch.randn(5000, 64).to(dtype)
+    hidden = torch.randn(rows, 64).to(dtype)
+    head = LMHead(weight)
+    torch.testing.assert_close(head(hidden), F.linear(hidden, weight), atol=1e-4, rtol=1e-3)
+    assert head(hidden).dtype == dtype
