@@ -49,11 +49,11 @@ class TokenLogprobs:
 
 @dataclass
 class SamplingBatch:
-    temperature: torch.Tensor  # [B]
-    top_p: torch.Tensor  # [B]
-    top_k: torch.Tensor  # [B] long, 0 = off
-    min_p: torch.Tensor  # [B]
-    uniform: torch.Tensor  # [B] float64
+    temperature: torch.Tensor | None  # [B] (None, like the four below, when every row is greedy)
+    top_p: torch.Tensor | None  # [B]
+    top_k: torch.Tensor | None  # [B] long, 0 = off
+    min_p: torch.Tensor | None  # [B]
+    uniform: torch.Tensor | None  # [B] float64
     all_greedy: bool
     any_top_p: bool
     any_top_k: bool
@@ -64,6 +64,9 @@ class SamplingBatch:
     def build(cls, params: list, seeds: list[int], steps: list[int], device: torch.device,
               seqs: list[Sequence] | None = None) -> "SamplingBatch":
         temp = np.array([p.temperature for p in params], dtype=np.float32)
+        if (temp < _GREEDY_EPS).all():  # nothing below reads the per-row tensors of an all-greedy batch
+            return cls(*([None] * 5), all_greedy=True, any_top_p=False, any_top_k=False, any_min_p=False,
+                       seqs=seqs)
         top_p = np.array([p.top_p for p in params], dtype=np.float32)
         top_k = np.array([p.top_k for p in params], dtype=np.int64)
         min_p = np.array([p.min_p for p in params], dtype=np.float32)
