@@ -9,6 +9,7 @@ that could be the start of a tag, so any chunking gives the same result.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -90,16 +91,25 @@ class ThinkParser:
         return out
 
 
+# A call in the usual order, up to the first character of its arguments object: from there they stream.
+_CALL_START = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=[^\s"])')
+_WRAPPER_END = re.compile(r"\s*\}?\s*\Z")  # what may yet be the closing brace of the call itself
+
+
 class HermesParser:
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks are tool calls; the rest is content.
 
-    A call is emitted whole when its closing tag arrives; a block that is not
-    a valid call is given back as content, tags and all.
+    A block that starts `{"name": "...", "arguments": ` followed by an object streams: the call's id and
+    name as soon as they are known, then its arguments' text as it comes (holding back what may be the
+    block's own closing brace). Any other block is read whole when its closing tag arrives: a valid call
+    (string arguments too) becomes one delta, anything else is given back as content, tags and all, as is
+    a block still open at the end that never got that far.
     """
 
     def __init__(self) -> None:
         self._split = TagSplitter("<tool_call>", "</tool_call>")
-        self._call = ""
+        self._call = ""  # the open block's text
+        self._sent: int | None = None  # streaming: where the block's unsent arguments text starts
         self.num_calls = 0
 
     def feed(self, piece: Piece, final: bool = False) -> Piece:
@@ -108,18 +118,36 @@ class HermesParser:
         for inside, text in segments:
             if inside and text is not None:
                 self._call += text
+                self._stream(out)
             elif inside:  # the opening tag
-                self._call = ""
+                self._call, self._sent = "", None
             elif text is None:  # the closing tag
-                self._emit(out)
+                if self._sent is None:
+                    self._emit_whole(out)
             else:
                 out.content += text
-        if final and self._split.inside:  # an unclosed call: give it back as text
+        if final and self._split.inside and self._sent is None:  # an unclosed block: give it back as text
             out.content += "<tool_call>" + self._call
             self._call = ""
         return out
 
-    def _emit(self, out: Piece) -> None:
+    def _stream(self, out: Piece) -> None:
+        if self._sent is None:
+            start = _CALL_START.match(self._call)
+            if start is None:
+                return
+            name = json.loads(f'"{start.group(1)}"')
+            out.tool_calls.append(ToolCallOut(index=self.num_calls, id=new_call_id(), type="function",
+                                              function=FunctionCallOut(name=name, arguments="")))
+            self.num_calls += 1
+            self._sent = start.end()
+        end = _WRAPPER_END.search(self._call, self._sent).start()
+        if end > self._sent:
+            out.tool_calls.append(ToolCallOut(index=self.num_calls - 1,
+                                              function=FunctionCallOut(arguments=self._call[self._sent:end])))
+            self._sent = end
+
+    def _emit_whole(self, out: Piece) -> None:
         try:
             call = json.loads(self._call)
             name, args = call["name"], call.get("arguments", {})

@@ -69,6 +69,34 @@ def test_text_parsers_are_independent_of_chunking(segs, cuts):
         assert one.reasoning_content == ("".join(s[1] for s in segs if s[0] == "think") or None)
 
 
+def test_hermes_streams_a_call_name_first_then_its_arguments():
+    parser = HermesParser()
+    text = 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n</tool_call>'
+    deltas = [parser.feed(Piece(content=text[i : i + 3]), final=i + 3 >= len(text)).tool_calls
+              for i in range(0, len(text), 3)]
+    first = next(i for i, d in enumerate(deltas) if d)
+    head = deltas[first][0]
+    assert (head.function.name, head.function.arguments, head.index) == ("get_weather", "", 0) and head.id
+    assert text.index('"arguments"') < 3 * first + 3 <= text.index("{", text.index('"arguments"')) + 3
+    pieces = [d.function.arguments for ds in deltas for d in ds][1:]
+    assert len(pieces) > 5 and all(d.index == 0 and d.id is None for ds in deltas for d in ds[1:])
+    assert json.loads("".join(pieces)) == {"city": "Paris", "days": [1, 2]}
+    assert all("\n" not in p for p in pieces[-2:])  # the block's own closing brace never goes out
+
+
+@pytest.mark.parametrize("block", [
+    '{"arguments": {"city": "Paris"}, "name": "get_weather"}',  # arguments first
+    '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}',  # arguments as a string
+])
+def test_hermes_reads_other_call_layouts_whole(block):
+    parser = HermesParser()
+    text = f"<tool_call>{block}</tool_call>"
+    deltas = [parser.feed(Piece(content=ch)).tool_calls for ch in text]
+    assert not any(deltas[:-1]) and len(deltas[-1]) == 1
+    call = deltas[-1][0].function
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+
+
 def test_hermes_gives_back_a_malformed_call_as_text():
     piece = HermesParser().feed(Piece(content='hi <tool_call>{"nope": 1}</tool_call> <tool_call>{"na'), final=True)
     assert piece.tool_calls == [] and piece.content == 'hi <tool_call>{"nope": 1}</tool_call> <tool_call>{"na'
