@@ -153,16 +153,21 @@ def run_postproc(cfg: ServerConfig, index: int) -> None:
     replies: PushPool[IngressInput] = PushPool(ctx, **cfg.bulk())
     PushChannel[SupervisorInput](ctx, addr.supervisor).put(Ready("postproc", index, os.getpid()))
     while True:
-        # all that waits: steps that queued up go out together (or one by one, without coalescing)
-        msgs = [inbox.get(), *inbox.drain()] if cfg.coalesce_frames else [inbox.get()]
+        msgs = [inbox.get(), *inbox.drain()]  # all that waits: steps that queued up go out in one message
         for msg in msgs:
             if isinstance(msg, IngressGone):
                 gone = shard.drop_destination(msg.address)
                 if gone:
                     engine.put(Abort(gone))
                 replies.drop(msg.address)
-        out, abort = shard.on_steps([m for m in msgs if isinstance(m, StepOutputs)])
-        if abort is not None:
-            engine.put(abort)
+        steps = [m for m in msgs if isinstance(m, StepOutputs)]
+        # Coalescing: a request's tokens from those steps in one event; without: an event per step still.
+        out: dict[str, list[Frame]] = defaultdict(list)
+        for group in [steps] if cfg.coalesce_frames else [[m] for m in steps]:
+            frames_by_address, abort = shard.on_steps(group)
+            if abort is not None:
+                engine.put(abort)
+            for address, frames in frames_by_address.items():
+                out[address] += frames
         for address, frames in out.items():
             replies.get(address).put(Frames(frames))
