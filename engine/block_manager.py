@@ -113,7 +113,7 @@ class BlockManager:
     def has_room(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether seq's blocks already hold `num_new_tokens` more tokens (most decode steps: nothing to
         allocate)."""
-        return seq.num_computed_tokens + num_new_tokens <= len(getattr(seq, self.table)) * self.block_size
+        return self._missing(seq, num_new_tokens, [], 0) == 0
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = (), skip: int = 0) -> bool:
         """Whether the cache can hold `num_new_tokens` more of seq's tokens (after the cached `hits`, which
