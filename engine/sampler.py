@@ -181,9 +181,9 @@ def _draw(logits: torch.Tensor, scale: torch.Tensor, sb: SamplingBatch, rows: sl
     """Samples rows of logits [R, V] scaled by 1/scale [R, 1], with their top-k / top-p / min-p."""
     if not bool((scale == 1.0).all()):
         logits = logits / scale  # float32
-    if sb.any_top_k:
+    if sb.any_top_k and bool((sb.top_k[rows] > 0).any()):  # these rows, not only others in the batch
         logits = _apply_top_k(logits, sb.top_k[rows])
-    if sb.any_top_p:
+    if sb.any_top_p and bool((sb.top_p[rows] < 1.0).any()):
         logits = _apply_top_p(logits, sb.top_p[rows])
     # torch's softmax kernel (max, exp and sum in two passes, reading bf16 as it goes) is twice as fast
     # here as the same steps one op at a time.

@@ -170,3 +170,13 @@ def test_bfloat16_logits_sample_as_their_float32_values():
     for kw in ({"temperature": 0.0}, {"temperature": 0.7, "top_k": 50}, {"temperature": 1.0, "min_p": 0.05}):
         params = [SamplingParams(1, **kw)] * 6
         assert sample(logits, _batch(params)).tolist() == sample(logits.float(), _batch(params)).tolist()
+
+
+def test_top_k_top_p_apply_to_their_rows_in_any_chunk_of_the_batch():
+    """The CPU sampler works a few rows at a time: rows asking for top-k / top-p may sit in one chunk only."""
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0, -1.0, -2.0]]).repeat(24, 1)
+    plain, top_k, top_p = SamplingParams(1, temperature=100.0), SamplingParams(1, top_k=2), SamplingParams(1, top_p=0.5)
+    params = [plain] * 10 + [top_k] * 7 + [top_p] * 7
+    for seed in range(20):
+        out = sample(logits, _batch(params, seeds=[seed * 24 + i for i in range(24)])).tolist()
+        assert set(out[10:17]) <= {0, 1} and set(out[17:]) == {0}
