@@ -136,7 +136,10 @@ class HermesParser:
             start = _CALL_START.match(self._call)
             if start is None:
                 return
-            name = json.loads(f'"{start.group(1)}"')
+            try:
+                name = json.loads(f'"{start.group(1)}"')
+            except ValueError:  # a bad escape in the name: read the block whole at its end
+                return
             out.tool_calls.append(ToolCallOut(index=self.num_calls, id=new_call_id(), type="function",
                                               function=FunctionCallOut(name=name, arguments="")))
             self.num_calls += 1

@@ -100,6 +100,9 @@ def test_hermes_reads_other_call_layouts_whole(block):
 def test_hermes_gives_back_a_malformed_call_as_text():
     piece = HermesParser().feed(Piece(content='hi <tool_call>{"nope": 1}</tool_call> <tool_call>{"na'), final=True)
     assert piece.tool_calls == [] and piece.content == 'hi <tool_call>{"nope": 1}</tool_call> <tool_call>{"na'
+    bad_name = '<tool_call>{"name": "a\\q", "arguments": {}}</tool_call>'  # \q: not a JSON escape
+    piece = HermesParser().feed(Piece(content=bad_name), final=True)
+    assert piece.tool_calls == [] and piece.content == bad_name
 
 
 # ---- harmony -------------------------------------------------------------------
