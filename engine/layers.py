@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, paged_attention
 
 
 def row_bucket(n: int) -> int:
@@ -51,18 +51,40 @@ def stacked_parts(name: str) -> list[str]:
     return [f"{parent}.{part}.{leaf}" for part in STACKED.get(last, ())]
 
 
-def split_qkv(qkv: torch.Tensor, heads: tuple[int, int, int], rotary: nn.Module, positions: torch.Tensor,
-              qk_norm: tuple[nn.Module, nn.Module] | None = None):
-    """q [T, H, D], k and v [T, Hkv, D] from a stacked qkv projection [T, (H + 2 Hkv) D], with rotary
-    applied to q and k in one pass (after their per-head norms, when the model has them)."""
-    h, hkv, d = heads
-    qkv = qkv.view(qkv.shape[0], h + 2 * hkv, d)
-    v = qkv[:, h + hkv :]
-    if qk_norm is not None:
-        q, k = qk_norm[0](qkv[:, :h]), qk_norm[1](qkv[:, h : h + hkv])
-        return rotary(q, positions), rotary(k, positions), v
-    q, k = rotary(qkv[:, : h + hkv], positions).split([h, hkv], dim=1)
-    return q, k, v
+class Attention(nn.Module):
+    """Self-attention over the paged cache, as the Llama family and gpt-oss share it: one stacked qkv
+    projection, per-head q/k norms before rotary (Qwen3), rotary applied to q and k in one pass, an
+    attention window (None: full), and per-head sink logits (gpt-oss)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary: nn.Module, *,
+                 qkv_bias: bool, o_bias: bool, window: int | None = None, qk_norm_eps: float | None = None,
+                 sinks: bool = False) -> None:
+        super().__init__()
+        self.heads = (num_heads, num_kv_heads, head_dim)
+        self.qkv_proj = Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias=qkv_bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.qk_norm = qk_norm_eps is not None
+        if self.qk_norm:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+        self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
+        self.rotary = rotary
+        self.window = window
+        self.scale = head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        h, hkv, d = self.heads
+        t = x.shape[0]
+        qkv = self.qkv_proj(x).view(t, h + 2 * hkv, d)
+        v = qkv[:, h + hkv :]
+        if self.qk_norm:
+            q = self.rotary(self.q_norm(qkv[:, :h]), positions)
+            k = self.rotary(self.k_norm(qkv[:, h : h + hkv]), positions)
+        else:
+            q, k = self.rotary(qkv[:, : h + hkv], positions).split([h, hkv], dim=1)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, window=self.window, sinks=self.sinks)
+        return self.o_proj(o.reshape(t, -1))
 
 
 class DecoderLayer(nn.Module):
@@ -96,3 +118,23 @@ class Backbone(nn.Module):
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, positions, kv, meta)
         return self.norm(x[logits_index])  # [B, D]
+
+
+class CausalLM(nn.Module):
+    """A decoder-only model: `self.model` (a Backbone) and `self.lm_head`, unless the LM head is tied to the
+    embedding. Its forward gives the hidden states the runner's LM head scores."""
+
+    config: object  # with num_layers, num_kv_heads, head_dim
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(layers, kv heads, head dim) of the paged cache."""
+        c = self.config
+        return c.num_layers, c.num_kv_heads, c.head_dim
+
+    def lm_weight(self) -> torch.Tensor:
+        return self.lm_head.weight if hasattr(self, "lm_head") else self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, kv_caches: list, meta: AttentionMetadata, logits_index) -> torch.Tensor:
+        """The normed hidden states [B, D] of the rows in `logits_index`."""
+        return self.model(input_ids, positions, kv_caches, meta, logits_index)

@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
-from engine.layers import Backbone, DecoderLayer, Linear, split_qkv
+from engine.layers import Attention, Backbone, CausalLM, DecoderLayer
 from engine.rope import Rotary, rope_params
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -74,24 +73,6 @@ class GptOssConfig:
         )
 
 
-class Attention(nn.Module):
-    def __init__(self, c: GptOssConfig, rotary: Rotary, window: int | None) -> None:
-        super().__init__()
-        self.c = c
-        self.heads = (c.num_heads, c.num_kv_heads, c.head_dim)
-        self.qkv_proj = Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=True)
-        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=True)
-        self.sinks = nn.Parameter(torch.empty(c.num_heads))
-        self.rotary = rotary
-        self.window = window
-        self.scale = c.head_dim**-0.5
-
-    def forward(self, x, positions, kv, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = split_qkv(self.qkv_proj(x), self.heads, self.rotary, positions)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, window=self.window, sinks=self.sinks)
-        return self.o_proj(o.reshape(x.shape[0], -1))
-
-
 class Router(nn.Module):
     def __init__(self, c: GptOssConfig) -> None:
         super().__init__()
@@ -133,7 +114,12 @@ class MoE(nn.Module):
         return out
 
 
-class GptOssForCausalLM(nn.Module):
+def _attention(c: GptOssConfig, rotary: Rotary, window: int | None) -> Attention:
+    return Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, rotary, qkv_bias=True, o_bias=True,
+                     window=window, sinks=True)
+
+
+class GptOssForCausalLM(CausalLM):
     config_class = GptOssConfig
 
     def __init__(self, c: GptOssConfig) -> None:
@@ -141,24 +127,13 @@ class GptOssForCausalLM(nn.Module):
         self.config = c
         rotary = Rotary(c.head_dim, c.max_positions, c.rope_theta, c.rope_scaling)
         self.model = Backbone(c.vocab_size, c.hidden_size, c.rms_norm_eps, [
-            DecoderLayer(c.hidden_size, c.rms_norm_eps, Attention(c, rotary, w), MoE(c)) for w in c.layer_windows])
+            DecoderLayer(c.hidden_size, c.rms_norm_eps, _attention(c, rotary, w), MoE(c)) for w in c.layer_windows])
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-
-    @property
-    def kv_shape(self) -> tuple[int, int, int]:
-        return self.config.num_layers, self.config.num_kv_heads, self.config.head_dim
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
         """Each layer's attention window (None: full attention)."""
         return self.config.layer_windows
-
-    def lm_weight(self) -> torch.Tensor:
-        return self.lm_head.weight
-
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_index) -> torch.Tensor:
-        """The normed hidden states [B, D] of the rows in `logits_index` (the runner's LM head scores them)."""
-        return self.model(input_ids, positions, kv_caches, meta, logits_index)
 
     @staticmethod
     def load_param(name: str, fetch: Callable[[str], torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, list[str]]:

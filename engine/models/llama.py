@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
-from engine.layers import Backbone, DecoderLayer, Linear, RMSNorm, split_qkv
+from engine.layers import Attention, Backbone, CausalLM, DecoderLayer, Linear
 from engine.rope import Rotary, rope_params
 
 
@@ -66,27 +65,6 @@ class LlamaConfig:
         )
 
 
-class Attention(nn.Module):
-    def __init__(self, c: LlamaConfig, rotary: Rotary) -> None:
-        super().__init__()
-        self.c = c
-        self.heads = (c.num_heads, c.num_kv_heads, c.head_dim)
-        self.qkv_proj = Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=c.qkv_bias)
-        if c.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.rotary = rotary
-        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
-        self.scale = c.head_dim**-0.5
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        norms = (self.q_norm, self.k_norm) if self.c.qk_norm else None
-        q, k, v = split_qkv(self.qkv_proj(x), self.heads, self.rotary, positions, norms)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, window=self.c.sliding_window)
-        return self.o_proj(o.reshape(x.shape[0], -1))
-
-
 class MLP(nn.Module):
     def __init__(self, c: LlamaConfig) -> None:
         super().__init__()
@@ -98,7 +76,12 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate).mul_(up))
 
 
-class LlamaForCausalLM(nn.Module):
+def _attention(c: LlamaConfig, rotary: Rotary) -> Attention:
+    return Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, rotary, qkv_bias=c.qkv_bias,
+                     o_bias=c.o_bias, window=c.sliding_window, qk_norm_eps=c.rms_norm_eps if c.qk_norm else None)
+
+
+class LlamaForCausalLM(CausalLM):
     config_class = LlamaConfig
 
     def __init__(self, c: LlamaConfig) -> None:
@@ -106,24 +89,11 @@ class LlamaForCausalLM(nn.Module):
         self.config = c
         rotary = Rotary(c.head_dim, c.max_positions, c.rope_theta, c.rope_scaling)
         self.model = Backbone(c.vocab_size, c.hidden_size, c.rms_norm_eps, [
-            DecoderLayer(c.hidden_size, c.rms_norm_eps, Attention(c, rotary), MLP(c)) for _ in range(c.num_layers)])
+            DecoderLayer(c.hidden_size, c.rms_norm_eps, _attention(c, rotary), MLP(c)) for _ in range(c.num_layers)])
         if not c.tie_word_embeddings:
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-
-    @property
-    def kv_shape(self) -> tuple[int, int, int]:
-        """(layers, kv heads, head dim) of the paged cache."""
-        c = self.config
-        return c.num_layers, c.num_kv_heads, c.head_dim
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
         """Each layer's attention window (None: full attention)."""
         return (self.config.sliding_window,) * self.config.num_layers
-
-    def lm_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-
-    def forward(self, input_ids, positions, kv_caches: list, meta: AttentionMetadata, logits_index) -> torch.Tensor:
-        """The normed hidden states [B, D] of the rows in `logits_index` (the runner's LM head scores them)."""
-        return self.model(input_ids, positions, kv_caches, meta, logits_index)
