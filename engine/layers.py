@@ -1,11 +1,14 @@
 """Layers every model file builds from."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.rope import Rotary
 
 
 def row_bucket(n: int) -> int:
@@ -121,10 +124,24 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """A decoder-only model: `self.model` (a Backbone) and `self.lm_head`, unless the LM head is tied to the
-    embedding. Its forward gives the hidden states the runner's LM head scores."""
+    """A decoder-only model: `self.model` (a Backbone of pre-norm layers, one per entry of the config's
+    `layer_windows`) and `self.lm_head`, unless the LM head is tied to the embedding. Its forward gives the
+    hidden states the runner's LM head scores. `attention(config, rotary, window)` and `mlp(config)` build
+    each layer's two halves."""
 
-    config: object  # with num_layers, num_kv_heads, head_dim
+    def __init__(self, c, attention: Callable, mlp: Callable, tie_word_embeddings: bool = False) -> None:
+        super().__init__()
+        self.config = c
+        rotary = Rotary(c.head_dim, c.max_positions, c.rope_theta, c.rope_scaling)
+        self.model = Backbone(c.vocab_size, c.hidden_size, c.rms_norm_eps, [
+            DecoderLayer(c.hidden_size, c.rms_norm_eps, attention(c, rotary, w), mlp(c)) for w in c.layer_windows])
+        if not tie_word_embeddings:
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window (None: full attention)."""
+        return self.config.layer_windows
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:

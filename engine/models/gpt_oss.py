@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import Attention, Backbone, CausalLM, DecoderLayer
+from engine.layers import Attention, CausalLM
 from engine.rope import Rotary, rope_params
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -123,17 +123,7 @@ class GptOssForCausalLM(CausalLM):
     config_class = GptOssConfig
 
     def __init__(self, c: GptOssConfig) -> None:
-        super().__init__()
-        self.config = c
-        rotary = Rotary(c.head_dim, c.max_positions, c.rope_theta, c.rope_scaling)
-        self.model = Backbone(c.vocab_size, c.hidden_size, c.rms_norm_eps, [
-            DecoderLayer(c.hidden_size, c.rms_norm_eps, _attention(c, rotary, w), MoE(c)) for w in c.layer_windows])
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-
-    @property
-    def layer_windows(self) -> tuple[int | None, ...]:
-        """Each layer's attention window (None: full attention)."""
-        return self.config.layer_windows
+        super().__init__(c, _attention, MoE)
 
     @staticmethod
     def load_param(name: str, fetch: Callable[[str], torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, list[str]]:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import Attention, Backbone, CausalLM, DecoderLayer, Linear
+from engine.layers import Attention, CausalLM, Linear
 from engine.rope import Rotary, rope_params
 
 
@@ -35,6 +35,10 @@ class LlamaConfig:
     mlp_bias: bool
     qk_norm: bool
     sliding_window: int | None  # every layer attends to this many most recent tokens (Mistral-style)
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        return (self.sliding_window,) * self.num_layers
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "LlamaConfig":
@@ -76,24 +80,13 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate).mul_(up))
 
 
-def _attention(c: LlamaConfig, rotary: Rotary) -> Attention:
+def _attention(c: LlamaConfig, rotary: Rotary, window: int | None) -> Attention:
     return Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, rotary, qkv_bias=c.qkv_bias,
-                     o_bias=c.o_bias, window=c.sliding_window, qk_norm_eps=c.rms_norm_eps if c.qk_norm else None)
+                     o_bias=c.o_bias, window=window, qk_norm_eps=c.rms_norm_eps if c.qk_norm else None)
 
 
 class LlamaForCausalLM(CausalLM):
     config_class = LlamaConfig
 
     def __init__(self, c: LlamaConfig) -> None:
-        super().__init__()
-        self.config = c
-        rotary = Rotary(c.head_dim, c.max_positions, c.rope_theta, c.rope_scaling)
-        self.model = Backbone(c.vocab_size, c.hidden_size, c.rms_norm_eps, [
-            DecoderLayer(c.hidden_size, c.rms_norm_eps, _attention(c, rotary), MLP(c)) for _ in range(c.num_layers)])
-        if not c.tie_word_embeddings:
-            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-
-    @property
-    def layer_windows(self) -> tuple[int | None, ...]:
-        """Each layer's attention window (None: full attention)."""
-        return (self.config.sliding_window,) * self.config.num_layers
+        super().__init__(c, _attention, MLP, c.tie_word_embeddings)
