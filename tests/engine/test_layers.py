@@ -1,4 +1,5 @@
-"""The CPU fast paths give F.linear's values: the packed LM head and the row-bucketed linears."""
+"""The CPU fast paths give F.linear's values: the packed LM head, the row-bucketed linears and the
+small ones run in float32."""
 from __future__ import annotations
 
 import torch
@@ -25,6 +26,16 @@ def test_bucketed_linear_is_f_linear(rows, dtype, bias):
     torch.manual_seed(rows)
     layer = Linear(64, 48, bias=bias).to(dtype)
     x = torch.randn(rows, 64).to(dtype)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_small_linear_follows_a_weight_loaded_in_place():
+    layer = Linear(64, 48, bias=True).bfloat16()
+    x = torch.randn(3, 64).bfloat16()
+    layer(x)  # its float32 copy of the weight is made here
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(48, 64))
+        layer.bias.copy_(torch.randn(48))
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
