@@ -17,6 +17,7 @@ import queue
 import random
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -112,28 +113,42 @@ async def _drive(args, requests: list[tuple[str, int]], concurrency: int, rate: 
     return results
 
 
-def _worker(args, requests, concurrency, rate, seed, progress, out) -> None:
-    out.put([r.__dict__ for r in asyncio.run(_drive(args, requests, concurrency, rate, seed, progress))])
+def _worker(args, requests, concurrency, rate, seed, progress, out, start) -> None:
+    start.wait()  # every client process is up: the clock starts now, not at their spawn
+    results = asyncio.run(_drive(args, requests, concurrency, rate, seed, progress))
+    out.put(([r.__dict__ for r in results], time.perf_counter()))
+
+
+_CLIENT_START_S = 120
 
 
 def run_load(args, requests: list[tuple[str, int]]) -> tuple[list[Result], float]:
-    """Runs the load over --client-workers processes; returns every result and the wall time."""
+    """Runs the load over --client-workers processes; returns every result and the wall time, from the
+    first request sent to the last one finished (the client processes' start-up, ~0.2 s each, is not in
+    it: in a short run it would shrink every ratio between two servers toward 1)."""
     w = max(1, min(args.client_workers, args.max_concurrency))
     ctx = mp.get_context("spawn")
-    progress, out = ctx.Value("i", 0), ctx.Queue()
+    progress, out, start = ctx.Value("i", 0), ctx.Queue(), ctx.Barrier(w + 1)
     shares = [requests[i::w] for i in range(w)]
     conc = [args.max_concurrency // w + (i < args.max_concurrency % w) for i in range(w)]
     procs = [ctx.Process(target=_worker, args=(args, shares[i], conc[i], args.request_rate / w, args.seed + i,
-                                               progress, out)) for i in range(w)]
-    t0 = time.perf_counter()
+                                               progress, out, start)) for i in range(w)]
     for p in procs:
         p.start()
+    try:
+        start.wait(timeout=_CLIENT_START_S)
+    except threading.BrokenBarrierError:
+        for p in procs:
+            p.kill()
+        raise SystemExit(f"the client processes did not start within {_CLIENT_START_S} s") from None
+    t0 = time.perf_counter()  # perf_counter is CLOCK_MONOTONIC on Linux: the same clock in every process
     results: list[Result] = []
-    done = 0
-    while done < w:
+    ends = []
+    while len(ends) < w:
         try:
-            results += [Result(**r) for r in out.get(timeout=0.5)]
-            done += 1
+            rows, end = out.get(timeout=0.5)
+            results += [Result(**r) for r in rows]
+            ends.append(end)
         except queue.Empty:
             if sum(p.exitcode not in (None, 0) for p in procs):
                 raise SystemExit("a client process failed; see its traceback above")
@@ -141,7 +156,7 @@ def run_load(args, requests: list[tuple[str, int]]) -> tuple[list[Result], float
             n = progress.value
             bar = "#" * int(30 * n / len(requests))
             print(f"\r[{bar:<30}] {n}/{len(requests)}", end="", file=sys.stderr, flush=True)
-    wall = time.perf_counter() - t0
+    wall = max(ends) - t0
     for p in procs:
         p.join()
     if not args.no_progress:

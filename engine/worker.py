@@ -279,7 +279,7 @@ def run_engine(cfg: ServerConfig) -> None:
     stats.set(kv_total_blocks=sched.bm.num_blocks, alive=1)
     PushChannel[SupervisorInput](ctx, addr.supervisor).put(Ready("engine", 0, os.getpid()))
     steps = tokens = 0
-    step_time = 0.0
+    step_time = step_seconds = 0.0
     while True:
         if len(sched):
             msgs = inbox.drain()
@@ -293,6 +293,7 @@ def run_engine(cfg: ServerConfig) -> None:
         if samples is not None:
             steps += 1
             step_time = time.perf_counter() - t0
+            step_seconds += step_time
         if samples is not None or aborted:
             outbox.emit(result, samples, aborted)
             tokens += len(result.new_tokens)
@@ -300,4 +301,4 @@ def run_engine(cfg: ServerConfig) -> None:
         stats.set(heartbeat=time.time(), num_running=len(sched.running), num_waiting=len(sched.waiting),
                   kv_used_blocks=sched.bm.num_used, num_steps=steps, num_preemptions=st.num_preemptions,
                   generated_tokens=tokens, prefix_queries=st.prefix_queries, prefix_hits=st.prefix_hits,
-                  step_time=step_time)
+                  step_time=step_time, step_seconds=step_seconds)

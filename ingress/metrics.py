@@ -33,6 +33,9 @@ class EngineCollector:
         yield GaugeMetricFamily("sluice:prefix_cache_hit_rate", "Prefix-cache hits / queries since start",
                                 s.get("prefix_hits", 0) / queries if queries else 0.0)
         yield GaugeMetricFamily("sluice:engine_step_seconds", "Duration of the last engine step", s.get("step_time", 0))
+        yield CounterMetricFamily("sluice:engine_steps", "Engine steps that ran the model", s.get("num_steps", 0))
+        yield CounterMetricFamily("sluice:engine_busy_seconds", "Time the engine spent in steps (busy fraction: "
+                                  "its rate)", s.get("step_seconds", 0))
 
 
 def render_metrics(read_engine_stats) -> bytes:

@@ -9,7 +9,8 @@ import numpy as np
 from ipc.shm import map_file
 
 FIELDS = ("heartbeat", "num_running", "num_waiting", "kv_used_blocks", "kv_total_blocks", "num_steps",
-          "num_preemptions", "generated_tokens", "alive", "prefix_queries", "prefix_hits", "step_time")
+          "num_preemptions", "generated_tokens", "alive", "prefix_queries", "prefix_hits", "step_time",
+          "step_seconds")
 _INDEX = {name: i for i, name in enumerate(FIELDS)}
 
 

@@ -58,10 +58,15 @@ def test_a_long_prompt_does_not_freeze_running_streams(small):
     t = threading.Thread(target=stream, daemon=True)
     t.start()
     assert started.wait(30)
-    before = small.metrics()["sluice:generation_tokens_total"]
+    m = small.metrics()
+    before, steps_before, busy_before = (m["sluice:generation_tokens_total"], m["sluice:engine_steps_total"],
+                                         m["sluice:engine_busy_seconds_total"])
     long_body = {"model": MODEL, "prompt": list(range(1, 450)), "max_tokens": 1}
     r = httpx.post(small.url + "/v1/completions", json=long_body, timeout=120)
-    after = small.metrics()["sluice:generation_tokens_total"]
+    m = small.metrics()
+    after = m["sluice:generation_tokens_total"]
+    assert m["sluice:engine_steps_total"] - steps_before >= 449 // 32
+    assert m["sluice:engine_busy_seconds_total"] > busy_before
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 449
     t.join(60)
     # 449 prompt tokens in steps of at most 32 tokens, the stream's decode first in each: the stream
