@@ -1,6 +1,7 @@
 """Layers every model file builds from."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -8,7 +9,44 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
-from engine.rope import Rotary
+from engine.rope import Rotary, rope_params
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The fields every decoder-only model here reads from its Hugging Face config; a model family's
+    config adds its own."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_positions: int
+    rope_theta: float
+    rope_scaling: dict
+
+    @staticmethod
+    def common(cfg: dict, *, rms_norm_eps: float, max_positions: int) -> dict:
+        """The base fields from an HF config dict, with the family's defaults for the two often left out."""
+        theta, scaling = rope_params(cfg)
+        heads = cfg["num_attention_heads"]
+        return dict(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", rms_norm_eps),
+            max_positions=cfg.get("max_position_embeddings", max_positions),
+            rope_theta=theta,
+            rope_scaling=scaling,
+        )
 
 
 def row_bucket(n: int) -> int:

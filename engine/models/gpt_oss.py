@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import Attention, CausalLM
-from engine.rope import Rotary, rope_params
+from engine.layers import Attention, CausalLM, DecoderConfig
+from engine.rope import Rotary
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -28,45 +28,23 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 
 @dataclass(frozen=True)
-class GptOssConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+class GptOssConfig(DecoderConfig):
     num_experts: int
     experts_per_token: int
-    rms_norm_eps: float
-    max_positions: int
-    rope_theta: float
-    rope_scaling: dict
     layer_windows: tuple[int | None, ...]  # per layer: the sliding window, or None for full attention
     swiglu_alpha: float
     swiglu_limit: float
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "GptOssConfig":
-        theta, scaling = rope_params(cfg)
         layers = cfg["num_hidden_layers"]
         types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
                                            for i in range(layers)]
         window = cfg.get("sliding_window") or 128
         return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=layers,
-            num_heads=cfg["num_attention_heads"],
-            num_kv_heads=cfg["num_key_value_heads"],
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+            **DecoderConfig.common(cfg, rms_norm_eps=1e-5, max_positions=131072),
             num_experts=cfg["num_local_experts"],
             experts_per_token=cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 4,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            max_positions=cfg.get("max_position_embeddings", 131072),
-            rope_theta=theta,
-            rope_scaling=scaling,
             layer_windows=tuple(window if t == "sliding_attention" else None for t in types),
             swiglu_alpha=cfg.get("swiglu_alpha", 1.702),
             swiglu_limit=cfg.get("swiglu_limit", 7.0),

@@ -12,23 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import Attention, CausalLM, Linear
-from engine.rope import Rotary, rope_params
+from engine.layers import Attention, CausalLM, DecoderConfig, Linear
+from engine.rope import Rotary
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_positions: int
-    rope_theta: float
-    rope_scaling: dict
+class LlamaConfig(DecoderConfig):
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
@@ -43,23 +32,11 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, cfg: dict) -> "LlamaConfig":
         arch = cfg["architectures"][0]
-        theta, scaling = rope_params(cfg)
-        heads = cfg["num_attention_heads"]
         attention_bias = bool(cfg.get("attention_bias", False))
         if cfg.get("use_sliding_window"):
             raise ValueError(f"{arch} with use_sliding_window (per-layer windows) is not supported yet")
         return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            max_positions=cfg.get("max_position_embeddings", 4096),
-            rope_theta=theta,
-            rope_scaling=scaling,
+            **DecoderConfig.common(cfg, rms_norm_eps=1e-6, max_positions=4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
             o_bias=attention_bias,
