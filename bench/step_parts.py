@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 from bench.checkpoints import tiny_llama_o200k
 from engine.block_manager import BlockManager
-from engine.lm_head import LMHead
+from engine.lm_head import LMHead, onednn_packed
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
-from engine.sampler import SamplingBatch, argmax, inverse_cdf, sample
+from engine.sampler import SamplingBatch, argmax, inverse_cdf, plain_greedy, sample
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.worker import keep_heap_memory
@@ -55,9 +55,13 @@ def step_parts(model, dtype, batch: int, temperature: float, steps: int = 40) ->
             inputs = timed("prepare", lambda: runner._prepare(b))
             hidden = timed("backbone", lambda: runner.model(inputs["input_ids"], inputs["positions"],
                                                              runner.kv_caches, inputs["meta"], inputs["logits_index"]))
-            logits = timed("lm head", lambda: runner.lm_head(hidden))
             seqs = inputs["sampling_seqs"]
-            tokens = timed("sampling", lambda: sample(logits, SamplingBatch.for_seqs(seqs, runner.device)).tolist())
+            if all(map(plain_greedy, seqs)):  # as the runner does: the argmax without the logits
+                ids = timed("lm head", lambda: runner.lm_head.argmax(hidden))
+                tokens = timed("sampling", ids.tolist)
+            else:
+                logits = timed("lm head", lambda: runner.lm_head(hidden))
+                tokens = timed("sampling", lambda: sample(logits, SamplingBatch.for_seqs(seqs, runner.device)).tolist())
             timed("update", lambda: sched.update(b, tokens))
     return {k: 1000 * v / steps for k, v in total.items()}
 
@@ -74,12 +78,17 @@ def bench_ms(fn, n: int = 20) -> float:
 def kernels(model, batches: list[int]) -> list[tuple[str, int, float, float]]:
     """(what, batch, plain torch ms, Sluice's ms) for each kernel choice."""
     weight = model.lm_weight().detach().bfloat16()
-    head = LMHead(weight)
+    head, packed = LMHead(weight), onednn_packed(weight)
+    onednn = lambda h: torch.ops.mkldnn._linear_pointwise(h, packed, None, "none", [], "")  # noqa: E731
     rows = []
     for b in batches:
         h = torch.randn(b, weight.shape[1]).bfloat16()
-        rows.append(("LM head, bf16 (F.linear / oneDNN packed)", b, bench_ms(lambda: F.linear(h, weight)),
+        rows.append(("LM head, bf16 (F.linear / Sluice's)", b, bench_ms(lambda: F.linear(h, weight)),
                      bench_ms(lambda: head(h))))
+        rows.append(("LM head, bf16 (oneDNN packed / Sluice's)", b, bench_ms(lambda: onednn(h)),
+                     bench_ms(lambda: head(h))))
+        rows.append(("greedy LM head (oneDNN + blocked argmax / fused)", b, bench_ms(lambda: argmax(onednn(h))),
+                     bench_ms(lambda: head.argmax(h))))
         logits = torch.randn(b, weight.shape[0]) * 3
         rows.append(("greedy (torch.argmax / blocked)", b, bench_ms(lambda: logits.argmax(-1)),
                      bench_ms(lambda: argmax(logits))))

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.attention import AttentionGroup, AttentionMetadata
 from engine.lm_head import LMHead
-from engine.sampler import SamplingBatch, TokenLogprobs, logprobs_of, sample
+from engine.sampler import SamplingBatch, TokenLogprobs, logprobs_of, plain_greedy, sample
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
@@ -70,19 +70,26 @@ class ModelRunner:
         return logits[inputs["num_prompt_rows"]:].float(), inputs["sampling_seqs"]
 
     def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, dict]:
+        hidden, inputs = self._hidden(batch)
+        return self.lm_head(hidden), inputs
+
+    def _hidden(self, batch: ScheduledBatch) -> tuple[torch.Tensor, dict]:
         inputs = self._prepare(batch)
         hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"],
                             inputs["logits_index"])
-        logits = self.lm_head(hidden)
-        return logits, inputs
+        return hidden, inputs
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepSamples:
         """Runs one step: a sampled token for each sequence that samples, in batch order, and any logprobs."""
-        logits, inputs = self._forward(batch)
+        hidden, inputs = self._hidden(batch)
+        seqs = inputs["sampling_seqs"]
+        if not inputs["prompt_rows"] and all(map(plain_greedy, seqs)):
+            # the argmax without the logits: the LM head's kernel need not write them (the same tokens)
+            return StepSamples(self.lm_head.argmax(hidden).tolist())
+        logits = self.lm_head(hidden)
         split = inputs["num_prompt_rows"]
         prompt_logits, logits = logits[:split], logits[split:]
-        seqs = inputs["sampling_seqs"]
         tokens = sample(logits, SamplingBatch.for_seqs(seqs, self.device))
         out = StepSamples(tokens.tolist())
         for seq, token in zip(seqs, out.tokens):

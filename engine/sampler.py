@@ -90,6 +90,15 @@ class SamplingBatch:
                          device, seqs)
 
 
+def plain_greedy(seq: Sequence) -> bool:
+    """True when the sequence's next token is the argmax of its raw logits and nothing else reads them:
+    greedy, no logprobs, and none of `process_logits`'s constraints or penalties can apply."""
+    sp = seq.sampling
+    return (sp.temperature < _GREEDY_EPS and sp.logprobs is None and seq.grammar is None
+            and not (sp.allowed_token_ids or sp.bad_words_ids or sp.logit_bias or sp.needs_penalties)
+            and not (len(seq.output_ids) < sp.min_tokens and sp.stop_token_ids))
+
+
 def process_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Applies each request's constraints and penalties to logits [B, V] (a new float32 tensor when any
     applies)."""

@@ -54,3 +54,13 @@ def watchdog_seconds() -> float | None:
     """systemd's WatchdogSec, when the service has one (WATCHDOG_USEC)."""
     usec = os.environ.get("WATCHDOG_USEC")
     return int(usec) / 1e6 if usec else None
+
+
+def cpu_kernels_enabled() -> bool:
+    """SLUICE_CPU_KERNELS=0 keeps the engine on torch's own CPU kernels (no C compiler is run)."""
+    return os.environ.get("SLUICE_CPU_KERNELS", "1") != "0"
+
+
+def c_compiler() -> str | None:
+    """The C compiler for Sluice's CPU kernels (CC, as make reads it; else cc or gcc on the PATH)."""
+    return os.environ.get("CC")

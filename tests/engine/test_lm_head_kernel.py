@@ -1,0 +1,105 @@
+"""Sluice's bf16 LM-head kernel (engine/csrc/lm_head_bf16.c): its logits are F.linear's, its argmax is the
+argmax of those logits (first index of a tie), a row's result does not depend on its batch, and the
+engine falls back to torch when the kernel cannot be built."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from engine import cpu_kernels
+from engine.lm_head import LMHead
+from engine.sampler import argmax
+from tests.engine.helpers import generate, make_engine, seq
+
+_ISA = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+needs_kernel = pytest.mark.skipif(not _ISA <= cpu_kernels.cpu_flags(), reason="this CPU lacks AVX512-BF16")
+
+
+@pytest.fixture
+def fresh_kernels(tmp_path, monkeypatch):
+    """A cache directory of its own and no kernel loaded yet."""
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
+    cpu_kernels.load.cache_clear()
+    yield
+    cpu_kernels.load.cache_clear()
+
+
+@needs_kernel
+def test_kernel_builds_where_the_cpu_has_avx512_bf16():
+    head = LMHead(torch.randn(100, 32).bfloat16())
+    assert head.kernel is not None, "the kernel failed to build (see the sluice.engine log)"
+    maps = open("/proc/self/maps").read().splitlines()
+    gomps = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(gomps) == 1, f"one OpenMP runtime for torch and the kernel, not {gomps}"
+
+
+@needs_kernel
+@settings(max_examples=30, deadline=None)
+@given(vocab=st.integers(1, 700), dim=st.sampled_from([2, 32, 64, 130]), rows=st.integers(1, 40),
+       ties=st.integers(0, 5), seed=st.integers(0, 2**16))
+def test_kernel_logits_are_f_linear_and_its_argmax_theirs(vocab, dim, rows, ties, seed):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, dim, generator=g).bfloat16()
+    hidden = torch.randn(rows, dim, generator=g).bfloat16()
+    for i in range(min(ties, vocab - 1)):  # equal rows give equal logits: the first index must win
+        weight[vocab - 1 - i] = weight[i]
+        hidden[i % rows] = weight[i] * 4
+    head = LMHead(weight)
+    assert head.kernel is not None
+    logits = head(hidden)
+    assert logits.dtype == torch.bfloat16 and logits.shape == (rows, vocab)
+    torch.testing.assert_close(logits.float(), F.linear(hidden.float(), weight.float()), rtol=1e-2, atol=1e-2)
+    tokens = head.argmax(hidden)
+    assert torch.equal(tokens, argmax(logits))
+    alone = torch.cat([head.argmax(hidden[r : r + 1]) for r in range(rows)])
+    assert torch.equal(tokens, alone)
+    assert torch.equal(head(hidden[:1]), logits[:1])
+
+
+@needs_kernel
+def test_kernel_over_the_o200k_vocabulary_matches_onednn_argmax():
+    torch.manual_seed(0)
+    weight = (torch.randn(201_088, 128) * 0.5).bfloat16()
+    hidden = torch.randn(24, 128).bfloat16()
+    head = LMHead(weight)
+    ref = torch.ops.mkldnn._linear_pointwise(hidden, torch.ops.mkldnn._reorder_linear_weight(weight), None,
+                                            "none", [], "")
+    torch.testing.assert_close(head(hidden).float(), ref.float(), rtol=1e-2, atol=1e-2)
+    assert torch.equal(head.argmax(hidden), argmax(head(hidden)))
+
+
+def test_disabled_kernels_fall_back_to_onednn(fresh_kernels, monkeypatch):
+    monkeypatch.setenv("SLUICE_CPU_KERNELS", "0")
+    weight, hidden = torch.randn(300, 32).bfloat16(), torch.randn(5, 32).bfloat16()
+    head = LMHead(weight)
+    assert head.kernel is None
+    torch.testing.assert_close(head(hidden), F.linear(hidden, weight), rtol=1e-2, atol=1e-2)
+    assert torch.equal(head.argmax(hidden), argmax(head(hidden)))
+
+
+@needs_kernel
+def test_a_failed_build_falls_back_and_says_why(fresh_kernels, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "false")
+    with caplog.at_level("WARNING", logger="sluice.engine"):
+        head = LMHead(torch.randn(300, 32).bfloat16())
+    assert head.kernel is None and head.onednn is not None
+    assert "build failed" in caplog.text
+
+
+def test_bf16_engine_greedy_tokens_are_those_of_the_logits_path(tiny_chat_dir):
+    """A step whose rows are all plain greedy takes the argmax-only path; asking for logprobs forces the
+    logits path: the tokens are the same."""
+    prompts = [[5, 17, 300, 42], [7, 7, 7], list(range(40, 70)), [100, 2, 3, 99, 12]]
+    runner, sched = make_engine(tiny_chat_dir, dtype=torch.bfloat16)
+    assert (runner.lm_head.kernel is not None) == (_ISA <= cpu_kernels.cpu_flags())
+    calls = []
+    argmax_only = runner.lm_head.argmax
+    runner.lm_head.argmax = lambda hidden: calls.append(len(hidden)) or argmax_only(hidden)
+    fused = generate(runner, sched, [seq(f"f{i}", p, max_tokens=12, temperature=0) for i, p in enumerate(prompts)])
+    runner, sched = make_engine(tiny_chat_dir, dtype=torch.bfloat16)
+    with_logits = generate(runner, sched, [seq(f"f{i}", p, max_tokens=12, temperature=0, logprobs=0)
+                                           for i, p in enumerate(prompts)])
+    assert calls and sum(calls) >= 4 * 10  # the decode steps took the argmax-only path
+    assert fused == with_logits
