@@ -9,11 +9,14 @@ distribution, before any of the above.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from engine import cpu_kernels
 from engine.grammar import apply_grammars
 from engine.sequence import Sequence
 
@@ -175,9 +178,11 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     any_greedy = bool(is_greedy.any())
     greedy = argmax(logits) if any_greedy else None
     scale = torch.where(is_greedy, 1.0, sb.temperature).unsqueeze(1)
-    # On the CPU, a few rows at a time: their float32 copy stays in cache through the passes below
-    # (at batch 64 the whole batch is 51 MB, past the last-level cache, and the passes run 2x slower).
-    step = _CPU_ROWS if logits.device.type == "cpu" else logits.shape[0]
+    # With torch's softmax on the CPU, a few rows at a time: their float32 copy stays in cache through the
+    # passes below (at batch 64 the whole batch is 51 MB, past the last-level cache, and the passes run 2x
+    # slower). Sluice's kernel makes one pass: the whole batch at once splits best between threads.
+    chunked = logits.device.type == "cpu" and _exp_blocks_kernel() is None
+    step = _CPU_ROWS if chunked else logits.shape[0]
     sampled = torch.cat([_draw(logits[i : i + step], scale[i : i + step], sb, slice(i, i + step))
                          for i in range(0, logits.shape[0], step)])
     return torch.where(is_greedy, greedy, sampled) if any_greedy else sampled
@@ -188,18 +193,56 @@ _CPU_ROWS = 8
 
 def _draw(logits: torch.Tensor, scale: torch.Tensor, sb: SamplingBatch, rows: slice) -> torch.Tensor:
     """Samples rows of logits [R, V] scaled by 1/scale [R, 1], with their top-k / top-p / min-p."""
-    if not bool((scale == 1.0).all()):
-        logits = logits / scale  # float32
-    if sb.any_top_k and bool((sb.top_k[rows] > 0).any()):  # these rows, not only others in the batch
-        logits = _apply_top_k(logits, sb.top_k[rows])
-    if sb.any_top_p and bool((sb.top_p[rows] < 1.0).any()):
-        logits = _apply_top_p(logits, sb.top_p[rows])
-    # torch's softmax kernel (max, exp and sum in two passes, reading bf16 as it goes) is twice as fast
-    # here as the same steps one op at a time.
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top_k = sb.any_top_k and bool((sb.top_k[rows] > 0).any())  # these rows, not only others in the batch
+    top_p = sb.any_top_p and bool((sb.top_p[rows] < 1.0).any())
+    if top_k or top_p:
+        if not bool((scale == 1.0).all()):
+            logits = logits / scale  # float32
+            scale = torch.ones_like(scale)
+        if top_k:
+            logits = _apply_top_k(logits, sb.top_k[rows])
+        if top_p:
+            logits = _apply_top_p(logits, sb.top_p[rows])
+    probs, sums = exp_blocks(logits, scale)
     if sb.any_min_p:
         probs.mul_(probs >= sb.min_p[rows].unsqueeze(1) * probs.amax(dim=-1, keepdim=True))
-    return inverse_cdf(probs, sb.uniform[rows].to(probs.dtype))
+        sums = None
+    return inverse_cdf(probs, sb.uniform[rows].to(probs.dtype), sums)
+
+
+@functools.cache
+def _exp_blocks_kernel():
+    lib = cpu_kernels.load("exp_blocks", ("avx512f", "avx512bw"))
+    if lib is None:
+        return None
+    fn = lib.sluice_exp_blocks
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_int]
+    return fn
+
+
+def exp_blocks(logits: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Unnormalized probabilities [R, V] (float32) of logits [R, V] at temperatures `scale` [R, 1], and
+    their per-block sums as `inverse_cdf` reads them (None: not computed). On a CPU with AVX-512,
+    Sluice's kernel (csrc/exp_blocks.c: exp((x - max) / t) and the block sums in one pass, 3-10x torch's
+    softmax here); elsewhere torch's softmax (its kernel reads bf16 as it goes: twice as fast here as the
+    same steps one op at a time)."""
+    kernel = _exp_blocks_kernel() if logits.device.type == "cpu" else None
+    if kernel is None or logits.dtype not in (torch.bfloat16, torch.float32):
+        if not bool((scale == 1.0).all()):
+            logits = logits / scale  # float32
+        return torch.softmax(logits, dim=-1, dtype=torch.float32), None
+    x = logits.contiguous()
+    r, v = x.shape
+    c = min(_BLOCK, v)
+    probs = torch.empty(r, v, dtype=torch.float32)
+    sums = torch.empty(r, -(-v // c), dtype=torch.float32)
+    inverse_t = (1.0 / scale.to(torch.float32)).reshape(r).contiguous()
+    if kernel(x.data_ptr(), x.dtype == torch.bfloat16, r, v, inverse_t.data_ptr(), probs.data_ptr(),
+              sums.data_ptr(), c):
+        raise MemoryError("the sampling kernel could not allocate its workspace")
+    return probs, sums
 
 
 # Vocabulary-sized scans run as two levels over blocks of this many columns: a reduction per block
@@ -247,13 +290,17 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return cols.gather(1, values.argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, sums: torch.Tensor | None = None) -> torch.Tensor:
     """For unnormalized probabilities [B, V] and uniforms u [B] in [0, 1): the first index where each row's
     running sum exceeds u times its total. Block sums and their running sum find the block, then a
     running sum within that block alone finds the index: no full-vocabulary cumsum. Each row's result
-    depends on that row alone, so a seeded request samples the same tokens in any batch."""
+    depends on that row alone, so a seeded request samples the same tokens in any batch. `sums`: the
+    per-block sums when the caller has them (as `_per_block` lays them out)."""
     probs = probs.contiguous()
-    sums, c = _per_block(probs, torch.sum)
+    if sums is None:
+        sums, c = _per_block(probs, torch.sum)
+    else:
+        c = min(_BLOCK, probs.shape[1])
     cdf = sums.cumsum_(dim=-1)  # [B, blocks]
     target = u.unsqueeze(1) * cdf[:, -1:]  # [B, 1]
     block = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)  # [B, 1]

@@ -1,6 +1,8 @@
-"""Sluice's bf16 LM-head kernel (engine/csrc/lm_head_bf16.c): its logits are F.linear's, its argmax is the
-argmax of those logits (first index of a tie), a row's result does not depend on its batch, and the
-engine falls back to torch when the kernel cannot be built."""
+"""Sluice's C kernels for the CPU. The bf16 LM head (engine/csrc/lm_head_bf16.c): its logits are
+F.linear's, its argmax is the argmax of those logits (first index of a tie). Sampling's exp pass
+(engine/csrc/exp_blocks.c): torch's exp within float32 rounding, masked tokens exactly 0, block sums as
+the sampler reads them. A row's result never depends on its batch, and the engine falls back to torch
+when a kernel cannot be built."""
 from __future__ import annotations
 
 import torch
@@ -10,11 +12,13 @@ from hypothesis import given, settings, strategies as st
 
 from engine import cpu_kernels
 from engine.lm_head import LMHead
-from engine.sampler import argmax
+from engine import sampler
+from engine.sampler import SamplingBatch, _per_block, argmax, exp_blocks, sample
 from tests.engine.helpers import generate, make_engine, seq
 
 _ISA = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
 needs_kernel = pytest.mark.skipif(not _ISA <= cpu_kernels.cpu_flags(), reason="this CPU lacks AVX512-BF16")
+needs_avx512 = pytest.mark.skipif(not {"avx512f", "avx512bw"} <= cpu_kernels.cpu_flags(), reason="no AVX-512")
 
 
 @pytest.fixture
@@ -22,8 +26,10 @@ def fresh_kernels(tmp_path, monkeypatch):
     """A cache directory of its own and no kernel loaded yet."""
     monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
     cpu_kernels.load.cache_clear()
+    sampler._exp_blocks_kernel.cache_clear()
     yield
     cpu_kernels.load.cache_clear()
+    sampler._exp_blocks_kernel.cache_clear()
 
 
 @needs_kernel
@@ -77,6 +83,9 @@ def test_disabled_kernels_fall_back_to_onednn(fresh_kernels, monkeypatch):
     assert head.kernel is None
     torch.testing.assert_close(head(hidden), F.linear(hidden, weight), rtol=1e-2, atol=1e-2)
     assert torch.equal(head.argmax(hidden), argmax(head(hidden)))
+    probs, sums = exp_blocks(head(hidden), torch.ones(5, 1))
+    assert sums is None
+    torch.testing.assert_close(probs, torch.softmax(head(hidden).float(), dim=-1))
 
 
 @needs_kernel
@@ -103,3 +112,49 @@ def test_bf16_engine_greedy_tokens_are_those_of_the_logits_path(tiny_chat_dir):
                                            for i, p in enumerate(prompts)])
     assert calls and sum(calls) >= 4 * 10  # the decode steps took the argmax-only path
     assert fused == with_logits
+
+
+@needs_avx512
+@settings(max_examples=30, deadline=None)
+@given(vocab=st.integers(1, 3000), rows=st.integers(1, 9), masked=st.integers(0, 50),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2**16))
+def test_exp_blocks_are_torch_exp_and_block_sums(vocab, rows, masked, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=g) * 8).to(dtype)
+    logits.view(-1)[torch.randint(0, rows * vocab, (masked,), generator=g)] = float("-inf")
+    logits[:, 0] = 1.0  # no row entirely masked
+    temperature = torch.rand(rows, 1, generator=g) * 2 + 0.05
+    probs, sums = exp_blocks(logits, temperature)
+    assert sums is not None, "the kernel did not load"
+    x = logits.double() / temperature.double()
+    y = x - x.amax(dim=-1, keepdim=True)  # exact here; in float32 it carries ~|y| ulps of rounding
+    ref = torch.exp(y)
+    tiny = ref < 1e-37  # the kernel flushes what would be subnormal to 0
+    err = (probs.double() - ref).abs() / ref
+    assert (err[~tiny] <= 4e-7 * (1 + y.abs()[~tiny])).all()
+    assert (probs[tiny] <= ref[tiny] + 1e-37).all() and (probs[logits == float("-inf")] == 0).all()
+    torch.testing.assert_close(sums, _per_block(probs, torch.sum)[0], rtol=1e-5, atol=1e-30)
+    for r in range(rows):  # a row alone gives the same bits
+        alone, alone_sums = exp_blocks(logits[r : r + 1], temperature[r : r + 1])
+        assert torch.equal(alone[0], probs[r]) and torch.equal(alone_sums[0], sums[r])
+
+
+@needs_avx512
+def test_sampling_with_the_exp_kernel_draws_torch_softmax_tokens(fresh_kernels, monkeypatch):
+    """Seeded rows over the o200k vocabulary draw the same tokens through the kernel as through torch's
+    softmax, but where a uniform falls within float32 rounding of a token's boundary."""
+    torch.manual_seed(0)
+    rows = 64
+    logits = (torch.randn(rows, 201_088) * 4).bfloat16()
+
+    class Params:
+        temperature, top_p, top_k, min_p = 0.8, 1.0, 0, 0.0
+
+    batch = SamplingBatch.build([Params] * rows, list(range(rows)), [3] * rows, torch.device("cpu"))
+    fast = sample(logits, batch)
+    assert sampler._exp_blocks_kernel() is not None
+    monkeypatch.setenv("SLUICE_CPU_KERNELS", "0")
+    cpu_kernels.load.cache_clear()
+    sampler._exp_blocks_kernel.cache_clear()
+    plain = sample(logits, batch)
+    assert (fast == plain).sum() >= rows - 1
