@@ -21,7 +21,7 @@ from engine.block_manager import BlockManager
 from engine.lm_head import LMHead, onednn_packed
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
-from engine.sampler import SamplingBatch, argmax, inverse_cdf, plain_greedy, sample
+from engine.sampler import SamplingBatch, argmax, exp_blocks, inverse_cdf, plain_greedy, sample
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.worker import keep_heap_memory
@@ -99,8 +99,14 @@ def kernels(model, batches: list[int]) -> list[tuple[str, int, float, float]]:
             p = p.sub_(p.amax(-1, keepdim=True)).exp_().cumsum_(-1)
             return torch.searchsorted(p, (u * p[:, -1]).unsqueeze(1), right=True)
 
-        rows.append(("temperature 1 (exp + cumsum / softmax + two-level)", b, bench_ms(full_cdf),
-                     bench_ms(lambda: inverse_cdf(torch.softmax(logits, -1), u))))
+        ones = torch.ones(b, 1)
+
+        def exp_pass():  # the sampler's: one pass for the probabilities and their block sums
+            probs, sums = exp_blocks(logits, ones)
+            return inverse_cdf(probs, u, sums)
+
+        rows.append(("temperature 1 (exp + cumsum / exp pass + two-level)", b, bench_ms(full_cdf),
+                     bench_ms(exp_pass)))
         q = torch.randn(b, 4, 1, 32).bfloat16()
         k, v = torch.randn(b, 2, 160, 32).bfloat16(), torch.randn(b, 2, 160, 32).bfloat16()
         mask = torch.ones(b, 1, 1, 160, dtype=torch.bool)
