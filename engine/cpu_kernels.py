@@ -50,6 +50,9 @@ def load(name: str, isa: tuple[str, ...]) -> ctypes.CDLL | None:
     if missing:
         log.info("CPU kernel %s not used: this CPU lacks %s", name, ", ".join(missing))
         return None
+    if not _torch_runs_libgomp():
+        log.info("CPU kernel %s not used: torch's OpenMP runtime is not libgomp", name)
+        return None
     compiler = envs.c_compiler() or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("CPU kernel %s not used: no C compiler (set CC)", name)
@@ -74,4 +77,18 @@ def load(name: str, isa: tuple[str, ...]) -> ctypes.CDLL | None:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    return ctypes.CDLL(str(path))
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as e:  # e.g. a libgomp older than the compiler's
+        log.warning("CPU kernel %s not used: %s", name, e)
+        return None
+
+
+def _torch_runs_libgomp() -> bool:
+    """Whether the libgomp the kernels link to is the OpenMP runtime torch has loaded (not a second pool
+    of threads beside torch's)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return "libgomp" in f.read()
+    except OSError:
+        return False

@@ -84,6 +84,13 @@ class LMHead:
         self.kernel = _Bf16Kernel.build(weight)
         self.onednn = None if self.kernel is not None else onednn_packed(weight)
 
+    @property
+    def path(self) -> str:
+        """Which of the three runs it (for the log)."""
+        if self.kernel is not None:
+            return "Sluice's AVX512-BF16 kernel"
+        return "oneDNN" if self.onednn is not None else "F.linear"
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             return self.kernel.logits(hidden)
