@@ -225,7 +225,7 @@ def _exp_blocks_kernel():
 def exp_blocks(logits: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Unnormalized probabilities [R, V] (float32) of logits [R, V] at temperatures `scale` [R, 1], and
     their per-block sums as `inverse_cdf` reads them (None: not computed). On a CPU with AVX-512,
-    Sluice's kernel (csrc/exp_blocks.c: exp((x - max) / t) and the block sums in one pass, 3-10x torch's
+    Sluice's kernel (csrc/exp_blocks.c: exp((x - max) / t) and the block sums in one pass, ~3x torch's
     softmax here); elsewhere torch's softmax (its kernel reads bf16 as it goes: twice as fast here as the
     same steps one op at a time)."""
     kernel = _exp_blocks_kernel() if logits.device.type == "cpu" else None
