@@ -8,7 +8,8 @@
  * same pass. Values below exp(-87) (float32's smallest normal) are exactly 0, so a masked (-inf) token
  * never has mass.
  *
- * A row's results depend on that row alone: blocks are summed in a fixed order whatever the number of
+ * Work is handed out as threads come free (the server's other processes share the cores). A row's
+ * results depend on that row alone: blocks are summed in a fixed order whatever the number of
  * rows or threads (a seeded request samples the same tokens in any batch).
  */
 #include <immintrin.h>
@@ -64,7 +65,7 @@ int sluice_exp_blocks(const void *logits, int bf16, int rows, int v, const float
     if (!row_max) return -1;
 #pragma omp parallel
     {
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
         for (int r = 0; r < rows; r++) {
             const size_t base = (size_t)r * v;
             __m512 m = _mm512_set1_ps(-INFINITY);
@@ -74,7 +75,7 @@ int sluice_exp_blocks(const void *logits, int bf16, int rows, int v, const float
             for (; c < v; c++) top = fmaxf(top, load1(logits, bf16, base + c));
             row_max[r] = top;
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 4)
         for (long job = 0; job < (long)rows * blocks; job++) {
             const int r = (int)(job / blocks), b = (int)(job % blocks);
             const size_t base = (size_t)r * v;

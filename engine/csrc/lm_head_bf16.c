@@ -12,8 +12,10 @@
  * stored), keeping the first index of a tie: the same token as an argmax over the stored logits. It
  * never writes them, which at batch 16-64 saves writing and re-reading 6-26 MB a step.
  *
- * Threads: the vocabulary is split between torch's OpenMP threads (this file links the libgomp that
- * torch has loaded), each keeping its own per-lane best values; the caller merges them.
+ * Threads: torch's OpenMP threads (this file links the libgomp that torch has loaded) take chunks of
+ * CHUNK blocks in column order as they come free, each keeping its own per-lane best values, merged at
+ * the end. Handing the work out as it goes, not in halves, matters on a machine whose cores the server's
+ * other processes share: a preempted thread no longer leaves the other waiting at the barrier.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -21,7 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-enum { TILE = 16, GROUP = 4, ROWS = 6 };
+enum { TILE = 16, GROUP = 4, ROWS = 6, CHUNK = 8 };
 
 static inline __m512 round_bf16(__m512 v) {
     __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
@@ -123,25 +125,35 @@ int sluice_lm_head_bf16(const uint16_t *w, int n, int k, const uint16_t *h, int 
             where[i] = INT32_MAX;
         }
     }
+    int next = 0; /* the next block group to hand out */
 #pragma omp parallel num_threads(threads)
     {
-        const int th = omp_get_thread_num(), nth = omp_get_num_threads();
-        const int g0 = (int)((long)groups * th / nth), g1 = (int)((long)groups * (th + 1) / nth);
+        const int th = omp_get_thread_num();
         float *my_best = best ? best + (size_t)th * m * TILE : NULL;
         int32_t *my_where = where ? where + (size_t)th * m * TILE : NULL;
-        for (int g = g0; g < g1; g++) {
-            const int tile0 = g * GROUP, nt = tiles - tile0 < GROUP ? tiles - tile0 : GROUP;
-            for (int r0 = 0; r0 < m; r0 += ROWS) {
-                const int r = m - r0 < ROWS ? m - r0 : ROWS;
-                const uint16_t *hr = h + (size_t)r0 * k;
-                uint16_t *out = logits ? logits + (size_t)r0 * ldo : NULL;
-                float *b = my_best ? my_best + (size_t)r0 * TILE : NULL;
-                int32_t *wh = my_where ? my_where + (size_t)r0 * TILE : NULL;
-                if (nt == GROUP) {
-                    const uint16_t *pf = r0 == 0 && g + 1 < g1 ? w + (size_t)(tile0 + GROUP) * k * TILE : NULL;
-                    FULL[r](w, hr, k, tile0, n, out, ldo, b, wh, pf);
-                } else {
-                    for (int t = 0; t < nt; t++) ONE[r](w, hr, k, tile0 + t, n, out, ldo, b, wh, NULL);
+        for (;;) {
+            int g0;
+#pragma omp atomic capture
+            {
+                g0 = next;
+                next += CHUNK;
+            }
+            if (g0 >= groups) break;
+            const int g1 = g0 + CHUNK < groups ? g0 + CHUNK : groups;
+            for (int g = g0; g < g1; g++) {
+                const int tile0 = g * GROUP, nt = tiles - tile0 < GROUP ? tiles - tile0 : GROUP;
+                for (int r0 = 0; r0 < m; r0 += ROWS) {
+                    const int r = m - r0 < ROWS ? m - r0 : ROWS;
+                    const uint16_t *hr = h + (size_t)r0 * k;
+                    uint16_t *out = logits ? logits + (size_t)r0 * ldo : NULL;
+                    float *b = my_best ? my_best + (size_t)r0 * TILE : NULL;
+                    int32_t *wh = my_where ? my_where + (size_t)r0 * TILE : NULL;
+                    if (nt == GROUP) {
+                        const uint16_t *pf = r0 == 0 && g + 1 < g1 ? w + (size_t)(tile0 + GROUP) * k * TILE : NULL;
+                        FULL[r](w, hr, k, tile0, n, out, ldo, b, wh, pf);
+                    } else {
+                        for (int t = 0; t < nt; t++) ONE[r](w, hr, k, tile0 + t, n, out, ldo, b, wh, NULL);
+                    }
                 }
             }
         }
