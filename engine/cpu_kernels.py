@@ -17,7 +17,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import torch  # noqa: F401  (loaded before any kernel: its libgomp is the one the kernels link to)
+import torch  # (loaded before any kernel: its libgomp is the one the kernels link to)
+import torch.nn.functional as F
 
 from sluice import envs
 
@@ -27,6 +28,8 @@ _SOURCES = Path(__file__).parent / "csrc"
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
 # Instruction sets (as /proc/cpuinfo names them) -> the compiler flags that enable them.
 _ISA = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl", "avx512_bf16": "-mavx512bf16"}
+_AVX512 = ("avx512f", "avx512bw")
+_AVX512_BF16 = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
 
 @functools.cache
@@ -92,3 +95,80 @@ def _torch_runs_libgomp() -> bool:
             return "libgomp" in f.read()
     except OSError:
         return False
+
+
+class Bf16Matmul:
+    """csrc/bf16_matmul.c for one bf16 weight [N, K] (K even) and optional bias [N]: x @ W^T + bias in bf16
+    for bf16 rows x [M, K], or each row's argmax over N without writing the product. The weight is packed
+    once for the kernel: tiles of 16 output rows, each [K/2][16][2] (a copy: the caller decides whether
+    to keep the original)."""
+
+    TILE = 16
+
+    def __init__(self, fn, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        n, k = weight.shape
+        tiles = -(-n // self.TILE)
+        w = F.pad(weight.detach(), (0, 0, 0, tiles * self.TILE - n))
+        self.packed = w.view(tiles, self.TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        self.bias = None if bias is None else F.pad(bias.detach().float(), (0, tiles * self.TILE - n))
+        self.n, self.k = n, k
+        self.fn = fn
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Bf16Matmul | None":
+        """The kernel for this weight, or None where it does not apply (not a bf16 CPU weight, odd K) or
+        cannot run (see `load`)."""
+        if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
+            return None
+        fn = _bf16_matmul()
+        return None if fn is None else cls(fn, weight, bias)
+
+    def _run(self, x: torch.Tensor, out: torch.Tensor | None, tokens: torch.Tensor | None) -> None:
+        x = x.to(torch.bfloat16).contiguous()
+        bias = None if self.bias is None or out is None else self.bias.data_ptr()
+        if self.fn(self.packed.data_ptr(), self.n, self.k, x.data_ptr(), x.shape[0], bias,
+                   None if out is None else out.data_ptr(), self.n, None if tokens is None else tokens.data_ptr()):
+            raise MemoryError("the bf16 matmul kernel could not allocate its workspace")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(*x.shape[:-1], self.n, dtype=torch.bfloat16)
+        if out.numel():
+            self._run(x.reshape(-1, self.k), out, None)
+        return out
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's first index of its maximum product (bias ignored), as int64 [M]."""
+        tokens = torch.empty(x.shape[0], dtype=torch.int32)
+        if x.shape[0]:
+            self._run(x, None, tokens)
+        return tokens.long()
+
+
+def _function(name: str, isa: tuple[str, ...], symbol: str, argtypes: list):
+    lib = load(name, isa)
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    fn.restype = ctypes.c_int
+    fn.argtypes = argtypes
+    return fn
+
+
+_P, _I = ctypes.c_void_p, ctypes.c_int
+
+
+@functools.cache
+def _bf16_matmul():
+    return _function("bf16_matmul", _AVX512_BF16, "sluice_bf16_matmul", [_P, _I, _I, _P, _I, _P, _P, _I, _P])
+
+
+@functools.cache
+def exp_blocks():
+    """csrc/exp_blocks.c's function (None where it cannot run): see engine.sampler.exp_blocks."""
+    return _function("exp_blocks", _AVX512, "sluice_exp_blocks", [_P, _I, _I, _I, _P, _P, _P, _I])
+
+
+def clear() -> None:
+    """Forgets what was loaded (tests that change the environment)."""
+    for cached in (load, _bf16_matmul, exp_blocks):
+        cached.cache_clear()

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.cpu_kernels import Bf16Matmul
 from engine.rope import Rotary, rope_params
 
 
@@ -58,39 +59,52 @@ def row_bucket(n: int) -> int:
 
 
 class Linear(nn.Linear):
-    """nn.Linear with two CPU paths for half-precision weights.
+    """nn.Linear with three CPU paths for half-precision weights.
 
-    - Few rows, small weight: a float32 copy of the weight. oneDNN's bf16 matmul costs ~17 us a call
-      here whatever the size, against 3-12 us for float32 on a weight this small (the products are the
-      same, accumulated in float32 either way); above `_FP32_MAX_WEIGHT` elements, reading twice the
+    - A small bf16 weight on a CPU with AVX512-BF16: Sluice's kernel (csrc/bf16_matmul.c, the LM head's),
+      5-15 us a call for this project's tiny models where oneDNN's bf16 matmul costs ~17 us whatever the
+      size and MKL's float32 10-60 us at 16 rows (`python -m bench.step_parts --kernels`).
+    - Few rows, small weight, no kernel: a float32 copy of the weight (3-12 us at one row; the products
+      are the same, accumulated in float32 either way); above `_SMALL_WEIGHT` elements, reading twice the
       bytes costs more than the call.
     - Otherwise rows are padded to `row_bucket` sizes: oneDNN compiles a kernel for each new shape
       (0.5-5 ms here, against ~0.2 ms to run it) and keeps 1,024 of them, while a server's steps come in
-      every token count up to --max-num-batched-tokens: unpadded, prefill steps kept paying for it."""
+      every token count up to --max-num-batched-tokens: unpadded, prefill steps kept paying for it.
 
-    _fp32: tuple | None = None  # ((data_ptr, version) of the weight it was copied from, weight, bias)
+    What the first two derive from the weight is made again when the weight changes (a load in place)."""
+
+    _kernel: tuple | None = None  # ((data_ptr, version) of the weight it was made from, Bf16Matmul or None)
+    _fp32: tuple | None = None  # (the same, (weight, bias) in float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
             return F.linear(x, self.weight, self.bias)
-        if n <= _FP32_MAX_ROWS and self.weight.numel() <= _FP32_MAX_WEIGHT:
-            weight, bias = self._float32()
-            return F.linear(x.float(), weight, bias).to(x.dtype)
+        if self.weight.numel() <= _SMALL_WEIGHT:
+            kernel = self._derived("_kernel", lambda: Bf16Matmul.build(self.weight, self.bias))
+            if kernel is not None:
+                return kernel(x)
+            if n <= _FP32_MAX_ROWS:
+                weight, bias = self._derived("_fp32", self._float32)
+                return F.linear(x.float(), weight, bias).to(x.dtype)
         if row_bucket(n) == n:
             return F.linear(x, self.weight, self.bias)
         return F.linear(F.pad(x, (0, 0, 0, row_bucket(n) - n)), self.weight, self.bias)[:n]
 
-    def _float32(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _derived(self, attr: str, make: Callable):
         source = (self.weight.data_ptr(), self.weight._version)
-        if self._fp32 is None or self._fp32[0] != source:  # (copied again after a weight load)
-            bias = None if self.bias is None else self.bias.detach().float()
-            self._fp32 = (source, self.weight.detach().float(), bias)
-        return self._fp32[1], self._fp32[2]
+        cached = getattr(self, attr)
+        if cached is None or cached[0] != source:
+            cached = (source, make())
+            setattr(self, attr, cached)
+        return cached[1]
+
+    def _float32(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.weight.detach().float(), None if self.bias is None else self.bias.detach().float()
 
 
 _FP32_MAX_ROWS = 16
-_FP32_MAX_WEIGHT = 1 << 18
+_SMALL_WEIGHT = 1 << 18
 
 
 class RMSNorm(nn.Module):

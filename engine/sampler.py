@@ -9,8 +9,6 @@ distribution, before any of the above.
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -181,7 +179,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     # With torch's softmax on the CPU, a few rows at a time: their float32 copy stays in cache through the
     # passes below (at batch 64 the whole batch is 51 MB, past the last-level cache, and the passes run 2x
     # slower). Sluice's kernel makes one pass: the whole batch at once splits best between threads.
-    chunked = logits.device.type == "cpu" and _exp_blocks_kernel() is None
+    chunked = logits.device.type == "cpu" and cpu_kernels.exp_blocks() is None
     step = _CPU_ROWS if chunked else logits.shape[0]
     sampled = torch.cat([_draw(logits[i : i + step], scale[i : i + step], sb, slice(i, i + step))
                          for i in range(0, logits.shape[0], step)])
@@ -210,25 +208,13 @@ def _draw(logits: torch.Tensor, scale: torch.Tensor, sb: SamplingBatch, rows: sl
     return inverse_cdf(probs, sb.uniform[rows].to(probs.dtype), sums)
 
 
-@functools.cache
-def _exp_blocks_kernel():
-    lib = cpu_kernels.load("exp_blocks", ("avx512f", "avx512bw"))
-    if lib is None:
-        return None
-    fn = lib.sluice_exp_blocks
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_int]
-    return fn
-
-
 def exp_blocks(logits: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Unnormalized probabilities [R, V] (float32) of logits [R, V] at temperatures `scale` [R, 1], and
     their per-block sums as `inverse_cdf` reads them (None: not computed). On a CPU with AVX-512,
     Sluice's kernel (csrc/exp_blocks.c: exp((x - max) / t) and the block sums in one pass, ~3x torch's
     softmax here); elsewhere torch's softmax (its kernel reads bf16 as it goes: twice as fast here as the
     same steps one op at a time)."""
-    kernel = _exp_blocks_kernel() if logits.device.type == "cpu" else None
+    kernel = cpu_kernels.exp_blocks() if logits.device.type == "cpu" else None
     if kernel is None or logits.dtype not in (torch.bfloat16, torch.float32):
         if not bool((scale == 1.0).all()):
             logits = logits / scale  # float32

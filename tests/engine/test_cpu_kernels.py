@@ -1,5 +1,6 @@
-"""Sluice's C kernels for the CPU. The bf16 LM head (engine/csrc/lm_head_bf16.c): its logits are
-F.linear's, its argmax is the argmax of those logits (first index of a tie). Sampling's exp pass
+"""Sluice's C kernels for the CPU. The bf16 matmul (engine/csrc/bf16_matmul.c), as the LM head and the
+small linears: its products are F.linear's, its argmax is the argmax of those logits (first index of a
+tie). Sampling's exp pass
 (engine/csrc/exp_blocks.c): torch's exp within float32 rounding, masked tokens exactly 0, block sums as
 the sampler reads them. A row's result never depends on its batch, and the engine falls back to torch
 when a kernel cannot be built."""
@@ -11,8 +12,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from engine import cpu_kernels
+from engine.layers import Linear
 from engine.lm_head import LMHead
-from engine import sampler
 from engine.sampler import SamplingBatch, _per_block, argmax, exp_blocks, sample
 from tests.engine.helpers import generate, make_engine, seq
 
@@ -25,11 +26,9 @@ needs_avx512 = pytest.mark.skipif(not {"avx512f", "avx512bw"} <= cpu_kernels.cpu
 def fresh_kernels(tmp_path, monkeypatch):
     """A cache directory of its own and no kernel loaded yet."""
     monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
-    cpu_kernels.load.cache_clear()
-    sampler._exp_blocks_kernel.cache_clear()
+    cpu_kernels.clear()
     yield
-    cpu_kernels.load.cache_clear()
-    sampler._exp_blocks_kernel.cache_clear()
+    cpu_kernels.clear()
 
 
 @needs_kernel
@@ -152,9 +151,22 @@ def test_sampling_with_the_exp_kernel_draws_torch_softmax_tokens(fresh_kernels, 
 
     batch = SamplingBatch.build([Params] * rows, list(range(rows)), [3] * rows, torch.device("cpu"))
     fast = sample(logits, batch)
-    assert sampler._exp_blocks_kernel() is not None
+    assert cpu_kernels.exp_blocks() is not None
     monkeypatch.setenv("SLUICE_CPU_KERNELS", "0")
-    cpu_kernels.load.cache_clear()
-    sampler._exp_blocks_kernel.cache_clear()
+    cpu_kernels.clear()
     plain = sample(logits, batch)
     assert (fast == plain).sum() >= rows - 1
+
+
+@needs_kernel
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 70), out_features=st.integers(1, 300), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_small_bf16_linears_run_on_the_kernel_with_f_linears_values(rows, out_features, bias, seed):
+    torch.manual_seed(seed)
+    layer = Linear(64, out_features, bias=bias).bfloat16()
+    x = torch.randn(rows, 64).bfloat16()
+    out = layer(x)
+    assert layer._kernel is not None and layer._kernel[1] is not None
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    ref = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)

@@ -1,7 +1,10 @@
-/* The LM head on CPUs with AVX512-BF16: bf16 logits = hidden @ W^T, or each row's argmax without
- * writing the logits at all (greedy decoding).
+/* x @ W^T (+ bias) on CPUs with AVX512-BF16, for bf16 W and x: the LM head, and the small linears of
+ * a small model. As the LM head it can also give each row's argmax without writing the logits at all
+ * (greedy decoding).
  *
- * With a small model and a 200k vocabulary this product is most of a decode step. The weight is read
+ * With a small model and a 200k vocabulary the LM head is most of a decode step; the small linears
+ * cost their call overhead (oneDNN's bf16 matmul ~17 us a call here, MKL's float32 ~10-30 us at 16
+ * rows, this kernel 5-15 us). The weight is read
  * once per call, in a layout packed for VDPBF16PS: tiles of 16 vocabulary rows, each [K/2][16][2]
  * (for every pair of hidden columns, the 16 rows' two values side by side). A block of GROUP tiles is
  * multiplied by up to ROWS hidden rows at a time in 24 zmm accumulators, every row chunk reusing the
@@ -59,17 +62,19 @@ static inline void fold_max(const __m512 *acc, int nt, int tile0, int n, float *
     _mm512_storeu_si512(where, idx);
 }
 
-static inline void store_logits(__m512 acc, int tile0, int n, uint16_t *out) {
+static inline void store_logits(__m512 acc, int tile0, int n, const float *bias, uint16_t *out) {
     int left = n - tile0 * TILE;
+    if (bias) acc = _mm512_add_ps(acc, _mm512_loadu_ps(bias + (size_t)tile0 * TILE));
     __mmask16 keep = left >= TILE ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
     _mm256_mask_storeu_epi16(out + (size_t)tile0 * TILE, keep, (__m256i)_mm512_cvtneps_pbh(acc));
 }
 
-/* R hidden rows against NT tiles from tile0: logits into out (rows ldo apart) when out is set, else
+/* R hidden rows against NT tiles from tile0: logits (+ bias, padded to whole tiles, when set) into out
+ * (rows ldo apart) when out is set, else
  * folded into best/where (R rows of 16 lanes). pf: the next block, to prefetch (or NULL). */
 #define BLOCK(R, NT)                                                                                         \
     static void block_##R##_##NT(const uint16_t *restrict w, const uint16_t *restrict h, int k, int tile0,   \
-                                 int n, uint16_t *out, int ldo, float *best, int32_t *where,                 \
+                                 int n, const float *bias, uint16_t *out, int ldo, float *best, int32_t *where, \
                                  const uint16_t *pf) {                                                       \
         __m512 acc[R][NT];                                                                                   \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                  \
@@ -91,7 +96,7 @@ static inline void store_logits(__m512 acc, int tile0, int n, uint16_t *out) {
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                \
             if (out) {                                                                                       \
                 _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                         \
-                    store_logits(acc[r][t], tile0 + t, n, out + (size_t)r * ldo);                            \
+                    store_logits(acc[r][t], tile0 + t, n, bias, out + (size_t)r * ldo);                      \
             } else {                                                                                         \
                 fold_max(acc[r], NT, tile0, n, best + r * TILE, where + r * TILE);                           \
             }                                                                                                \
@@ -100,16 +105,17 @@ static inline void store_logits(__m512 acc, int tile0, int n, uint16_t *out) {
 #define BLOCKS(R) BLOCK(R, 4) BLOCK(R, 1)
 BLOCKS(1) BLOCKS(2) BLOCKS(3) BLOCKS(4) BLOCKS(5) BLOCKS(6)
 
-typedef void (*block_fn)(const uint16_t *, const uint16_t *, int, int, int, uint16_t *, int, float *, int32_t *,
-                         const uint16_t *);
+typedef void (*block_fn)(const uint16_t *, const uint16_t *, int, int, int, const float *, uint16_t *, int, float *,
+                         int32_t *, const uint16_t *);
 static const block_fn FULL[ROWS + 1] = {0, block_1_4, block_2_4, block_3_4, block_4_4, block_5_4, block_6_4};
 static const block_fn ONE[ROWS + 1] = {0, block_1_1, block_2_1, block_3_1, block_4_1, block_5_1, block_6_1};
 
-/* w: the packed weight of n vocabulary rows (n rounded up to tiles of 16, zero rows past n); h: m rows
- * of k bf16 (k even). With logits set, writes bf16 logits [m][ldo]; else tokens[m] = each row's argmax.
- * Returns 0, or -1 when out of memory. */
-int sluice_lm_head_bf16(const uint16_t *w, int n, int k, const uint16_t *h, int m, uint16_t *logits, int ldo,
-                        int32_t *tokens) {
+/* w: the packed weight of n output rows (n rounded up to tiles of 16, zero rows past n); h: m rows of k
+ * bf16 (k even). With logits set, writes bf16 h @ W^T + bias (bias: NULL, or n floats padded to whole
+ * tiles) as [m][ldo]; else tokens[m] = each row's argmax (without the bias). Returns 0, or -1 when out
+ * of memory. */
+int sluice_bf16_matmul(const uint16_t *w, int n, int k, const uint16_t *h, int m, const float *bias, uint16_t *logits,
+                       int ldo, int32_t *tokens) {
     const int tiles = (n + TILE - 1) / TILE, groups = (tiles + GROUP - 1) / GROUP;
     const int threads = omp_get_max_threads();
     float *best = NULL;
@@ -152,9 +158,9 @@ int sluice_lm_head_bf16(const uint16_t *w, int n, int k, const uint16_t *h, int 
                     int32_t *wh = my_where ? my_where + (size_t)r0 * TILE : NULL;
                     if (nt == GROUP) {
                         const uint16_t *pf = r0 == 0 && g + 1 < groups ? w + (size_t)(tile0 + GROUP) * k * TILE : NULL;
-                        FULL[r](w, hr, k, tile0, n, out, ldo, b, wh, pf);
+                        FULL[r](w, hr, k, tile0, n, bias, out, ldo, b, wh, pf);
                     } else {
-                        for (int t = 0; t < nt; t++) ONE[r](w, hr, k, tile0 + t, n, out, ldo, b, wh, NULL);
+                        for (int t = 0; t < nt; t++) ONE[r](w, hr, k, tile0 + t, n, bias, out, ldo, b, wh, NULL);
                     }
                 }
             }
