@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from engine.layers import Linear, row_bucket
+from engine.layers import Linear, RMSNorm, row_bucket
 from engine.lm_head import LMHead
 
 
@@ -48,3 +48,16 @@ def test_packed_lm_head_is_f_linear(rows, dtype):
     head = LMHead(weight)
     torch.testing.assert_close(head(hidden), F.linear(hidden, weight), atol=1e-4, rtol=1e-3)
     assert head(hidden).dtype == dtype
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 40), st.sampled_from([32, 128, 2880]), st.sampled_from([torch.bfloat16, torch.float16]))
+def test_half_precision_rms_norm_has_the_float32_paths_bits(rows, dim, dtype):
+    torch.manual_seed(rows * dim)
+    norm = RMSNorm(dim, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim) * 0.5 + 1)
+    norm = norm.to(dtype)
+    x = (torch.randn(rows, dim) * 3).to(dtype)
+    ref = F.rms_norm(x.float(), (dim,), norm.weight.float(), 1e-6).to(dtype)
+    assert torch.equal(norm(x), ref)
