@@ -46,7 +46,8 @@ def cpu_flags() -> frozenset[str]:
 
 @functools.cache
 def load(name: str, isa: tuple[str, ...]) -> ctypes.CDLL | None:
-    """The kernel library csrc/<name>.c built for the instruction sets `isa`, or None (and why, logged)."""
+    """The kernel library csrc/<name>.c (with the headers beside it) built for the instruction sets `isa`,
+    or None (and why, logged)."""
     if not envs.cpu_kernels_enabled():
         return None
     missing = [f for f in isa if f not in cpu_flags()]
@@ -60,16 +61,19 @@ def load(name: str, isa: tuple[str, ...]) -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("CPU kernel %s not used: no C compiler (set CC)", name)
         return None
-    source = (_SOURCES / f"{name}.c").read_bytes()
+    source = _SOURCES / f"{name}.c"
     flags = [*_FLAGS, *(_ISA[f] for f in isa)]
-    key = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(" ".join(flags).encode())
+    for part in [source, *sorted(_SOURCES.glob("*.h"))]:
+        digest.update(part.read_bytes())
+    key = digest.hexdigest()[:16]
     path = envs.cache_dir() / "kernels" / f"{name}-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
         try:
-            subprocess.run([compiler, *flags, "-o", tmp, "-x", "c", "-"], input=source, check=True,
+            subprocess.run([compiler, *flags, "-I", str(_SOURCES), "-o", tmp, str(source)], check=True,
                            capture_output=True, timeout=120)
             os.replace(tmp, path)  # atomic: processes building at once each install a whole file
         except (OSError, subprocess.SubprocessError) as e:
@@ -168,7 +172,40 @@ def exp_blocks():
     return _function("exp_blocks", _AVX512, "sluice_exp_blocks", [_P, _I, _I, _I, _P, _P, _P, _I])
 
 
+@functools.cache
+def _decode_attention():
+    return _function("decode_attention", _AVX512_BF16, "sluice_decode_attention",
+                     [_P, ctypes.c_long, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P])
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+                     slots: torch.Tensor, mask: torch.Tensor, scale: float, sinks: torch.Tensor | None,
+                     out: torch.Tensor) -> bool:
+    """csrc/decode_attention.c: attention of one query row per sequence over its keys in the paged cache,
+    written into out's rows (see the C file for the shapes). False, with nothing written, where the
+    kernel does not apply or cannot run: the caller's torch path then does the work."""
+    t, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    if (q.device.type != "cpu" or {q.dtype, k_cache.dtype, v_cache.dtype, out.dtype} != {torch.bfloat16}
+            or dim % 16 or dim > 256 or heads % kv_heads or heads // kv_heads > 16
+            or q.stride(2) != 1 or q.stride(1) != dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()
+                                                              and out.is_contiguous())):
+        return False
+    fn = _decode_attention()
+    if fn is None:
+        return False
+    rows, slots = rows.contiguous(), slots.contiguous()
+    mask = mask.reshape(slots.shape).contiguous().view(torch.uint8)
+    sinks = None if sinks is None else sinks.detach().float().contiguous()
+    status = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(),
+                slots.data_ptr(), mask.data_ptr(), None if sinks is None else sinks.data_ptr(), slots.shape[0],
+                heads, kv_heads, dim, slots.shape[1], scale, out.data_ptr())
+    if status:
+        raise MemoryError("the decode attention kernel could not allocate its workspace")
+    return True
+
+
 def clear() -> None:
     """Forgets what was loaded (tests that change the environment)."""
-    for cached in (load, _bf16_matmul, exp_blocks):
+    for cached in (load, _bf16_matmul, exp_blocks, _decode_attention):
         cached.cache_clear()

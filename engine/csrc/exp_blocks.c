@@ -12,50 +12,10 @@
  * results depend on that row alone: blocks are summed in a fixed order whatever the number of
  * rows or threads (a seeded request samples the same tokens in any batch).
  */
-#include <immintrin.h>
-#include <math.h>
 #include <omp.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-static inline __m512 load16(const void *x, int bf16, size_t i) {
-    if (!bf16) return _mm512_loadu_ps((const float *)x + i);
-    __m256i b = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
-
-static inline float load1(const void *x, int bf16, size_t i) {
-    if (!bf16) return ((const float *)x)[i];
-    uint32_t bits = (uint32_t)((const uint16_t *)x)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* exp(y) for y <= 0; 0 below -87 (and for -inf) */
-static inline __m512 exp_nonpositive(__m512 y) {
-    const __mmask16 normal = _mm512_cmp_ps_mask(y, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-    y = _mm512_max_ps(y, _mm512_set1_ps(-88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(y, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), y);  /* y - n ln2, ln2 in two parts */
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(p, n));
-}
-
-static inline float exp1(float y) {
-    float out[16];
-    _mm512_storeu_ps(out, exp_nonpositive(_mm512_set1_ps(y)));
-    return out[0];
-}
+#include "simd.h"
 
 /* Returns 0, or -1 when out of memory. */
 int sluice_exp_blocks(const void *logits, int bf16, int rows, int v, const float *inv_temperature, float *probs,

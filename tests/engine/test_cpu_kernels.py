@@ -170,3 +170,33 @@ def test_small_bf16_linears_run_on_the_kernel_with_f_linears_values(rows, out_fe
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
     ref = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
     torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+@needs_kernel
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 9), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 4, 8]),
+       dim=st.sampled_from([16, 32, 64, 128]), keys=st.integers(1, 80), sinks=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_decode_attention_kernel_is_the_torch_path(batch, kv_heads, group, dim, keys, sinks, seed):
+    from engine.attention import _attention
+
+    g = torch.Generator().manual_seed(seed)
+    heads, num_slots, t = kv_heads * group, 200, batch + 3
+    k_cache = torch.randn(num_slots, kv_heads, dim, generator=g).bfloat16()
+    v_cache = torch.randn(num_slots, kv_heads, dim, generator=g).bfloat16()
+    q = torch.randn(t, heads + 2 * kv_heads, dim, generator=g).bfloat16()[:, :heads]  # a view, as in a model
+    rows = torch.randperm(t, generator=g)[:batch]
+    slots = torch.randint(0, num_slots, (batch, keys), generator=g)
+    mask = torch.rand(batch, 1, 1, keys, generator=g) < 0.7
+    mask[:, :, :, 0] = True
+    sink = torch.randn(heads, generator=g) if sinks else None
+    out = torch.zeros(t + 1, heads, dim, dtype=torch.bfloat16)
+    assert cpu_kernels.decode_attention(q, k_cache, v_cache, rows, slots, mask, 0.3, sink, out)
+    qg = q[rows].unsqueeze(1).transpose(1, 2)  # [B, H, 1, D]
+    kg = k_cache[slots].transpose(1, 2)  # [B, Hkv, K, D]
+    vg = v_cache[slots].transpose(1, 2)
+    ref = _attention(qg, kg, vg, mask, 0.3, sink).transpose(1, 2)[:, 0]  # [B, H, D]
+    torch.testing.assert_close(out[rows].float(), ref.float(), rtol=2e-2, atol=2e-2)
+    untouched = torch.ones(t + 1, dtype=torch.bool)
+    untouched[rows] = False
+    assert (out[untouched] == 0).all()
