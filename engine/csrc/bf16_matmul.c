@@ -28,6 +28,9 @@
 #include <stdlib.h>
 
 enum { TILE = 16, GROUP = 4, ROWS = 6, CHUNK = 8 };
+/* Multiply-adds below which one thread does it all: waking torch's other thread and meeting it at the
+ * barrier costs more than a small linear (in a server, that core is often running another process). */
+#define SERIAL_WORK 4e6
 
 
 static inline __m512 round_bf16(__m512 v) {
@@ -134,7 +137,7 @@ int sluice_bf16_matmul(const uint16_t *w, int n, int k, const uint16_t *h, int m
         }
     }
     int next = 0; /* the next block group to hand out */
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) if ((double)m * n * k >= SERIAL_WORK)
     {
         const int th = omp_get_thread_num();
         float *my_best = best ? best + (size_t)th * m * TILE : NULL;

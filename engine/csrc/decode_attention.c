@@ -19,6 +19,8 @@
 #include "simd.h"
 
 enum { MAX_GROUP = 16, MAX_VECS = 16 }; /* query heads per kv head, D / 16 */
+/* Multiply-adds below which one thread does it all (see bf16_matmul.c) */
+#define SERIAL_WORK 2e6
 
 static inline void store16_bf16(uint16_t *out, __m512 v) {
     _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(v));
@@ -30,7 +32,7 @@ int sluice_decode_attention(const uint16_t *q, long q_stride, const uint16_t *k_
     const int group = heads / kv_heads, vecs = dim / 16;
     if (group > MAX_GROUP || vecs > MAX_VECS || dim % 16) return -2;
     int failed = 0;
-#pragma omp parallel
+#pragma omp parallel if ((double)batch * heads * keys * dim >= SERIAL_WORK)
     {
         float *scores = malloc(sizeof(float) * (size_t)group * (keys + 16));
         if (!scores) {
