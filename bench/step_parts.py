@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.checkpoints import tiny_llama_o200k
+from engine import cpu_kernels
+from engine.attention import _attention
 from engine.block_manager import BlockManager
 from engine.lm_head import LMHead, onednn_packed
 from engine.loader import load_model
@@ -107,14 +109,23 @@ def kernels(model, batches: list[int]) -> list[tuple[str, int, float, float]]:
 
         rows.append(("temperature 1 (exp + cumsum / exp pass + two-level)", b, bench_ms(full_cdf),
                      bench_ms(exp_pass)))
-        q = torch.randn(b, 4, 1, 32).bfloat16()
-        k, v = torch.randn(b, 2, 160, 32).bfloat16(), torch.randn(b, 2, 160, 32).bfloat16()
+        # decode attention as a step runs it: each sequence's 160 keys scattered over a paged cache
+        caches = [torch.randn(4096 * 16, 2, 32).bfloat16() for _ in range(2)]
+        slots = torch.randperm(4096 * 16)[: b * 160].view(b, 160)
         mask = torch.ones(b, 1, 1, 160, dtype=torch.bool)
-        from engine.attention import _attention
+        q = torch.randn(b, 4, 32).bfloat16()
+        out = torch.empty(b + 1, 4, 32).bfloat16()
 
-        rows.append(("decode attention, 160 keys (SDPA / grouped matmuls)", b,
-                     bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), 200),
-                     bench_ms(lambda: _attention(q, k, v, mask, 0.17), 200)))
+        def torch_path():  # what the runner did: gather, float32 matmuls (SDPA at batch 1)
+            qg = q.unsqueeze(1).transpose(1, 2)
+            kg, vg = (c.index_select(0, slots.view(-1)).view(b, 160, 2, 32).transpose(1, 2) for c in caches)
+            if b == 1:
+                return F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=0.17, enable_gqa=True)
+            return _attention(qg, kg, vg, mask, 0.17)
+
+        rows.append(("decode attention, 160 keys (gather + matmuls / kernel)", b, bench_ms(torch_path, 200),
+                     bench_ms(lambda: cpu_kernels.decode_attention(q, *caches, torch.arange(b), slots, mask, 0.17,
+                                                                   None, out), 200)))
     return rows
 
 
