@@ -1,10 +1,11 @@
 """Turns a scheduled batch into tensors, runs the model and samples."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from itertools import chain
+
 import numpy as np
 import torch
-
-from dataclasses import dataclass, field
 
 from engine.attention import AttentionGroup, AttentionMetadata
 from engine.lm_head import LMHead
@@ -110,21 +111,22 @@ class ModelRunner:
         return out
 
     def _prepare(self, batch: ScheduledBatch) -> dict:
-        bs = self.block_size
-        ids, positions, logits_index, sampling_seqs = [], [], [], []
-        slots: dict[int | None, list] = {w: [] for w in self.windows}
+        """The step's tensors. Per-token and per-key arrays are built with numpy over the whole batch; only
+        what each sequence owns (its token ids, its block tables) is read one sequence at a time."""
+        bs, dev = self.block_size, self.device
+        seqs = batch.seqs
+        b = len(seqs)
+        counts = np.fromiter(batch.num_new_tokens, np.int64, b)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, b)
+        offsets = np.cumsum(counts) - counts
+        total = int(counts.sum())
+        row_of = np.repeat(np.arange(b), counts)  # [T] the sequence of each token
+        positions = np.arange(total) - offsets[row_of] + starts[row_of]
+        tables = {w: _padded_tables([getattr(s, name) for s in seqs]) for w, name in self.tables.items()}
+        ids, logits_index, sampling_seqs = [], [], []
         prompt_index, prompt_rows = [], []  # rows whose logits score the next prompt token
-        decode_rows, prefill_rows = [], []  # (seq, flat offset, start, n)
-        offset = 0
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            start = seq.num_computed_tokens
-            pos = np.arange(start, start + n)
-            ids.append(seq.token_ids[start : start + n])
-            positions.append(pos)
-            for w, name in self.tables.items():
-                table = np.asarray(getattr(seq, name))
-                slots[w].append(table[pos // bs] * bs + pos % bs)
-            (decode_rows if n == 1 else prefill_rows).append((seq, offset, start, n))
+        for i, (seq, start, n, offset) in enumerate(zip(seqs, starts.tolist(), counts.tolist(), offsets.tolist())):
+            ids.extend(seq.token_ids[start : start + n])
             if seq.scores_prompt and start < seq.num_prompt_tokens - 1:
                 count = min(start + n, seq.num_prompt_tokens - 1) - start
                 prompt_index.extend(range(offset, offset + count))
@@ -132,17 +134,18 @@ class ModelRunner:
             if batch.samples(i):
                 logits_index.append(offset + n - 1)
                 sampling_seqs.append(seq)
-            offset += n
-        dev = self.device
-        groups = [self._group(rows, offset) for rows in (decode_rows, prefill_rows) if rows]
+        decodes = counts == 1
+        groups = [self._group(np.flatnonzero(rows), starts, counts, offsets, tables, total)
+                  for rows in (decodes, ~decodes) if rows.any()]
         meta = AttentionMetadata(
-            slot_mapping={w: torch.from_numpy(np.concatenate(s)).to(dev) for w, s in slots.items()},
+            slot_mapping={w: torch.from_numpy(t[row_of, positions // bs] * bs + positions % bs).to(dev)
+                          for w, t in tables.items()},
             groups=groups,
-            num_tokens=offset,
+            num_tokens=total,
         )
         return {
-            "input_ids": torch.tensor([t for chunk in ids for t in chunk], dtype=torch.long, device=dev),
-            "positions": torch.from_numpy(np.concatenate(positions)).to(dev),
+            "input_ids": torch.tensor(ids, dtype=torch.long, device=dev),
+            "positions": torch.from_numpy(positions).to(dev),
             "meta": meta,
             "logits_index": torch.tensor(prompt_index + logits_index, dtype=torch.long, device=dev),
             "num_prompt_rows": len(prompt_index),
@@ -150,31 +153,27 @@ class ModelRunner:
             "sampling_seqs": sampling_seqs,
         }
 
-    def _group(self, rows: list[tuple[Sequence, int, int, int]], num_tokens: int) -> AttentionGroup:
-        bs = self.block_size
+    def _group(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, offsets: np.ndarray,
+               tables: dict[int | None, np.ndarray], num_tokens: int) -> AttentionGroup:
+        """Attention metadata for the batch's sequences `rows` (decodes, or prefill chunks)."""
+        bs, dev = self.block_size, self.device
         b = len(rows)
-        q_max = max(n for _, _, _, n in rows)
-        starts = np.array([start for _, _, start, _ in rows])
-        lens = np.array([n for _, _, _, n in rows])
-        q_index = np.zeros((b, q_max), dtype=np.int64)
-        out_index = np.full((b, q_max), num_tokens, dtype=np.int64)
-        for r, (_, off, _, n) in enumerate(rows):
-            q_index[r, :n] = out_index[r, :n] = np.arange(off, off + n)
+        starts, lens, offs = starts[rows], counts[rows], offsets[rows]
+        q_max = int(lens.max())
+        valid_q = np.arange(q_max)[None, :] < lens[:, None]  # [B, Q]
+        q_index = np.where(valid_q, offs[:, None] + np.arange(q_max)[None, :], 0)  # pads read row 0...
+        out_index = np.where(valid_q, q_index, num_tokens)  # ...and write to the dummy row
         q_pos = starts[:, None] + np.arange(q_max)[None, :]  # [B, Q] absolute positions
-        valid_q = np.arange(q_max)[None, :] < lens[:, None]
         last = -(-(starts + lens) // bs)  # one past each row's last block
-        in_block = np.arange(bs)
-        dev = self.device
         kv_slots, masks = {}, {}
-        for w, name in self.tables.items():
+        for w, table in tables.items():
             # a windowed view starts at the first block the window still reaches
             first = np.maximum(starts - w + 1, 0) // bs if w else np.zeros(b, dtype=np.int64)
-            width = int((last - first).max()) * bs
-            slot_rows = np.zeros((b, width), dtype=np.int64)
-            for r, (seq, _, _, _) in enumerate(rows):
-                table = np.asarray(getattr(seq, name)[first[r] : last[r]])
-                slot_rows[r, : len(table) * bs] = (table[:, None] * bs + in_block).ravel()
-            k_pos = first[:, None] * bs + np.arange(width)[None, :]  # [B, K]
+            blocks = first[:, None] + np.arange(int((last - first).max()))[None, :]  # [B, blocks]
+            live = blocks < last[:, None]
+            block_ids = np.take_along_axis(table[rows], np.minimum(blocks, table.shape[1] - 1), axis=1)
+            slot_rows = np.where(live[:, :, None], block_ids[:, :, None] * bs + np.arange(bs), 0).reshape(b, -1)
+            k_pos = first[:, None] * bs + np.arange(slot_rows.shape[1])[None, :]  # [B, K]
             mask = k_pos[:, None, :] <= q_pos[:, :, None]  # causal
             if w:
                 mask &= k_pos[:, None, :] > q_pos[:, :, None] - w
@@ -188,3 +187,12 @@ class ModelRunner:
             kv_slots=kv_slots,
             masks=masks,
         )
+
+
+def _padded_tables(tables: list[list[int]]) -> np.ndarray:
+    """Block tables [B, longest] (padded with 0) from each sequence's list."""
+    lens = np.fromiter(map(len, tables), np.int64, len(tables))
+    out = np.zeros((len(tables), max(int(lens.max(initial=0)), 1)), dtype=np.int64)
+    out[np.arange(out.shape[1])[None, :] < lens[:, None]] = np.fromiter(chain.from_iterable(tables), np.int64,
+                                                                        int(lens.sum()))
+    return out
