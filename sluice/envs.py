@@ -64,3 +64,11 @@ def cpu_kernels_enabled() -> bool:
 def c_compiler() -> str | None:
     """The C compiler for Sluice's CPU kernels (CC, as make reads it; else cc or gcc on the PATH)."""
     return os.environ.get("CC")
+
+
+def default_omp_wait_policy() -> None:
+    """OMP_WAIT_POLICY=PASSIVE for the stages unless the user set it: OpenMP threads then sleep when a
+    parallel region ends instead of spinning. The engine shares the machine's cores with the server's
+    other processes (and, in benchmarks, the client's), which the spinning thread robbed: alternating
+    runs at concurrency 16 / 64 gave ~9% / ~5% more tokens/s (bench/RESULTS.md)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -76,6 +76,7 @@ class Supervisor:
         metrics_dir = os.path.join(cfg.runtime_dir, "metrics")
         os.makedirs(metrics_dir)
         envs.set_prometheus_dir(metrics_dir)  # inherited by every stage and the granian workers
+        envs.default_omp_wait_policy()  # before any stage starts (OpenMP reads it when it loads)
         self.stats = EngineStats(cfg.addresses.stats_path, create=True)
         self.ctx = zmq.Context()
         self.inbox: PullChannel[SupervisorInput] = PullChannel(self.ctx, cfg.addresses.supervisor, SupervisorInput)

@@ -45,6 +45,14 @@ def _messages(sock, seconds: float) -> list[str]:
     return out
 
 
+def test_stages_let_openmp_threads_sleep_unless_told_otherwise(prod):
+    """OMP_WAIT_POLICY=PASSIVE (the user's own value wins): spinning OpenMP threads rob the server's other
+    processes of the cores they share."""
+    with open(f"/proc/{prod.stage_pid('engine')}/environ", "rb") as f:
+        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    assert env[b"OMP_WAIT_POLICY"].decode() == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def test_api_keys(prod):
     url = prod.url + "/v1/chat/completions"
     for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "k1"}):
@@ -122,3 +130,4 @@ def test_systemd_notifications(prod, notify):
     prod.proc.send_signal(signal.SIGTERM)
     assert prod.proc.wait(30) == 0
     assert "STOPPING=1" in _messages(sock, 0.5) + seen
+
