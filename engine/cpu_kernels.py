@@ -205,7 +205,27 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return True
 
 
+@functools.cache
+def _rms_norm():
+    return _function("rms_norm", _AVX512_BF16, "sluice_rms_norm",
+                     [_P, ctypes.c_long, _P, _I, _I, ctypes.c_float, _P, ctypes.c_long])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """csrc/rms_norm.c over the last dimension of bf16 rows x, or None where it does not apply."""
+    if (x.device.type != "cpu" or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
+            or x.dim() != 2 or (x.stride(1) != 1 and x.shape[1] > 1) or not weight.is_contiguous()):
+        return None
+    fn = _rms_norm()
+    if fn is None:
+        return None
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.shape[0]:
+        fn(x.data_ptr(), x.stride(0), weight.data_ptr(), x.shape[0], x.shape[1], eps, out.data_ptr(), out.stride(0))
+    return out
+
+
 def clear() -> None:
     """Forgets what was loaded (tests that change the environment)."""
-    for cached in (load, _bf16_matmul, exp_blocks, _decode_attention):
+    for cached in (load, _bf16_matmul, exp_blocks, _decode_attention, _rms_norm):
         cached.cache_clear()

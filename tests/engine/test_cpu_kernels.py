@@ -200,3 +200,16 @@ def test_decode_attention_kernel_is_the_torch_path(batch, kv_heads, group, dim, 
     untouched = torch.ones(t + 1, dtype=torch.bool)
     untouched[rows] = False
     assert (out[untouched] == 0).all()
+
+
+@needs_kernel
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(0, 40), dim=st.integers(1, 300), strided=st.booleans(), seed=st.integers(0, 2**16))
+def test_rms_norm_kernel_is_float32_rms_norm_rounded_once(rows, dim, strided, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, dim + (7 if strided else 0), generator=g) * 3).bfloat16()[:, :dim]
+    weight = (torch.randn(dim, generator=g) * 0.5 + 1).bfloat16()
+    out = cpu_kernels.rms_norm(x, weight, 1e-6)
+    assert out is not None and out.shape == (rows, dim) and out.dtype == torch.bfloat16
+    ref = F.rms_norm(x.float(), (dim,), weight.float(), 1e-6)
+    torch.testing.assert_close(out.float(), ref, rtol=2**-7, atol=1e-6)  # within one bf16 rounding
