@@ -174,6 +174,8 @@ class Engine:
             blocks, window_blocks = num_kv_blocks(cfg, model, dtype, device)
             self.runner = ModelRunner(model, blocks, cfg.block_size, dtype, device, window_blocks)
             log.info("engine: the LM head runs on %s", self.runner.lm_head.path)
+            warm = self.runner.warm_up(max(cfg.max_num_batched_tokens, 1), cfg.max_num_seqs, cfg.max_model_len)
+            log.info("engine: warmed up in %.2f s", warm)
         if blocks * cfg.block_size < cfg.max_model_len:
             raise SystemExit(f"the KV cache holds {blocks * cfg.block_size} tokens, less than max_model_len "
                              f"{cfg.max_model_len}: raise --kv-cache-memory / --num-kv-blocks or lower --max-model-len")
