@@ -6,7 +6,7 @@ CPU, torch's F.linear runs it at about a third of memory bandwidth. Three paths,
 
 - bf16 weights on a CPU with AVX512-BF16: Sluice's kernel (csrc/bf16_matmul.c), which reads the weight
   at about the machine's read bandwidth at batch 1 and, for greedy rows, finds each row's argmax without
-  writing the logits (tiny o200k model, batch 16: ~2.9 ms against ~3.9 for oneDNN and the blocked argmax
+  writing the logits (tiny o200k model, batch 16: ~2.7 ms against ~4.3 for oneDNN and the blocked argmax
   over its output; `python -m bench.step_parts --kernels`). Its packed weight replaces oneDNN's.
 - other CPU weights (float32, or no AVX512-BF16): oneDNN with the weight reordered once into its
   blocked layout (2-3x F.linear here, the same values).
