@@ -10,7 +10,6 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine import cpu_kernels
-from engine.cpu_kernels import Bf16Matmul
 from engine.rope import Rotary, rope_params
 
 
@@ -82,7 +81,7 @@ class Linear(nn.Linear):
         if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
             return F.linear(x, self.weight, self.bias)
         if self.weight.numel() <= _SMALL_WEIGHT:
-            kernel = self._derived("_kernel", lambda: Bf16Matmul.build(self.weight, self.bias))
+            kernel = self._derived("_kernel", lambda: cpu_kernels.Bf16Matmul.build(self.weight, self.bias))
             if kernel is not None:
                 return kernel(x)
             if n <= _FP32_MAX_ROWS:
