@@ -76,6 +76,9 @@ def load(name: str, isa: tuple[str, ...]) -> ctypes.CDLL | None:
             subprocess.run([compiler, *flags, "-I", str(_SOURCES), "-o", tmp, str(source)], check=True,
                            capture_output=True, timeout=120)
             os.replace(tmp, path)  # atomic: processes building at once each install a whole file
+            for old in path.parent.glob(f"{name}-*.so"):  # builds of earlier sources (a process that
+                if old != path:                            # has one loaded keeps its mapping)
+                    old.unlink(missing_ok=True)
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", b"") or b""
             log.warning("CPU kernel %s not used: the build failed: %s %s", name, e,

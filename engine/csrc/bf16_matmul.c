@@ -21,22 +21,16 @@
  * the end. Handing the work out as it goes, not in halves, matters on a machine whose cores the server's
  * other processes share: a preempted thread no longer leaves the other waiting at the barrier.
  */
-#include <immintrin.h>
-#include <math.h>
 #include <omp.h>
-#include <stdint.h>
 #include <stdlib.h>
+
+#include "simd.h"
 
 enum { TILE = 16, GROUP = 4, ROWS = 6, CHUNK = 8 };
 /* Multiply-adds below which one thread does it all: waking torch's other thread and meeting it at the
  * barrier costs more than a small linear (in a server, that core is often running another process). */
 #define SERIAL_WORK 4e6
 
-
-static inline __m512 round_bf16(__m512 v) {
-    __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
 
 static inline __m512i columns(int col0) {
     return _mm512_add_epi32(_mm512_set1_epi32(col0),
@@ -66,10 +60,8 @@ static inline void fold_max(const __m512 *acc, int nt, int tile0, int n, float *
 }
 
 static inline void store_logits(__m512 acc, int tile0, int n, const float *bias, uint16_t *out) {
-    int left = n - tile0 * TILE;
     if (bias) acc = _mm512_add_ps(acc, _mm512_loadu_ps(bias + (size_t)tile0 * TILE));
-    __mmask16 keep = left >= TILE ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-    _mm256_mask_storeu_epi16(out + (size_t)tile0 * TILE, keep, (__m256i)_mm512_cvtneps_pbh(acc));
+    store_bf16(out + (size_t)tile0 * TILE, acc, first_lanes(n - tile0 * TILE));
 }
 
 /* R hidden rows against NT tiles from tile0: logits (+ bias, padded to whole tiles, when set) into out

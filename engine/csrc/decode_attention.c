@@ -22,10 +22,6 @@ enum { MAX_GROUP = 16, MAX_VECS = 16 }; /* query heads per kv head, D / 16 */
 /* Multiply-adds below which one thread does it all (see bf16_matmul.c) */
 #define SERIAL_WORK 2e6
 
-static inline void store16_bf16(uint16_t *out, __m512 v) {
-    _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
 int sluice_decode_attention(const uint16_t *q, long q_stride, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *rows,
                             const int64_t *slots, const uint8_t *mask, const float *sinks, int batch, int heads,
                             int kv_heads, int dim, int keys, float scale, uint16_t *out) {
@@ -94,7 +90,7 @@ int sluice_decode_attention(const uint16_t *q, long q_stride, const uint16_t *k_
                     for (int c = 0; c < vecs; c++) acc[c] = _mm512_fmadd_ps(p, load16(v_cache, 1, at + c * 16), acc[c]);
                 }
                 for (int c = 0; c < vecs; c++)
-                    store16_bf16(out + (row * heads + h) * dim + c * 16, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
+                    store_bf16(out + (row * heads + h) * dim + c * 16, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)), 0xffff);
             }
         }
         free(scores);

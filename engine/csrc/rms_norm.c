@@ -8,15 +8,6 @@
 
 #include "simd.h"
 
-static inline void store_bf16(uint16_t *out, __m512 v, __mmask16 keep) {
-    _mm256_mask_storeu_epi16(out, keep, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
-static inline __m512 load_bf16(const uint16_t *x, __mmask16 keep) {
-    __m256i b = _mm256_maskz_loadu_epi16(keep, x);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
-
 int sluice_rms_norm(const uint16_t *x, long x_stride, const uint16_t *weight, int rows, int dim, float eps,
                     uint16_t *out, long out_stride) {
 #pragma omp parallel for schedule(static) if ((double)rows * dim >= 1e6)
@@ -24,14 +15,14 @@ int sluice_rms_norm(const uint16_t *x, long x_stride, const uint16_t *weight, in
         const uint16_t *xr = x + (size_t)r * x_stride;
         __m512 acc = _mm512_setzero_ps();
         for (int c = 0; c < dim; c += 16) {
-            const __mmask16 keep = dim - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (dim - c)) - 1);
+            const __mmask16 keep = first_lanes(dim - c);
             const __m512 v = load_bf16(xr + c, keep);
             acc = _mm512_fmadd_ps(v, v, acc);
         }
         const __m512 scale = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps));
         uint16_t *o = out + (size_t)r * out_stride;
         for (int c = 0; c < dim; c += 16) {
-            const __mmask16 keep = dim - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (dim - c)) - 1);
+            const __mmask16 keep = first_lanes(dim - c);
             store_bf16(o + c, _mm512_mul_ps(_mm512_mul_ps(load_bf16(xr + c, keep), scale), load_bf16(weight + c, keep)),
                        keep);
         }

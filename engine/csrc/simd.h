@@ -7,11 +7,35 @@
 #include <stdint.h>
 #include <string.h>
 
+/* a mask of the first `count` lanes (all 16 from 16 up) */
+static inline __mmask16 first_lanes(int count) {
+    return count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1);
+}
+
+/* 16 bf16 values as float32 */
+static inline __m512 widen_bf16(__m256i b) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+/* the lanes of x in `keep` as float32 (0 elsewhere) */
+static inline __m512 load_bf16(const uint16_t *x, __mmask16 keep) {
+    return widen_bf16(_mm256_maskz_loadu_epi16(keep, x));
+}
+
+/* v rounded to bf16 (to nearest even), into the lanes of out in `keep` */
+static inline void store_bf16(uint16_t *out, __m512 v, __mmask16 keep) {
+    _mm256_mask_storeu_epi16(out, keep, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* v rounded to bf16, as float32 */
+static inline __m512 round_bf16(__m512 v) {
+    return widen_bf16((__m256i)_mm512_cvtneps_pbh(v));
+}
+
 /* 16 values from x + i as float32: bf16 (bf16 != 0) or float32 */
 static inline __m512 load16(const void *x, int bf16, size_t i) {
     if (!bf16) return _mm512_loadu_ps((const float *)x + i);
-    __m256i b = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+    return widen_bf16(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i)));
 }
 
 static inline float load1(const void *x, int bf16, size_t i) {
