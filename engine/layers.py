@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
 from engine import cpu_kernels
+from engine.attention import AttentionMetadata, paged_attention
 from engine.rope import Rotary, rope_params
 
 

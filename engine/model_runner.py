@@ -1,8 +1,8 @@
 """Turns a scheduled batch into tensors, runs the model and samples."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import time
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -69,12 +69,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Float32 logits [B, V] for the sequences that sample this step, and those sequences."""
-        logits, inputs = self._forward(batch)
-        return logits[inputs["num_prompt_rows"]:].float(), inputs["sampling_seqs"]
-
-    def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, dict]:
         hidden, inputs = self._hidden(batch)
-        return self.lm_head(hidden), inputs
+        return self.lm_head(hidden)[inputs["num_prompt_rows"]:].float(), inputs["sampling_seqs"]
 
     def _hidden(self, batch: ScheduledBatch) -> tuple[torch.Tensor, dict]:
         inputs = self._prepare(batch)

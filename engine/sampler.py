@@ -194,9 +194,7 @@ def _draw(logits: torch.Tensor, scale: torch.Tensor, sb: SamplingBatch, rows: sl
     top_k = sb.any_top_k and bool((sb.top_k[rows] > 0).any())  # these rows, not only others in the batch
     top_p = sb.any_top_p and bool((sb.top_p[rows] < 1.0).any())
     if top_k or top_p:
-        if not bool((scale == 1.0).all()):
-            logits = logits / scale  # float32
-            scale = torch.ones_like(scale)
+        logits, scale = _scaled(logits, scale), torch.ones_like(scale)
         if top_k:
             logits = _apply_top_k(logits, sb.top_k[rows])
         if top_p:
@@ -208,6 +206,11 @@ def _draw(logits: torch.Tensor, scale: torch.Tensor, sb: SamplingBatch, rows: sl
     return inverse_cdf(probs, sb.uniform[rows].to(probs.dtype), sums)
 
 
+def _scaled(logits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """logits / scale (a float32 copy), or logits themselves when every scale is 1."""
+    return logits if bool((scale == 1.0).all()) else logits / scale
+
+
 def exp_blocks(logits: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Unnormalized probabilities [R, V] (float32) of logits [R, V] at temperatures `scale` [R, 1], and
     their per-block sums as `inverse_cdf` reads them (None: not computed). On a CPU with AVX-512,
@@ -216,9 +219,7 @@ def exp_blocks(logits: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
     same steps one op at a time)."""
     kernel = cpu_kernels.exp_blocks() if logits.device.type == "cpu" else None
     if kernel is None or logits.dtype not in (torch.bfloat16, torch.float32):
-        if not bool((scale == 1.0).all()):
-            logits = logits / scale  # float32
-        return torch.softmax(logits, dim=-1, dtype=torch.float32), None
+        return torch.softmax(_scaled(logits, scale), dim=-1, dtype=torch.float32), None
     x = logits.contiguous()
     r, v = x.shape
     c = min(_BLOCK, v)
