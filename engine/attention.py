@@ -1,7 +1,7 @@
 """Paged attention in plain torch.
 
 Every scheduled token is one row of a flat batch [T]. Each layer writes the new
-keys/values into the paged cache through `slot_mapping`, then attends, per
+keys/values into the paged cache through `slot_mapping` (rope_and_store), then attends, per
 group of sequences, over keys gathered from the cache through block tables.
 Decodes (one query each) and prefill chunks form separate groups so a long
 prompt does not pad every decode to its length. A group carries, per attention
@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernels
+from engine.rope import Rotary
 
 
 @dataclass
@@ -34,19 +35,29 @@ class AttentionMetadata:
     num_tokens: int
 
 
+def rope_and_store(qk: torch.Tensor, v: torch.Tensor, heads: int, rotary: Rotary, positions: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rotary on a step's queries and keys qk [T, H + Hkv, D] (queries first), the rotated keys and the
+    values v [T, Hkv, D] written into the paged cache at `slots` [T]; returns the rotated queries
+    [T, H, D]. One kernel pass where it runs (bf16 on a CPU with AVX512-BF16), else torch."""
+    q = cpu_kernels.rope_store(qk, v, heads, positions, rotary.cos, rotary.sin, slots, k_cache, v_cache)
+    if q is not None:
+        return q
+    q, k = rotary(qk, positions).split([heads, qk.shape[1] - heads], dim=1)
+    k_cache.index_copy_(0, slots, k)
+    v_cache.index_copy_(0, slots, v)
+    return q
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
-    k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,  # [T, Hkv, D]
-    k_cache: torch.Tensor,  # [num_blocks * block_size, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks * block_size, Hkv, D], holding this step's keys (rope_and_store)
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
     sinks: torch.Tensor | None = None,  # [H] learned logits of a "sink" key (gpt-oss)
 ) -> torch.Tensor:
-    k_cache.index_copy_(0, meta.slot_mapping[window], k)
-    v_cache.index_copy_(0, meta.slot_mapping[window], v)
     out = q.new_empty(meta.num_tokens + 1, q.shape[1], q.shape[2])
     for g in meta.groups:
         if g.q_index.shape[1] == 1 and cpu_kernels.decode_attention(

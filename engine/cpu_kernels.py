@@ -209,6 +209,35 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 @functools.cache
+def _rope_store():
+    return _function("rope_store", _AVX512_BF16, "sluice_rope_store",
+                     [_P, ctypes.c_long, _P, ctypes.c_long, _I, _I, _I, _I, _P, _P, _P, _I, _P, ctypes.c_long, _P, _P, _P])
+
+
+def rope_store(qk: torch.Tensor, v: torch.Tensor, heads: int, positions: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
+    """csrc/rope_store.c: rotary (tables cos/sin [P, D/2]) on the queries and keys qk [T, H + Hkv, D], the
+    rotated keys and the values v [T, Hkv, D] written into the caches at `slots` [T]; returns the rotated
+    queries [T, H, D]. None, with nothing written, where the kernel does not apply or cannot run."""
+    t, _, dim = qk.shape
+    if (qk.device.type != "cpu" or {qk.dtype, v.dtype, k_cache.dtype, v_cache.dtype} != {torch.bfloat16}
+            or {cos.dtype, sin.dtype} != {torch.float32} or dim % 2 or cos.shape[1] != dim // 2
+            or qk.stride(2) != 1 or qk.stride(1) != dim or v.stride(2) != 1 or v.stride(1) != dim
+            or not all(x.is_contiguous() for x in (cos, sin, k_cache, v_cache))):
+        return None
+    fn = _rope_store()
+    if fn is None:
+        return None
+    positions, slots = positions.contiguous(), slots.contiguous()
+    q = qk.new_empty(t, heads, dim)
+    if t and fn(qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), t, heads, v.shape[1], dim,
+                positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0], slots.data_ptr(),
+                k_cache.shape[0], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()):
+        raise IndexError("a position beyond the rotary table or a slot beyond the KV cache")
+    return q
+
+
+@functools.cache
 def _rms_norm():
     return _function("rms_norm", _AVX512_BF16, "sluice_rms_norm",
                      [_P, ctypes.c_long, _P, _I, _I, ctypes.c_float, _P, ctypes.c_long])
@@ -230,5 +259,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
 
 def clear() -> None:
     """Forgets what was loaded (tests that change the environment)."""
-    for cached in (load, _bf16_matmul, exp_blocks, _decode_attention, _rms_norm):
+    for cached in (load, _bf16_matmul, exp_blocks, _decode_attention, _rope_store, _rms_norm):
         cached.cache_clear()

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import cpu_kernels
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata, paged_attention, rope_and_store
 from engine.rope import Rotary, rope_params
 
 
@@ -161,13 +161,12 @@ class Attention(nn.Module):
         h, hkv, d = self.heads
         t = x.shape[0]
         qkv = self.qkv_proj(x).view(t, h + 2 * hkv, d)
-        v = qkv[:, h + hkv :]
+        qk = qkv[:, : h + hkv]
         if self.qk_norm:
-            q = self.rotary(self.q_norm(qkv[:, :h]), positions)
-            k = self.rotary(self.k_norm(qkv[:, h : h + hkv]), positions)
-        else:
-            q, k = self.rotary(qkv[:, : h + hkv], positions).split([h, hkv], dim=1)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, window=self.window, sinks=self.sinks)
+            qk = torch.cat([self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h : h + hkv])], dim=1)
+        q = rope_and_store(qk, qkv[:, h + hkv :], h, self.rotary, positions, kv[0], kv[1],
+                           meta.slot_mapping[self.window])
+        o = paged_attention(q, kv[0], kv[1], meta, self.scale, window=self.window, sinks=self.sinks)
         return self.o_proj(o.reshape(t, -1))
 
 

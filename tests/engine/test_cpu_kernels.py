@@ -6,6 +6,8 @@ the sampler reads them. A row's result never depends on its batch, and the engin
 when a kernel cannot be built."""
 from __future__ import annotations
 
+from unittest import mock
+
 import torch
 import torch.nn.functional as F
 import pytest
@@ -175,7 +177,7 @@ def test_small_bf16_linears_run_on_the_kernel_with_f_linears_values(rows, out_fe
 @needs_kernel
 @settings(max_examples=30, deadline=None)
 @given(batch=st.integers(1, 9), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 4, 8]),
-       dim=st.sampled_from([16, 32, 64, 128]), keys=st.integers(1, 80), sinks=st.booleans(),
+       dim=st.sampled_from([16, 32, 48, 64, 80, 128, 256]), keys=st.integers(1, 100), sinks=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_decode_attention_kernel_is_the_torch_path(batch, kv_heads, group, dim, keys, sinks, seed):
     from engine.attention import _attention
@@ -213,3 +215,53 @@ def test_rms_norm_kernel_is_float32_rms_norm_rounded_once(rows, dim, strided, se
     assert out is not None and out.shape == (rows, dim) and out.dtype == torch.bfloat16
     ref = F.rms_norm(x.float(), (dim,), weight.float(), 1e-6)
     torch.testing.assert_close(out.float(), ref, rtol=2**-7, atol=1e-6)  # within one bf16 rounding
+
+
+@needs_kernel
+@settings(max_examples=30, deadline=None)
+@given(tokens=st.integers(0, 40), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 3, 4]),
+       dim=st.integers(1, 150).map(lambda n: 2 * n), seed=st.integers(0, 2**16))
+def test_rope_store_kernel_is_float32_rotary_rounded_once_and_the_cache_writes(tokens, kv_heads, group, dim, seed):
+    from engine.attention import rope_and_store
+    from engine.rope import Rotary
+
+    g = torch.Generator().manual_seed(seed)
+    heads, num_slots = kv_heads * group, 64
+    rotary = Rotary(dim, 100, 10000.0, {"rope_type": "default"})
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=g).bfloat16()  # q, k, v heads of each row
+    positions = torch.randint(0, 100, (tokens,), generator=g)
+    slots = torch.randperm(num_slots, generator=g)[:tokens]
+    k_cache = torch.zeros(num_slots, kv_heads, dim, dtype=torch.bfloat16)
+    v_cache = torch.zeros(num_slots, kv_heads, dim, dtype=torch.bfloat16)
+    q = cpu_kernels.rope_store(qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :], heads, positions, rotary.cos,
+                               rotary.sin, slots, k_cache, v_cache)
+    assert q is not None and q.shape == (tokens, heads, dim)
+    ref = rotary(qkv[:, : heads + kv_heads].float(), positions)  # float32 rotary, rounded once below
+    torch.testing.assert_close(q.float(), ref[:, :heads], rtol=2**-7, atol=1e-6)
+    torch.testing.assert_close(k_cache[slots].float(), ref[:, heads:], rtol=2**-7, atol=1e-6)
+    assert torch.equal(v_cache[slots], qkv[:, heads + kv_heads :])
+    untouched = torch.ones(num_slots, dtype=torch.bool)
+    untouched[slots] = False
+    assert (k_cache[untouched] == 0).all() and (v_cache[untouched] == 0).all()
+    # the layers' torch path (each product rounded to bf16) writes the same slots, with values a rounding or two off
+    k2, v2 = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    with mock.patch.object(cpu_kernels, "rope_store", return_value=None):
+        q2 = rope_and_store(qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :], heads, rotary, positions, k2, v2,
+                            slots)
+    torch.testing.assert_close(q2.float(), q.float(), rtol=2**-6, atol=5e-2)
+    torch.testing.assert_close(k2.float(), k_cache.float(), rtol=2**-6, atol=5e-2)
+    assert torch.equal(v2, v_cache)
+
+
+@needs_kernel
+def test_rope_store_kernel_refuses_positions_and_slots_out_of_range():
+    from engine.rope import Rotary
+
+    rotary = Rotary(8, 10, 10000.0, {"rope_type": "default"})
+    qkv = torch.randn(2, 3, 8).bfloat16()
+    k_cache, v_cache = torch.zeros(4, 1, 8, dtype=torch.bfloat16), torch.zeros(4, 1, 8, dtype=torch.bfloat16)
+    for positions, slots in ((torch.tensor([1, 10]), torch.tensor([0, 1])), (torch.tensor([1, 2]), torch.tensor([0, 4])),
+                             (torch.tensor([-1, 2]), torch.tensor([0, 1]))):
+        with pytest.raises(IndexError):
+            cpu_kernels.rope_store(qkv[:, :2], qkv[:, 2:], 1, positions, rotary.cos, rotary.sin, slots, k_cache, v_cache)
+    assert (k_cache == 0).all() and (v_cache == 0).all()
