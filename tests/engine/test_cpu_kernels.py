@@ -176,7 +176,7 @@ def test_small_bf16_linears_run_on_the_kernel_with_f_linears_values(rows, out_fe
 
 @needs_kernel
 @settings(max_examples=30, deadline=None)
-@given(batch=st.integers(1, 9), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 4, 8]),
+@given(batch=st.integers(1, 9), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 3, 4, 6, 8]),
        dim=st.sampled_from([16, 32, 48, 64, 80, 128, 256]), keys=st.integers(1, 100), sinks=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_decode_attention_kernel_is_the_torch_path(batch, kv_heads, group, dim, keys, sinks, seed):
