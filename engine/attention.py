@@ -61,7 +61,7 @@ def paged_attention(
     out = q.new_empty(meta.num_tokens + 1, q.shape[1], q.shape[2])
     for g in meta.groups:
         if g.q_index.shape[1] == 1 and cpu_kernels.decode_attention(
-                q, k_cache, v_cache, g.q_index[:, 0], g.kv_slots[window], g.masks[window], scale, sinks, out):
+                q, k_cache, v_cache, g.q_index.view(-1), g.kv_slots[window], g.masks[window], scale, sinks, out):
             continue  # decodes, read where they lie in the cache (bf16 on a CPU with AVX512-BF16)
         qg = _rows(q, g.q_index).transpose(1, 2)  # [B, H, Q, D]
         kg = _rows(k_cache, g.kv_slots[window]).transpose(1, 2)  # [B, Hkv, K, D]
