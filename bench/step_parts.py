@@ -1,9 +1,9 @@
 """Where a decode step's time goes, in process, and what each vocabulary-sized kernel choice costs.
 
-    python -m bench.step_parts [--batches 1,16,64] [--dtype bfloat16] [--kernels] [--no-keep-heap]
+    python -m bench.step_parts [--batches 1,16,64] [--dtype bfloat16] [--prompt-len 130] [--kernels] [--no-keep-heap]
 
-Part 1 runs Sluice's scheduler and paged runner on the tiny o200k Llama (130-token prompts, so each
-decode attends to ~130-190 keys, as in bench/peer.py's load) and times each part of a decode step,
+Part 1 runs Sluice's scheduler and paged runner on the tiny o200k Llama (130-token prompts by default,
+so each decode attends to ~130-190 keys, as in bench/peer.py's load) and times each part of a decode step,
 greedy and at temperature 1. Part 2 (--kernels) times the choices the runner and sampler make against
 the plain torch calls they replace, on the same shapes.
 """
@@ -32,13 +32,13 @@ from ipc.messages import SamplingParams
 PARTS = ("schedule", "prepare", "backbone", "lm head", "sampling", "update")
 
 
-def step_parts(model, dtype, batch: int, temperature: float, steps: int = 40) -> dict[str, float]:
+def step_parts(model, dtype, batch: int, temperature: float, steps: int = 40, prompt_len: int = 130) -> dict[str, float]:
     """Mean milliseconds of each part of a decode step at this batch size."""
     runner = ModelRunner(model, 4096, 16, dtype, torch.device("cpu"))
     sched = Scheduler(BlockManager(4096, 16), max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096)
     rng = np.random.default_rng(0)
     for i in range(batch):
-        sched.add(Sequence(f"r{i}", rng.integers(0, 199_000, 130).tolist(),
+        sched.add(Sequence(f"r{i}", rng.integers(0, 199_000, prompt_len).tolist(),
                            SamplingParams(max_tokens=steps + 20, temperature=temperature), seed=i))
     for _ in range(10):  # the prefill, then warm-up decodes
         b = sched.schedule()
@@ -134,6 +134,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--kernels", action="store_true")
+    parser.add_argument("--prompt-len", type=int, default=130, help="tokens of each sequence's prompt")
     parser.add_argument("--no-keep-heap", action="store_true",
                         help="leave glibc's malloc as it is (the engine process keeps large tensors on the heap)")
     args = parser.parse_args()
@@ -145,7 +146,7 @@ def main() -> None:
     print(f"{'batch':>5} {'temp':>4} " + " ".join(f"{p:>9}" for p in PARTS) + f" {'step ms':>8}")
     for b in batches:
         for temp in (0.0, 1.0):
-            parts = step_parts(model, dtype, b, temp)
+            parts = step_parts(model, dtype, b, temp, prompt_len=args.prompt_len)
             print(f"{b:>5} {temp:>4g} " + " ".join(f"{parts[p]:>9.2f}" for p in PARTS)
                   + f" {sum(parts.values()):>8.2f}")
     if args.kernels:
