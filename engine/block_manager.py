@@ -105,7 +105,7 @@ class BlockManager:
 
     # ---- the five verbs -------------------------------------------------------
 
-    def _missing(self, seq: Sequence, num_new_tokens: int, hits: list[int], skip: int) -> int:
+    def _missing(self, seq: Sequence, num_new_tokens: int, hits: list[int] | tuple[int, ...], skip: int) -> int:
         computed = (skip + len(hits)) * self.block_size if hits else seq.num_computed_tokens
         have = len(getattr(seq, self.table)) + skip + len(hits)
         return max(0, -(-(computed + num_new_tokens) // self.block_size) - have)
@@ -113,7 +113,7 @@ class BlockManager:
     def has_room(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether seq's blocks already hold `num_new_tokens` more tokens (most decode steps: nothing to
         allocate)."""
-        return self._missing(seq, num_new_tokens, [], 0) == 0
+        return self._missing(seq, num_new_tokens, (), 0) == 0
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = (), skip: int = 0) -> bool:
         """Whether the cache can hold `num_new_tokens` more of seq's tokens (after the cached `hits`, which

@@ -211,11 +211,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 @functools.cache
 def _rope_store():
     return _function("rope_store", _AVX512_BF16, "sluice_rope_store",
-                     [_P, ctypes.c_long, _P, ctypes.c_long, _I, _I, _I, _I, _P, _P, _P, _I, _P, ctypes.c_long, _P, _P, _P])
+                     [_P, ctypes.c_long, _P, ctypes.c_long, _I, _I, _I, _I, _P, _P, _P, _I, _P, ctypes.c_long,
+                      _P, _P, _P])
 
 
 def rope_store(qk: torch.Tensor, v: torch.Tensor, heads: int, positions: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
+               sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor) -> torch.Tensor | None:
     """csrc/rope_store.c: rotary (tables cos/sin [P, D/2]) on the queries and keys qk [T, H + Hkv, D], the
     rotated keys and the values v [T, Hkv, D] written into the caches at `slots` [T]; returns the rotated
     queries [T, H, D]. None, with nothing written, where the kernel does not apply or cannot run."""

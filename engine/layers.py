@@ -81,7 +81,7 @@ class Linear(nn.Linear):
         if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
             return F.linear(x, self.weight, self.bias)
         if self.weight.numel() <= _SMALL_WEIGHT:
-            kernel = self._derived("_kernel", lambda: cpu_kernels.Bf16Matmul.build(self.weight, self.bias))
+            kernel = self._derived("_kernel", self._bf16_kernel)
             if kernel is not None:
                 return kernel(x)
             if n <= _FP32_MAX_ROWS:
@@ -98,6 +98,9 @@ class Linear(nn.Linear):
             cached = (source, make())
             setattr(self, attr, cached)
         return cached[1]
+
+    def _bf16_kernel(self) -> cpu_kernels.Bf16Matmul | None:
+        return cpu_kernels.Bf16Matmul.build(self.weight, self.bias)
 
     def _float32(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.weight.detach().float(), None if self.bias is None else self.bias.detach().float()

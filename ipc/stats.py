@@ -2,8 +2,6 @@
 step, read by any ingress worker (health, metrics) without a round trip."""
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from ipc.shm import map_file

@@ -9,8 +9,9 @@
  * (for every pair of hidden columns, the 16 rows' two values side by side). A block of GROUP tiles is
  * multiplied by up to ROWS hidden rows at a time in 24 zmm accumulators, every row chunk reusing the
  * block from L1, while the first chunk prefetches the next block into L2 (into L1, the 16 KB it brings
- * would evict the block in use from the 32 KB L1: batch 16 ran 2.3 against 3.0 ms on the o200k head). Products are accumulated in float32
- * in the same order whatever the number of rows, so a row's logits do not depend on its batch.
+ * would evict the block in use from the 32 KB L1: batch 16 ran 2.3 against 3.0 ms on the o200k head).
+ * Products are accumulated in float32 in the same order whatever the number of rows, so a row's logits
+ * do not depend on its batch.
  *
  * The argmax compares each value rounded to bf16 (round to nearest even, as the logits would be
  * stored), keeping the first index of a tie: the same token as an argmax over the stored logits. It

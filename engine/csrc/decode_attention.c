@@ -82,13 +82,13 @@ typedef void (*pv_fn)(const float *, int, int, const uint8_t *, const int64_t *,
 static const pv_fn PV[5][5] = {{pv_1_1, pv_1_2, pv_1_4, pv_1_8, pv_1_16}, {pv_2_1, pv_2_2, pv_2_4, pv_2_8},
                                {pv_4_1, pv_4_2, pv_4_4}, {pv_8_1, pv_8_2}, {pv_16_1}};
 
-/* one head, any number of vectors */
-static void pv_any(const float *s, int keys, const int64_t *slot, const uint16_t *v, size_t v_stride, int vecs,
-                   float inv, uint16_t *out) {
+/* the same for one head, any number of vectors */
+static void pv_any(const float *s, int keys, const uint8_t *attend, const int64_t *slot, const uint16_t *v,
+                   size_t v_stride, int vecs, float inv, uint16_t *out) {
     __m512 acc[MAX_VECS];
     for (int c = 0; c < vecs; c++) acc[c] = _mm512_setzero_ps();
     for (int i = 0; i < keys; i++) {
-        if (s[i] == 0.0f) continue;
+        if (!attend[i]) continue;
         const __m512 p = _mm512_set1_ps(s[i]);
         const uint16_t *vr = v + (size_t)slot[i] * v_stride;
         for (int c = 0; c < vecs; c++) acc[c] = _mm512_fmadd_ps(p, load16(vr, 1, (size_t)c * 16), acc[c]);
@@ -100,9 +100,9 @@ static int log2_exact(int n) { /* log2 of a power of two, else -1 */
     return n > 0 && !(n & (n - 1)) ? __builtin_ctz(n) : -1;
 }
 
-int sluice_decode_attention(const uint16_t *q, long q_stride, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *rows,
-                            const int64_t *slots, const uint8_t *mask, const float *sinks, int batch, int heads,
-                            int kv_heads, int dim, int keys, float scale, uint16_t *out) {
+int sluice_decode_attention(const uint16_t *q, long q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                            const int64_t *rows, const int64_t *slots, const uint8_t *mask, const float *sinks,
+                            int batch, int heads, int kv_heads, int dim, int keys, float scale, uint16_t *out) {
     const int group = heads / kv_heads, vecs = dim / 16, chunks = (dim + 31) / 32, padded = (keys + 15) / 16 * 16;
     const __mmask32 tail = dim % 32 ? 0xffffu : ~0u; /* the lanes of the last 32-value chunk of a head */
     if (group > MAX_GROUP || vecs > MAX_VECS || dim % 16) return -2;
@@ -145,7 +145,8 @@ int sluice_decode_attention(const uint16_t *q, long q_stride, const uint16_t *k_
                     prefetch_row(v_cache + ((size_t)slot[l] * kv_heads + j) * dim, dim, _MM_HINT_T1);
                 const uint16_t *key[16]; /* lanes past the last key read the first (their scores are dropped) */
                 if (live)
-                    for (int l = 0; l < 16; l++) key[l] = k_cache + ((size_t)slot[i0 + (l < n ? l : 0)] * kv_heads + j) * dim;
+                    for (int l = 0; l < 16; l++)
+                        key[l] = k_cache + ((size_t)slot[i0 + (l < n ? l : 0)] * kv_heads + j) * dim;
                 for (int g = 0; g < group; g++) {
                     __m512 sc = _mm512_set1_ps(-INFINITY);
                     if (live) {
@@ -186,7 +187,8 @@ int sluice_decode_attention(const uint16_t *q, long q_stride, const uint16_t *k_
                 int lg = lv < 0 ? -1 : 4 - lv; /* the largest power-of-two chunk that fits in 16 registers */
                 while (lg > 0 && (1 << lg) > group - g0) lg--;
                 if (lv < 0) {
-                    pv_any(scores + (size_t)g0 * padded, keys, slot, v_cache + (size_t)j * dim, kv_heads * dim, vecs,
+                    pv_any(scores + (size_t)g0 * padded, keys, attend, slot, v_cache + (size_t)j * dim,
+                           kv_heads * dim, vecs,
                            inv[g0], o + (size_t)g0 * dim);
                     g0++;
                 } else {

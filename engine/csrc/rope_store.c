@@ -9,8 +9,9 @@
  * cos/sin [positions][D/2] in float32 (any scaling already folded in):
  *     out[:D/2] = x[:D/2] cos - x[D/2:] sin,  out[D/2:] = x[D/2:] cos + x[:D/2] sin.
  * The rotated queries go to q_out [T][H][D]; the rotated keys and the values to k_cache and v_cache
- * [slots][Hkv][D] at slots[t] (each row's value heads D apart). D must be even. Returns 0, or -3 (with nothing written) when a position
- * is outside the table's num_positions or a slot outside the cache's num_slots.
+ * [slots][Hkv][D] at slots[t] (each row's value heads D apart). D must be even. Returns 0, or -3 (with
+ * nothing written) when a position is outside the table's num_positions or a slot outside the cache's
+ * num_slots.
  */
 #include <omp.h>
 
@@ -42,7 +43,8 @@ int sluice_rope_store(const uint16_t *qk, long qk_stride, const uint16_t *v, lon
         uint16_t *k_slot = k_cache + (size_t)slots[t] * kv_heads * dim;
         for (int h = 0; h < kv_heads; h++)
             rotate(row + (size_t)(heads + h) * dim, cs, sn, half, k_slot + (size_t)h * dim);
-        memcpy(v_cache + (size_t)slots[t] * kv_heads * dim, v + (size_t)t * v_stride, sizeof(uint16_t) * kv_heads * dim);
+        memcpy(v_cache + (size_t)slots[t] * kv_heads * dim, v + (size_t)t * v_stride,
+               sizeof(uint16_t) * kv_heads * dim);
     }
     return 0;
 }

@@ -2,8 +2,9 @@
 small linears: its products are F.linear's, its argmax is the argmax of those logits (first index of a
 tie). Sampling's exp pass
 (engine/csrc/exp_blocks.c): torch's exp within float32 rounding, masked tokens exactly 0, block sums as
-the sampler reads them. A row's result never depends on its batch, and the engine falls back to torch
-when a kernel cannot be built."""
+the sampler reads them. Decode attention over the paged cache, rotary with the KV store, and RMSNorm:
+the torch paths' values within bf16 rounding. A row's result never depends on its batch, and the engine
+falls back to torch when a kernel cannot be built."""
 from __future__ import annotations
 
 from unittest import mock
