@@ -80,16 +80,18 @@ class Linear(nn.Linear):
         n = x.shape[0]
         if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
             return F.linear(x, self.weight, self.bias)
-        if self.weight.numel() <= _SMALL_WEIGHT:
-            kernel = self._derived("_kernel", self._bf16_kernel)
-            if kernel is not None:
-                return kernel(x)
-            if n <= _FP32_MAX_ROWS:
-                weight, bias = self._derived("_fp32", self._float32)
-                return F.linear(x.float(), weight, bias).to(x.dtype)
+        if (kernel := self.small_kernel()) is not None:
+            return kernel(x)
+        if self.weight.numel() <= _SMALL_WEIGHT and n <= _FP32_MAX_ROWS:
+            weight, bias = self._derived("_fp32", self._float32)
+            return F.linear(x.float(), weight, bias).to(x.dtype)
         if row_bucket(n) == n:
             return F.linear(x, self.weight, self.bias)
         return F.linear(F.pad(x, (0, 0, 0, row_bucket(n) - n)), self.weight, self.bias)[:n]
+
+    def small_kernel(self) -> cpu_kernels.Bf16Matmul | None:
+        """The kernel half-precision rows on the CPU go through (the first path above), or None."""
+        return self._derived("_kernel", self._bf16_kernel) if self.weight.numel() <= _SMALL_WEIGHT else None
 
     def _derived(self, attr: str, make: Callable):
         source = (self.weight.data_ptr(), self.weight._version)
@@ -172,6 +174,15 @@ class Attention(nn.Module):
         o = paged_attention(q, kv[0], kv[1], meta, self.scale, window=self.window, sinks=self.sinks)
         return self.o_proj(o.reshape(t, -1))
 
+    def decode_parts(self, kv: tuple[torch.Tensor, torch.Tensor]) -> dict | None:
+        """This layer's half of a `cpu_kernels.DecodeLayer` over the cache kv, or None where its projections
+        do not run on the bf16 kernel (or it has q/k norms, which the fused decode does not run)."""
+        qkv, o = self.qkv_proj.small_kernel(), self.o_proj.small_kernel()
+        if qkv is None or o is None or self.qk_norm:
+            return None
+        return dict(qkv=qkv, o=o, heads=self.heads, scale=self.scale, cos=self.rotary.cos, sin=self.rotary.sin,
+                    k_cache=kv[0], v_cache=kv[1], sinks=self.sinks)
+
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)). Names follow HF checkpoints."""
@@ -187,6 +198,16 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), positions, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def decode_layer(self, kv: tuple[torch.Tensor, torch.Tensor]) -> cpu_kernels.DecodeLayer | None:
+        """The layer as csrc/decoder_layers.c runs it, or None where it cannot (an MLP without
+        `decode_parts`, such as a mixture of experts, or an attention without them)."""
+        mlp = getattr(self.mlp, "decode_parts", lambda: None)()
+        attn = getattr(self.self_attn, "decode_parts", lambda kv: None)(kv)
+        if mlp is None or attn is None or self.input_layernorm.eps != self.post_attention_layernorm.eps:
+            return None
+        return cpu_kernels.DecodeLayer(input_norm=self.input_layernorm.weight, post_norm=self.post_attention_layernorm.weight,
+                                       eps=self.input_layernorm.eps, **attn, **mlp)
+
 
 class Backbone(nn.Module):
     """Embedding, decoder layers, final norm; returns the normed hidden states of the rows asked for."""
@@ -201,9 +222,35 @@ class Backbone(nn.Module):
                 logits_index: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T]; logits_index: [B] rows whose next token is scored
         x = self.embed_tokens(input_ids)  # [T, D]
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv, meta)
+        if not self._decode_in_one_call(x, positions, kv_caches, meta):
+            for layer, kv in zip(self.layers, kv_caches):
+                x = layer(x, positions, kv, meta)
         return self.norm(x[logits_index])  # [B, D]
+
+    _stack: tuple | None = None  # (what it was built from, DecoderStack or None, the layers' window)
+    _params: list | None = None
+
+    def _decode_in_one_call(self, x: torch.Tensor, positions, kv_caches: list, meta: AttentionMetadata) -> bool:
+        """A step of decodes alone through every layer in one kernel call (cpu_kernels.DecoderStack), in
+        place on x; False where it does not apply."""
+        if len(meta.groups) != 1 or meta.groups[0].q_index.shape[1] != 1 or x.dtype != torch.bfloat16:
+            return False
+        if self._params is None:
+            self._params = list(self.parameters())
+        # rebuilt when a weight is loaded in place (the packed copies change) or the caches are not the same
+        source = (*((p.data_ptr(), p._version) for p in self._params),
+                  *((t.data_ptr(), t.shape[0]) for kv in kv_caches for t in kv))
+        if self._stack is None or self._stack[0] != source:
+            layers = [layer.decode_layer(kv) for layer, kv in zip(self.layers, kv_caches)]
+            windows = {layer.self_attn.window for layer in self.layers}
+            stack = cpu_kernels.DecoderStack.build(layers) if None not in layers and len(windows) == 1 else None
+            self._stack = (source, stack, windows.pop())
+        _, stack, window = self._stack
+        if stack is None:
+            return False
+        g = meta.groups[0]
+        return stack(x, positions, meta.slot_mapping[window], g.q_index.view(-1), g.kv_slots[window],
+                     g.masks[window])
 
 
 class CausalLM(nn.Module):

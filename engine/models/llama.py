@@ -56,6 +56,12 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
+    def decode_parts(self) -> dict | None:
+        """This MLP's half of a `cpu_kernels.DecodeLayer`, or None where its projections do not run on the
+        bf16 kernel."""
+        gate_up, down = self.gate_up_proj.small_kernel(), self.down_proj.small_kernel()
+        return None if gate_up is None or down is None else dict(gate_up=gate_up, down=down)
+
 
 def _attention(c: LlamaConfig, rotary: Rotary, window: int | None) -> Attention:
     return Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, rotary, qkv_bias=c.qkv_bias,
