@@ -143,6 +143,8 @@ class ModelRunner:
         bs, dev = self.block_size, self.device
         seqs = batch.seqs
         b = len(seqs)
+        if max(batch.num_new_tokens) == 1 and all(s.num_computed_tokens + 1 == s.num_tokens for s in seqs):
+            return self._prepare_decodes(seqs)
         counts = np.fromiter(batch.num_new_tokens, np.int64, b)
         starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, b)
         offsets = np.cumsum(counts) - counts
@@ -183,24 +185,16 @@ class ModelRunner:
     def _group(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, offsets: np.ndarray,
                tables: dict[int | None, np.ndarray], num_tokens: int) -> AttentionGroup:
         """Attention metadata for the batch's sequences `rows` (decodes, or prefill chunks)."""
-        bs, dev = self.block_size, self.device
-        b = len(rows)
+        dev = self.device
         starts, lens, offs = starts[rows], counts[rows], offsets[rows]
         q_max = int(lens.max())
         valid_q = np.arange(q_max)[None, :] < lens[:, None]  # [B, Q]
         q_index = np.where(valid_q, offs[:, None] + np.arange(q_max)[None, :], 0)  # pads read row 0...
         out_index = np.where(valid_q, q_index, num_tokens)  # ...and write to the dummy row
         q_pos = starts[:, None] + np.arange(q_max)[None, :]  # [B, Q] absolute positions
-        last = -(-(starts + lens) // bs)  # one past each row's last block
         kv_slots, masks = {}, {}
         for w, table in tables.items():
-            # a windowed view starts at the first block the window still reaches
-            first = np.maximum(starts - w + 1, 0) // bs if w else np.zeros(b, dtype=np.int64)
-            blocks = first[:, None] + np.arange(int((last - first).max()))[None, :]  # [B, blocks]
-            live = blocks < last[:, None]
-            block_ids = np.take_along_axis(table[rows], np.minimum(blocks, table.shape[1] - 1), axis=1)
-            slot_rows = np.where(live[:, :, None], block_ids[:, :, None] * bs + np.arange(bs), 0).reshape(b, -1)
-            k_pos = first[:, None] * bs + np.arange(slot_rows.shape[1])[None, :]  # [B, K]
+            slot_rows, k_pos = self._keys(table[rows], starts, starts + lens, w)
             mask = k_pos[:, None, :] <= q_pos[:, :, None]  # causal
             if w:
                 mask &= k_pos[:, None, :] > q_pos[:, :, None] - w
@@ -214,6 +208,47 @@ class ModelRunner:
             kv_slots=kv_slots,
             masks=masks,
         )
+
+    def _prepare_decodes(self, seqs: list[Sequence]) -> dict:
+        """`_prepare` for a step whose every sequence decodes one token and samples (most steps): the same
+        tensors from a third of the numpy calls."""
+        b, dev = len(seqs), self.device
+        positions = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, b)
+        rows = torch.arange(b, device=dev)
+        slot_mapping, kv_slots, masks = {}, {}, {}
+        for w, name in self.tables.items():
+            table = _padded_tables([getattr(s, name) for s in seqs])
+            slot_rows, k_pos = self._keys(table, positions, positions + 1, w)
+            mask = k_pos <= positions[:, None]
+            if w:
+                mask &= k_pos > positions[:, None] - w
+            slot_mapping[w] = torch.from_numpy(slot_rows[np.arange(b), positions - k_pos[:, 0]]).to(dev)
+            kv_slots[w] = torch.from_numpy(slot_rows).to(dev)
+            masks[w] = torch.from_numpy(mask).view(b, 1, 1, -1).to(dev)
+        group = AttentionGroup(q_index=rows.view(b, 1), out_index=rows.view(b, 1), kv_slots=kv_slots, masks=masks)
+        return {
+            "input_ids": torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.long, device=dev),
+            "positions": torch.from_numpy(positions).to(dev),
+            "meta": AttentionMetadata(slot_mapping=slot_mapping, groups=[group], num_tokens=b),
+            "logits_index": rows,
+            "num_prompt_rows": 0,
+            "prompt_rows": [],
+            "sampling_seqs": seqs,
+        }
+
+    def _keys(self, table: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+              window: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """(cache slots [B, K], their positions [B, K]) of the keys that the queries of each row's positions
+        starts..ends-1 may attend to, from its block table (rows of `table`): with a window, from the first
+        block it still reaches. Slots of blocks past a row's last are 0 (every query's causal mask drops them)."""
+        bs, b = self.block_size, len(table)
+        first = np.maximum(starts - window + 1, 0) // bs if window else np.zeros(b, dtype=np.int64)
+        last = -(-ends // bs)  # one past each row's last block
+        blocks = first[:, None] + np.arange(int((last - first).max()))[None, :]  # [B, blocks]
+        live = blocks < last[:, None]
+        block_ids = table[np.arange(b)[:, None], np.minimum(blocks, table.shape[1] - 1)]
+        slot_rows = np.where(live[:, :, None], block_ids[:, :, None] * bs + np.arange(bs), 0).reshape(b, -1)
+        return slot_rows, first[:, None] * bs + np.arange(slot_rows.shape[1])[None, :]
 
 
 def _padded_tables(tables: list[list[int]]) -> np.ndarray:
