@@ -33,6 +33,9 @@ class AttentionMetadata:
     slot_mapping: dict[int | None, torch.Tensor]  # window -> [T] cache slot of each new token
     groups: list[AttentionGroup]
     num_tokens: int
+    # The whole step as one group of one query per row, each over its own sequence's keys (a decode step's
+    # one group; for a step with prefill chunks, when [T, K] is small): what a step in one kernel call reads.
+    row_group: AttentionGroup | None = None
 
 
 def rope_and_store(qk: torch.Tensor, v: torch.Tensor, heads: int, rotary: Rotary, positions: torch.Tensor,

@@ -222,7 +222,7 @@ class Backbone(nn.Module):
                 logits_index: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T]; logits_index: [B] rows whose next token is scored
         x = self.embed_tokens(input_ids)  # [T, D]
-        if not self._decode_in_one_call(x, positions, kv_caches, meta):
+        if not self._in_one_call(x, positions, kv_caches, meta):
             for layer, kv in zip(self.layers, kv_caches):
                 x = layer(x, positions, kv, meta)
         return self.norm(x[logits_index])  # [B, D]
@@ -230,10 +230,11 @@ class Backbone(nn.Module):
     _stack: tuple | None = None  # (what it was built from, DecoderStack or None, the layers' window)
     _params: list | None = None
 
-    def _decode_in_one_call(self, x: torch.Tensor, positions, kv_caches: list, meta: AttentionMetadata) -> bool:
-        """A step of decodes alone through every layer in one kernel call (cpu_kernels.DecoderStack), in
-        place on x; False where it does not apply."""
-        if len(meta.groups) != 1 or meta.groups[0].q_index.shape[1] != 1 or x.dtype != torch.bfloat16:
+    def _in_one_call(self, x: torch.Tensor, positions, kv_caches: list, meta: AttentionMetadata) -> bool:
+        """The step through every layer in one kernel call (cpu_kernels.DecoderStack), in place on x, each
+        row attending as one decode (`meta.row_group`); False where it does not apply."""
+        g = meta.row_group
+        if g is None or x.dtype != torch.bfloat16:
             return False
         if self._params is None:
             self._params = list(self.parameters())
@@ -248,7 +249,6 @@ class Backbone(nn.Module):
         _, stack, window = self._stack
         if stack is None:
             return False
-        g = meta.groups[0]
         return stack(x, positions, meta.slot_mapping[window], g.q_index.view(-1), g.kv_slots[window],
                      g.masks[window])
 

@@ -171,6 +171,7 @@ class ModelRunner:
                           for w, t in tables.items()},
             groups=groups,
             num_tokens=total,
+            row_group=self._row_group(tables, starts, counts, row_of, positions),
         )
         return {
             "input_ids": torch.tensor(ids, dtype=torch.long, device=dev),
@@ -209,6 +210,25 @@ class ModelRunner:
             masks=masks,
         )
 
+    def _row_group(self, tables: dict[int | None, np.ndarray], starts: np.ndarray, counts: np.ndarray,
+                   row_of: np.ndarray, positions: np.ndarray) -> AttentionGroup | None:
+        """Every row of the step as a query of its own over its sequence's keys, causally masked (prefill
+        chunks' rows as decodes of their positions), or None when [rows, keys] passes _ROW_KEYS_MAX."""
+        dev, total = self.device, len(row_of)
+        if total * int((starts + counts).max()) > _ROW_KEYS_MAX:
+            return None
+        kv_slots, masks = {}, {}
+        for w, table in tables.items():
+            slot_rows, k_pos = self._keys(table, starts, starts + counts, w)
+            k_pos = k_pos[row_of]
+            mask = k_pos <= positions[:, None]
+            if w:
+                mask &= k_pos > positions[:, None] - w
+            kv_slots[w] = torch.from_numpy(slot_rows[row_of]).to(dev)
+            masks[w] = torch.from_numpy(mask).to(dev)
+        rows = torch.arange(total, device=dev).view(total, 1)
+        return AttentionGroup(q_index=rows, out_index=rows, kv_slots=kv_slots, masks=masks)
+
     def _prepare_decodes(self, seqs: list[Sequence]) -> dict:
         """`_prepare` for a step whose every sequence decodes one token and samples (most steps): the same
         tensors from a third of the numpy calls."""
@@ -229,7 +249,7 @@ class ModelRunner:
         return {
             "input_ids": torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.long, device=dev),
             "positions": torch.from_numpy(positions).to(dev),
-            "meta": AttentionMetadata(slot_mapping=slot_mapping, groups=[group], num_tokens=b),
+            "meta": AttentionMetadata(slot_mapping=slot_mapping, groups=[group], num_tokens=b, row_group=group),
             "logits_index": rows,
             "num_prompt_rows": 0,
             "prompt_rows": [],
@@ -249,6 +269,11 @@ class ModelRunner:
         block_ids = table[np.arange(b)[:, None], np.minimum(blocks, table.shape[1] - 1)]
         slot_rows = np.where(live[:, :, None], block_ids[:, :, None] * bs + np.arange(bs), 0).reshape(b, -1)
         return slot_rows, first[:, None] * bs + np.arange(slot_rows.shape[1])[None, :]
+
+
+# Rows x keys above which a step with prefill chunks is not offered as one group of single queries (its
+# [T, K] slots and mask grow as the square of a long prompt's chunk, which torch's attention takes better).
+_ROW_KEYS_MAX = 1 << 16
 
 
 def _padded_tables(tables: list[list[int]]) -> np.ndarray:

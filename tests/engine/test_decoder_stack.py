@@ -45,7 +45,7 @@ def _step(runner, batch, fused: bool):
     saved = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     calls = mock.patch.object(cpu_kernels.DecoderStack, "__call__", autospec=True,
                               side_effect=cpu_kernels.DecoderStack.__call__)
-    off = mock.patch.object(Backbone, "_decode_in_one_call", return_value=False)
+    off = mock.patch.object(Backbone, "_in_one_call", return_value=False)
     with torch.inference_mode(), (calls if fused else off) as spy:
         hidden, _ = runner._hidden(batch)
     assert spy.called
@@ -96,7 +96,32 @@ def test_a_position_beyond_the_rotary_table_raises_with_the_cache_untouched(tmp_
     assert all(torch.equal(k, k0) for (k, _), k0 in zip(runner.kv_caches, saved))
 
 
-def test_q_k_norms_and_steps_with_a_prefill_run_op_by_op(tmp_path):
+def test_steps_with_prefill_chunks_in_one_call_are_the_layers_op_by_op(tmp_path):
+    """A chunk's rows attend as decodes of their positions (causal within the chunk, over the prefix the
+    chunks before it cached, within the window): the op-by-op path's hidden states and cache within bf16
+    rounding (torch's attention rounds differently)."""
+    path = write_llama_family(tmp_path / "m", **VARIANTS["mistral-window-12"])
+    runner, sched = make_engine(path, block_size=8, dtype=torch.bfloat16, budget=19)
+    for i, p in enumerate(PROMPTS[:3]):
+        sched.add(seq(f"r{i}", p, max_tokens=50, temperature=0.0))
+    while max((batch := sched.schedule()).num_new_tokens) > 1:
+        sched.update(batch, runner.run(batch).tokens)
+    sched.update(batch, runner.run(batch).tokens)
+    sched.add(seq("long", list(range(400, 440)), max_tokens=5, temperature=0.0))
+    mixed = 0
+    for _ in range(4):
+        batch = sched.schedule()
+        if max(batch.num_new_tokens) > 1:
+            mixed += 1
+            hidden, caches = _step(runner, batch, fused=True)
+            ref, ref_caches = _step(runner, batch, fused=False)
+            for a, b in [(hidden, ref), *((x, y) for kv, rkv in zip(caches, ref_caches) for x, y in zip(kv, rkv))]:
+                torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2)
+        sched.update(batch, runner.run(batch).tokens)
+    assert mixed >= 2  # 3 decodes + 16 of the prompt's tokens, then + 16 more over the cached prefix
+
+
+def test_q_k_norms_and_long_prefills_run_op_by_op(tmp_path):
     path = write_llama_family(tmp_path / "m", architecture="Qwen3ForCausalLM")
     runner, batch = _decoding(path)
     with mock.patch.object(cpu_kernels.DecoderStack, "__call__") as fused, torch.inference_mode():
@@ -106,8 +131,8 @@ def test_q_k_norms_and_steps_with_a_prefill_run_op_by_op(tmp_path):
     path = write_llama_family(tmp_path / "llama", architecture="LlamaForCausalLM")
     runner, batch = _decoding(path)
     runner.run(batch)  # the decode step built the stack
-    _, sched = make_engine(path, block_size=8, dtype=torch.bfloat16)
-    sched.add(seq("new", [1, 2, 3], max_tokens=2))
+    _, sched = make_engine(path, block_size=8, dtype=torch.bfloat16, budget=4096)
+    sched.add(seq("long", list(range(1, 300)), max_tokens=2))  # [299 rows, 304 keys]: past _ROW_KEYS_MAX
     with mock.patch.object(cpu_kernels.DecoderStack, "__call__") as fused, torch.inference_mode():
         runner.run(sched.schedule())
     assert not fused.called
