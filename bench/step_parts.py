@@ -1,11 +1,14 @@
 """Where a decode step's time goes, in process, and what each vocabulary-sized kernel choice costs.
 
-    python -m bench.step_parts [--batches 1,16,64] [--dtype bfloat16] [--prompt-len 130] [--kernels] [--no-keep-heap]
+    python -m bench.step_parts [--batches 1,16,64] [--dtype bfloat16] [--prompt-len 130] [--prefill-steps]
+                               [--kernels] [--no-keep-heap]
 
 Part 1 runs Sluice's scheduler and paged runner on the tiny o200k Llama (130-token prompts by default,
 so each decode attends to ~130-190 keys, as in bench/peer.py's load) and times each part of a decode step,
-greedy and at temperature 1. Part 2 (--kernels) times the choices the runner and sampler make against
-the plain torch calls they replace, on the same shapes.
+greedy and at temperature 1. --prefill-steps times, beside batch - 1 decodes, the steps that also carry
+a new request's whole prompt (at concurrency 16 with 64-token answers, one step in four). Part 2
+(--kernels) times the choices the runner and sampler make against the plain torch calls they replace, on
+the same shapes.
 """
 from __future__ import annotations
 
@@ -66,6 +69,30 @@ def step_parts(model, dtype, batch: int, temperature: float, steps: int = 40, pr
                 tokens = timed("sampling", lambda: sample(logits, SamplingBatch.for_seqs(seqs, runner.device)).tolist())
             timed("update", lambda: sched.update(b, tokens))
     return {k: 1000 * v / steps for k, v in total.items()}
+
+
+def prefill_steps(model, dtype, batch: int, prompt_len: int = 130, steps: int = 60) -> tuple[float, float]:
+    """(mean ms of a greedy step of `batch` - 1 decodes alone, of one that also carries a new request's
+    whole prompt): as a server at this concurrency runs when requests end and others take their place."""
+    runner = ModelRunner(model, 4096, 16, dtype, torch.device("cpu"))
+    sched = Scheduler(BlockManager(4096, 16), max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096)
+    rng = np.random.default_rng(0)
+
+    def prompt():
+        return rng.integers(0, 199_000, prompt_len).tolist()
+
+    for i in range(batch - 1):
+        sched.add(Sequence(f"r{i}", prompt(), SamplingParams(max_tokens=10_000, temperature=0.0), seed=i))
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(20 + steps):
+        if i >= 20 and i % 3 == 0:  # a one-token request: its prompt, then it is gone
+            sched.add(Sequence(f"n{i}", prompt(), SamplingParams(max_tokens=1, temperature=0.0), seed=i))
+        b = sched.schedule()
+        t0 = time.perf_counter()
+        sched.update(b, runner.run(b).tokens)
+        if i >= 20:
+            times[max(b.num_new_tokens) > 1].append(time.perf_counter() - t0)
+    return 1000 * float(np.mean(times[False])), 1000 * float(np.mean(times[True]))
 
 
 def bench_ms(fn, n: int = 20) -> float:
@@ -134,6 +161,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--kernels", action="store_true")
+    parser.add_argument("--prefill-steps", action="store_true",
+                        help="also time steps that carry a new request's prompt beside batch - 1 decodes")
     parser.add_argument("--prompt-len", type=int, default=130, help="tokens of each sequence's prompt")
     parser.add_argument("--no-keep-heap", action="store_true",
                         help="leave glibc's malloc as it is (the engine process keeps large tensors on the heap)")
@@ -149,6 +178,11 @@ def main() -> None:
             parts = step_parts(model, dtype, b, temp, prompt_len=args.prompt_len)
             print(f"{b:>5} {temp:>4g} " + " ".join(f"{parts[p]:>9.2f}" for p in PARTS)
                   + f" {sum(parts.values()):>8.2f}")
+    if args.prefill_steps:
+        print(f"\n{'batch':>5} {'decodes alone ms':>17} {'+ a prefill ms':>15}  (greedy, {args.prompt_len}-token prompts)")
+        for b in (b for b in batches if b > 1):
+            alone, mixed = prefill_steps(model, dtype, b, args.prompt_len)
+            print(f"{b:>5} {alone:>17.2f} {mixed:>15.2f}")
     if args.kernels:
         print(f"\n{'kernel (torch / Sluice)':52} {'batch':>5} {'torch ms':>9} {'sluice ms':>9} {'speed-up':>8}")
         for what, b, plain, ours in kernels(model, batches):
