@@ -179,7 +179,8 @@ def main() -> None:
             print(f"{b:>5} {temp:>4g} " + " ".join(f"{parts[p]:>9.2f}" for p in PARTS)
                   + f" {sum(parts.values()):>8.2f}")
     if args.prefill_steps:
-        print(f"\n{'batch':>5} {'decodes alone ms':>17} {'+ a prefill ms':>15}  (greedy, {args.prompt_len}-token prompts)")
+        print(f"\n{'batch':>5} {'decodes alone ms':>17} {'+ a prefill ms':>15}  "
+              f"(greedy, {args.prompt_len}-token prompts)")
         for b in (b for b in batches if b > 1):
             alone, mixed = prefill_steps(model, dtype, b, args.prompt_len)
             print(f"{b:>5} {alone:>17.2f} {mixed:>15.2f}")

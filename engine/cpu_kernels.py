@@ -304,8 +304,9 @@ class DecodeLayer:
 
 
 class DecoderStack:
-    """csrc/decoder_layers.c over a model's layers: a step whose rows are all decodes through every layer
-    in one call (see the C file), where ~20 torch ops and kernel calls a layer cost ~0.2 ms at batch 1."""
+    """csrc/decoder_layers.c over a model's layers: a step through every layer in one call, each row
+    attending as one query (a decode, or a prefill chunk's row at its position; see the C file), where ~20
+    torch ops and kernel calls a layer cost ~0.2 ms at batch 1."""
 
     def __init__(self, fn, layers: list[DecodeLayer], hidden: int) -> None:
         self.fn, self.hidden, self.count = fn, hidden, len(layers)
@@ -350,9 +351,9 @@ class DecoderStack:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor,
                  kv_slots: torch.Tensor, mask: torch.Tensor) -> bool:
-        """Runs the layers over a step of decodes, in place on x [T, hidden] (bf16, contiguous): positions,
-        slot_mapping, rows [T] and kv_slots, mask [T, K] as `decode_attention` takes them. False, with
-        nothing done, where x is not the kernel's."""
+        """Runs the layers over a step, in place on x [T, hidden] (bf16, contiguous): positions and
+        slot_mapping [T], and each attention row's row of x, its keys' slots and mask (rows [T], kv_slots and
+        mask [T, K]) as `decode_attention` takes them. False, with nothing done, where x is not the kernel's."""
         if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != self.hidden or not x.is_contiguous():
             return False
         tokens, keys = kv_slots.shape
@@ -363,8 +364,10 @@ class DecoderStack:
         status = self.fn(self.specs, self.count, step, x.data_ptr()) if tokens else 0
         if status == -3:
             raise IndexError("a position beyond the rotary table or a slot beyond the KV cache")
-        if status:
+        if status == -1:
             raise MemoryError("the decoder layers kernel could not allocate its workspace")
+        if status:
+            raise RuntimeError(f"the decoder layers kernel refused the step ({status})")
         return True
 
 

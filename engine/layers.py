@@ -205,8 +205,9 @@ class DecoderLayer(nn.Module):
         attn = getattr(self.self_attn, "decode_parts", lambda kv: None)(kv)
         if mlp is None or attn is None or self.input_layernorm.eps != self.post_attention_layernorm.eps:
             return None
-        return cpu_kernels.DecodeLayer(input_norm=self.input_layernorm.weight, post_norm=self.post_attention_layernorm.weight,
-                                       eps=self.input_layernorm.eps, **attn, **mlp)
+        return cpu_kernels.DecodeLayer(input_norm=self.input_layernorm.weight,
+                                       post_norm=self.post_attention_layernorm.weight, eps=self.input_layernorm.eps,
+                                       **attn, **mlp)
 
 
 class Backbone(nn.Module):

@@ -58,6 +58,9 @@ class ModelRunner:
         self.sliding_window = next((w for w in self.windows if w is not None), None) \
             if self.hybrid or len(self.windows) == 1 else None
         self.device = device
+        # whether a step can run through the layers in one kernel call (cpu_kernels.DecoderStack), which
+        # reads `AttentionMetadata.row_group`: bf16 on the CPU (a decode step offers it at no cost)
+        self.one_call = device.type == "cpu" and dtype == torch.bfloat16
         _, heads, dim = model.kv_shape
         # One (K, V) pair per layer: [blocks in its pool * block_size, Hkv, D]
         self.kv_caches = []
@@ -215,7 +218,7 @@ class ModelRunner:
         """Every row of the step as a query of its own over its sequence's keys, causally masked (prefill
         chunks' rows as decodes of their positions), or None when [rows, keys] passes _ROW_KEYS_MAX."""
         dev, total = self.device, len(row_of)
-        if total * int((starts + counts).max()) > _ROW_KEYS_MAX:
+        if not self.one_call or total * int((starts + counts).max()) > _ROW_KEYS_MAX:
             return None
         kv_slots, masks = {}, {}
         for w, table in tables.items():

@@ -1,4 +1,4 @@
-/* A pure-decode step through a stack of pre-norm decoder layers (Llama-family: RMSNorm, one stacked qkv
+/* A step through a stack of pre-norm decoder layers (Llama-family: RMSNorm, one stacked qkv
  * projection, rotary, paged grouped-query attention, SwiGLU MLP) in one call, on CPUs with AVX512-BF16.
  *
  * Run one op at a time from Python, a small model's decode step is mostly dispatch: ~20 calls a layer,
@@ -8,8 +8,9 @@
  * layer's output has the bits of the op-by-op path's, bar the SwiGLU's exp (torch's and this file's can
  * differ in float32's last place, which its rounding to bf16 almost always hides).
  *
- * x [tokens][hidden] (bf16, updated in place) holds the step's rows, one decode per sequence. Each layer's
- * linears are packed as bf16_matmul.c wants them. Returns 0, -1 when out of memory, -2 when a layer's
+ * x [tokens][hidden] (bf16, updated in place) holds the step's rows. Each attends as one query over its
+ * own keys (a decode, or a prefill chunk's row at its position with its causal mask), so the attention is
+ * decode_attention.c's whatever the step holds. Each layer's linears are packed as bf16_matmul.c wants them. Returns 0, -1 when out of memory, -2 when a layer's
  * shape is one the attention kernel does not take, -3 (with that layer's cache untouched) when a position
  * is outside the rotary table or a slot outside the cache.
  */
@@ -40,8 +41,8 @@ typedef struct {
 typedef struct {
     int tokens, hidden, keys;
     const int64_t *positions, *slot_mapping; /* [tokens]: each row's position and the cache slot it fills */
-    const int64_t *rows;                     /* [tokens]: the row of each sequence */
-    const int64_t *kv_slots;                 /* [tokens][keys]: the cache slots of each sequence's keys */
+    const int64_t *rows;                     /* [tokens]: the row of x each attention query comes from */
+    const int64_t *kv_slots;                 /* [tokens][keys]: the cache slots of each query's keys */
     const uint8_t *mask;                     /* [tokens][keys]: which of them it attends to */
 } step_t;
 
