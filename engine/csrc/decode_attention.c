@@ -120,6 +120,10 @@ int sluice_decode_attention(const uint16_t *q, long q_stride, const uint16_t *k_
             const int b = (int)(job / kv_heads), j = (int)(job % kv_heads);
             const int64_t *slot = slots + (size_t)b * keys;
             const uint8_t *attend = mask + (size_t)b * keys;
+            /* keys past the last one attended are not read: a prefill chunk's early rows, a sequence shorter
+             * than the batch's longest */
+            int used = keys;
+            while (used > 1 && !attend[used - 1]) used--;
             const size_t row = (size_t)rows[b];
             __m512bh qb[MAX_GROUP][MAX_VECS / 2]; /* the group's query heads, 32 bf16 a vector */
             __m512 top[MAX_GROUP];
@@ -132,14 +136,14 @@ int sluice_decode_attention(const uint16_t *q, long q_stride, const uint16_t *k_
             /* scores of every key for each query head of the group ([g][i]), 16 keys at a time: each key's
              * products with the query, pairs of bf16 multiplied and added in float32 (VDPBF16PS), summed
              * across lanes for the 16 keys at once */
-            for (int i0 = 0; i0 < keys; i0 += 16) {
-                const int n = keys - i0 < 16 ? keys - i0 : 16;
+            for (int i0 = 0; i0 < used; i0 += 16) {
+                const int n = used - i0 < 16 ? used - i0 : 16;
                 const __mmask16 live = _mm_test_epi8_mask(_mm_maskz_loadu_epi8(first_lanes(n), attend + i0),
                                                           _mm_set1_epi8(1));
                 /* the cache is cold after the LM head streamed through: ask for the next block's keys and this
                  * block's values (read after the softmax) ahead of use (16 sequences of 352 keys, one
                  * thread: 361 us a layer from a cold cache without, ~215 with, 68 warm) */
-                for (int l = i0 == 0 ? 0 : i0 + 16 * AHEAD; l < i0 + 16 * (AHEAD + 1) && l < keys; l++)
+                for (int l = i0 == 0 ? 0 : i0 + 16 * AHEAD; l < i0 + 16 * (AHEAD + 1) && l < used; l++)
                     prefetch_row(k_cache + ((size_t)slot[l] * kv_heads + j) * dim, dim, _MM_HINT_T0);
                 for (int l = i0; l < i0 + n; l++)
                     prefetch_row(v_cache + ((size_t)slot[l] * kv_heads + j) * dim, dim, _MM_HINT_T1);
@@ -170,7 +174,7 @@ int sluice_decode_attention(const uint16_t *q, long q_stride, const uint16_t *k_
                 const float most = _mm512_reduce_max_ps(top[g]), top_g = sinks && sinks[h] > most ? sinks[h] : most;
                 float total = sinks ? exp1(sinks[h] - top_g) : 0.0f;
                 __m512 sum = _mm512_setzero_ps();
-                for (int i = 0; i < padded; i += 16) { /* masked keys and those past the last: exp(-inf) = 0 */
+                for (int i = 0; i < used; i += 16) { /* masked keys and those past the last: exp(-inf) = 0 */
                     __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(top_g)));
                     _mm512_storeu_ps(s + i, e);
                     sum = _mm512_add_ps(sum, e);
@@ -187,12 +191,12 @@ int sluice_decode_attention(const uint16_t *q, long q_stride, const uint16_t *k_
                 int lg = lv < 0 ? -1 : 4 - lv; /* the largest power-of-two chunk that fits in 16 registers */
                 while (lg > 0 && (1 << lg) > group - g0) lg--;
                 if (lv < 0) {
-                    pv_any(scores + (size_t)g0 * padded, keys, attend, slot, v_cache + (size_t)j * dim,
+                    pv_any(scores + (size_t)g0 * padded, used, attend, slot, v_cache + (size_t)j * dim,
                            kv_heads * dim, vecs,
                            inv[g0], o + (size_t)g0 * dim);
                     g0++;
                 } else {
-                    PV[lv][lg](scores + (size_t)g0 * padded, padded, keys, attend, slot, v_cache + (size_t)j * dim,
+                    PV[lv][lg](scores + (size_t)g0 * padded, padded, used, attend, slot, v_cache + (size_t)j * dim,
                                kv_heads * dim, inv + g0, o + (size_t)g0 * dim, dim);
                     g0 += 1 << lg;
                 }
