@@ -199,9 +199,7 @@ class ModelRunner:
         kv_slots, masks = {}, {}
         for w, table in tables.items():
             slot_rows, k_pos = self._keys(table[rows], starts, starts + lens, w)
-            mask = k_pos[:, None, :] <= q_pos[:, :, None]  # causal
-            if w:
-                mask &= k_pos[:, None, :] > q_pos[:, :, None] - w
+            mask = _attends(k_pos[:, None, :], q_pos[:, :, None], w)
             mask &= valid_q[:, :, None]
             mask[:, :, 0] |= ~valid_q  # a pad query attends to one key, so softmax stays finite
             kv_slots[w] = torch.from_numpy(slot_rows).to(dev)
@@ -223,12 +221,8 @@ class ModelRunner:
         kv_slots, masks = {}, {}
         for w, table in tables.items():
             slot_rows, k_pos = self._keys(table, starts, starts + counts, w)
-            k_pos = k_pos[row_of]
-            mask = k_pos <= positions[:, None]
-            if w:
-                mask &= k_pos > positions[:, None] - w
             kv_slots[w] = torch.from_numpy(slot_rows[row_of]).to(dev)
-            masks[w] = torch.from_numpy(mask).to(dev)
+            masks[w] = torch.from_numpy(_attends(k_pos[row_of], positions[:, None], w)).to(dev)
         rows = torch.arange(total, device=dev).view(total, 1)
         return AttentionGroup(q_index=rows, out_index=rows, kv_slots=kv_slots, masks=masks)
 
@@ -242,9 +236,7 @@ class ModelRunner:
         for w, name in self.tables.items():
             table = _padded_tables([getattr(s, name) for s in seqs])
             slot_rows, k_pos = self._keys(table, positions, positions + 1, w)
-            mask = k_pos <= positions[:, None]
-            if w:
-                mask &= k_pos > positions[:, None] - w
+            mask = _attends(k_pos, positions[:, None], w)
             slot_mapping[w] = torch.from_numpy(slot_rows[np.arange(b), positions - k_pos[:, 0]]).to(dev)
             kv_slots[w] = torch.from_numpy(slot_rows).to(dev)
             masks[w] = torch.from_numpy(mask).view(b, 1, 1, -1).to(dev)
@@ -272,6 +264,14 @@ class ModelRunner:
         block_ids = table[np.arange(b)[:, None], np.minimum(blocks, table.shape[1] - 1)]
         slot_rows = np.where(live[:, :, None], block_ids[:, :, None] * bs + np.arange(bs), 0).reshape(b, -1)
         return slot_rows, first[:, None] * bs + np.arange(slot_rows.shape[1])[None, :]
+
+
+def _attends(k_pos: np.ndarray, q_pos: np.ndarray, window: int | None) -> np.ndarray:
+    """Whether a query at q_pos attends to a key at k_pos (broadcast): causal, and within the window."""
+    mask = k_pos <= q_pos
+    if window:
+        mask &= k_pos > q_pos - window
+    return mask
 
 
 # Rows x keys above which a step with prefill chunks is not offered as one group of single queries (its
