@@ -1,6 +1,7 @@
-"""A bf16 decode step through every layer in one kernel call (engine/csrc/decoder_layers.c) against the
-layers run op by op: the same hidden states and the same keys and values in the cache (bar a rare rounding
-of the SwiGLU's exp), for every Llama-family shape it takes; the models and steps it does not take run op
+"""A bf16 step through every layer in one kernel call (engine/csrc/decoder_layers.c) against the layers
+run op by op. Decode steps: the same hidden states and the same keys and values in the cache (bar a rare
+rounding of the SwiGLU's exp), for every Llama-family shape it takes. Steps with prefill chunks: the same
+within bf16 rounding (torch's attention rounds its own way). The models and steps it does not take run op
 by op."""
 from __future__ import annotations
 
