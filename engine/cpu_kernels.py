@@ -182,6 +182,12 @@ def _decode_attention():
                      [_P, ctypes.c_long, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P])
 
 
+def _attention_shape_ok(heads: int, kv_heads: int, dim: int) -> bool:
+    """Whether csrc/decode_attention.c takes these heads (head dim a multiple of 16 up to 256, at most 16
+    query heads per kv head)."""
+    return not (dim % 16 or dim > 256 or heads % kv_heads or heads // kv_heads > 16)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
                      slots: torch.Tensor, mask: torch.Tensor, scale: float, sinks: torch.Tensor | None,
                      out: torch.Tensor) -> bool:
@@ -191,8 +197,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     t, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     if (q.device.type != "cpu" or {q.dtype, k_cache.dtype, v_cache.dtype, out.dtype} != {torch.bfloat16}
-            or dim % 16 or dim > 256 or heads % kv_heads or heads // kv_heads > 16
-            or q.stride(2) != 1 or q.stride(1) != dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()
+            or not _attention_shape_ok(heads, kv_heads, dim) or q.stride(2) != 1 or q.stride(1) != dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()
                                                               and out.is_contiguous())):
         return False
     fn = _decode_attention()
@@ -339,8 +344,8 @@ class DecoderStack:
             if (any(t.device.type != "cpu" or t.dtype != torch.bfloat16 or not t.is_contiguous() for t in tensors)
                     or {layer.cos.dtype, layer.sin.dtype} != {torch.float32}
                     or not (layer.cos.is_contiguous() and layer.sin.is_contiguous())
-                    or layer.cos.shape[1] != dim // 2 or dim % 16 or dim > 256 or heads % kv_heads
-                    or heads // kv_heads > 16 or layer.k_cache.shape[1:] != (kv_heads, dim)
+                    or layer.cos.shape[1] != dim // 2 or not _attention_shape_ok(heads, kv_heads, dim)
+                    or layer.k_cache.shape[1:] != (kv_heads, dim)
                     or layer.input_norm.shape != (hidden,) or layer.post_norm.shape != (hidden,)
                     or (layer.qkv.k, layer.qkv.n) != (hidden, (heads + 2 * kv_heads) * dim)
                     or (layer.o.k, layer.o.n) != (heads * dim, hidden) or layer.gate_up.k != hidden

@@ -143,7 +143,7 @@ class ModelRunner:
     def _prepare(self, batch: ScheduledBatch) -> dict:
         """The step's tensors. Per-token and per-key arrays are built with numpy over the whole batch; only
         what each sequence owns (its token ids, its block tables) is read one sequence at a time."""
-        bs, dev = self.block_size, self.device
+        dev = self.device
         seqs = batch.seqs
         b = len(seqs)
         if max(batch.num_new_tokens) == 1 and all(s.num_computed_tokens + 1 == s.num_tokens for s in seqs):
@@ -169,12 +169,12 @@ class ModelRunner:
         decodes = counts == 1
         groups = [self._group(np.flatnonzero(rows), starts, counts, offsets, tables, total)
                   for rows in (decodes, ~decodes) if rows.any()]
+        one_call = self.one_call and total * int((starts + counts).max()) <= _ROW_KEYS_MAX
         meta = AttentionMetadata(
-            slot_mapping={w: torch.from_numpy(t[row_of, positions // bs] * bs + positions % bs).to(dev)
-                          for w, t in tables.items()},
+            slot_mapping=self._slot_mapping(tables, row_of, positions),
             groups=groups,
             num_tokens=total,
-            row_group=self._row_group(tables, starts, counts, row_of, positions),
+            row_group=self._row_group(tables, starts, starts + counts, row_of, positions) if one_call else None,
         )
         return {
             "input_ids": torch.tensor(ids, dtype=torch.long, device=dev),
@@ -211,41 +211,43 @@ class ModelRunner:
             masks=masks,
         )
 
-    def _row_group(self, tables: dict[int | None, np.ndarray], starts: np.ndarray, counts: np.ndarray,
-                   row_of: np.ndarray, positions: np.ndarray) -> AttentionGroup | None:
-        """Every row of the step as a query of its own over its sequence's keys, causally masked (prefill
-        chunks' rows as decodes of their positions), or None when [rows, keys] passes _ROW_KEYS_MAX."""
-        dev, total = self.device, len(row_of)
-        if not self.one_call or total * int((starts + counts).max()) > _ROW_KEYS_MAX:
-            return None
+    def _row_group(self, tables: dict[int | None, np.ndarray], starts: np.ndarray, ends: np.ndarray,
+                   row_of: np.ndarray | None, positions: np.ndarray) -> AttentionGroup:
+        """Every row of the step as a query of its own over its sequence's keys (sequence `row_of[t]`, each
+        sequence's tokens starts..ends-1), causally masked: a decode step's one group, and for a step with
+        prefill chunks what a one-call step reads (each chunk row as a decode of its position). row_of
+        None: each sequence has one row."""
+        dev, total = self.device, len(positions)
         kv_slots, masks = {}, {}
         for w, table in tables.items():
-            slot_rows, k_pos = self._keys(table, starts, starts + counts, w)
-            kv_slots[w] = torch.from_numpy(slot_rows[row_of]).to(dev)
-            masks[w] = torch.from_numpy(_attends(k_pos[row_of], positions[:, None], w)).to(dev)
+            slot_rows, k_pos = self._keys(table, starts, ends, w)
+            if row_of is not None:
+                slot_rows, k_pos = slot_rows[row_of], k_pos[row_of]
+            kv_slots[w] = torch.from_numpy(slot_rows).to(dev)
+            masks[w] = torch.from_numpy(_attends(k_pos, positions[:, None], w)).view(total, 1, 1, -1).to(dev)
         rows = torch.arange(total, device=dev).view(total, 1)
         return AttentionGroup(q_index=rows, out_index=rows, kv_slots=kv_slots, masks=masks)
+
+    def _slot_mapping(self, tables: dict[int | None, np.ndarray], row_of: np.ndarray,
+                      positions: np.ndarray) -> dict[int | None, torch.Tensor]:
+        """Each window's cache slot [T] of each new token (sequence `row_of[t]`, at `positions[t]`)."""
+        bs = self.block_size
+        return {w: torch.from_numpy(t[row_of, positions // bs] * bs + positions % bs).to(self.device)
+                for w, t in tables.items()}
 
     def _prepare_decodes(self, seqs: list[Sequence]) -> dict:
         """`_prepare` for a step whose every sequence decodes one token and samples (most steps): the same
         tensors from a third of the numpy calls."""
         b, dev = len(seqs), self.device
         positions = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, b)
-        rows = torch.arange(b, device=dev)
-        slot_mapping, kv_slots, masks = {}, {}, {}
-        for w, name in self.tables.items():
-            table = _padded_tables([getattr(s, name) for s in seqs])
-            slot_rows, k_pos = self._keys(table, positions, positions + 1, w)
-            mask = _attends(k_pos, positions[:, None], w)
-            slot_mapping[w] = torch.from_numpy(slot_rows[np.arange(b), positions - k_pos[:, 0]]).to(dev)
-            kv_slots[w] = torch.from_numpy(slot_rows).to(dev)
-            masks[w] = torch.from_numpy(mask).view(b, 1, 1, -1).to(dev)
-        group = AttentionGroup(q_index=rows.view(b, 1), out_index=rows.view(b, 1), kv_slots=kv_slots, masks=masks)
+        tables = {w: _padded_tables([getattr(s, name) for s in seqs]) for w, name in self.tables.items()}
+        group = self._row_group(tables, positions, positions + 1, None, positions)
         return {
             "input_ids": torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.long, device=dev),
             "positions": torch.from_numpy(positions).to(dev),
-            "meta": AttentionMetadata(slot_mapping=slot_mapping, groups=[group], num_tokens=b, row_group=group),
-            "logits_index": rows,
+            "meta": AttentionMetadata(slot_mapping=self._slot_mapping(tables, np.arange(b), positions),
+                                      groups=[group], num_tokens=b, row_group=group),
+            "logits_index": group.q_index.view(-1),
             "num_prompt_rows": 0,
             "prompt_rows": [],
             "sampling_seqs": seqs,

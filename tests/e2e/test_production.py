@@ -130,4 +130,3 @@ def test_systemd_notifications(prod, notify):
     prod.proc.send_signal(signal.SIGTERM)
     assert prod.proc.wait(30) == 0
     assert "STOPPING=1" in _messages(sock, 0.5) + seen
-
