@@ -35,11 +35,17 @@ from ipc.messages import SamplingParams
 PARTS = ("schedule", "prepare", "backbone", "lm head", "sampling", "update")
 
 
-def step_parts(model, dtype, batch: int, temperature: float, steps: int = 40, prompt_len: int = 130) -> dict[str, float]:
-    """Mean milliseconds of each part of a decode step at this batch size."""
+def _engine(model, dtype) -> tuple[ModelRunner, Scheduler, np.random.Generator]:
+    """A runner and scheduler as the benchmarks here drive them, and a seeded generator for prompts."""
     runner = ModelRunner(model, 4096, 16, dtype, torch.device("cpu"))
     sched = Scheduler(BlockManager(4096, 16), max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096)
-    rng = np.random.default_rng(0)
+    return runner, sched, np.random.default_rng(0)
+
+
+def step_parts(model, dtype, batch: int, temperature: float, steps: int = 40,
+               prompt_len: int = 130) -> dict[str, float]:
+    """Mean milliseconds of each part of a decode step at this batch size."""
+    runner, sched, rng = _engine(model, dtype)
     for i in range(batch):
         sched.add(Sequence(f"r{i}", rng.integers(0, 199_000, prompt_len).tolist(),
                            SamplingParams(max_tokens=steps + 20, temperature=temperature), seed=i))
@@ -74,9 +80,7 @@ def step_parts(model, dtype, batch: int, temperature: float, steps: int = 40, pr
 def prefill_steps(model, dtype, batch: int, prompt_len: int = 130, steps: int = 60) -> tuple[float, float]:
     """(mean ms of a greedy step of `batch` - 1 decodes alone, of one that also carries a new request's
     whole prompt): as a server at this concurrency runs when requests end and others take their place."""
-    runner = ModelRunner(model, 4096, 16, dtype, torch.device("cpu"))
-    sched = Scheduler(BlockManager(4096, 16), max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096)
-    rng = np.random.default_rng(0)
+    runner, sched, rng = _engine(model, dtype)
 
     def prompt():
         return rng.integers(0, 199_000, prompt_len).tolist()
