@@ -101,6 +101,19 @@ static inline void store_logits(__m512 acc, int tile0, int n, const float *bias,
 #define BLOCKS(R) BLOCK(R, 4) BLOCK(R, 1)
 BLOCKS(1) BLOCKS(2) BLOCKS(3) BLOCKS(4) BLOCKS(5) BLOCKS(6)
 
+/* The next CHUNK block groups for the calling thread, [g0, g1) (shared counter *next): 0 when none are left. */
+static inline int take_groups(int *next, int groups, int *g0, int *g1) {
+    int g;
+#pragma omp atomic capture
+    {
+        g = *next;
+        *next += CHUNK;
+    }
+    *g0 = g;
+    *g1 = g + CHUNK < groups ? g + CHUNK : groups;
+    return g < groups;
+}
+
 typedef void (*block_fn)(const uint16_t *, const uint16_t *, int, int, int, const float *, uint16_t *, int, float *,
                          int32_t *, const uint16_t *);
 static const block_fn FULL[ROWS + 1] = {0, block_1_4, block_2_4, block_3_4, block_4_4, block_5_4, block_6_4};
@@ -135,15 +148,7 @@ int sluice_bf16_matmul(const uint16_t *w, int n, int k, const uint16_t *h, int m
         const int th = omp_get_thread_num();
         float *my_best = best ? best + (size_t)th * m * TILE : NULL;
         int32_t *my_where = where ? where + (size_t)th * m * TILE : NULL;
-        for (;;) {
-            int g0;
-#pragma omp atomic capture
-            {
-                g0 = next;
-                next += CHUNK;
-            }
-            if (g0 >= groups) break;
-            const int g1 = g0 + CHUNK < groups ? g0 + CHUNK : groups;
+        for (int g0, g1; take_groups(&next, groups, &g0, &g1);) {
             for (int g = g0; g < g1; g++) {
                 const int tile0 = g * GROUP, nt = tiles - tile0 < GROUP ? tiles - tile0 : GROUP;
                 for (int r0 = 0; r0 < m; r0 += ROWS) {

@@ -78,6 +78,130 @@ def test_kernel_over_the_o200k_vocabulary_matches_onednn_argmax():
     assert torch.equal(head.argmax(hidden), argmax(head(hidden)))
 
 
+needs_vnni = pytest.mark.skipif(not _ISA | {"avx512_vnni"} <= cpu_kernels.cpu_flags(),
+                                reason="this CPU lacks AVX512-BF16 or AVX512-VNNI")
+
+
+def _near_ties(weight: torch.Tensor, hidden: torch.Tensor, ties: int, g: torch.Generator) -> None:
+    """Makes rows' top logits close: copies of a row (exact ties: the first index must win), copies one bf16
+    step off in one column, and hidden rows along a weight row (its logit then tops the rest by a margin
+    that the int8 screen cannot resolve alone)."""
+    vocab, rows = len(weight), len(hidden)
+    for i in range(min(ties, vocab // 2)):
+        j = int(torch.randint(vocab, (1,), generator=g))
+        weight[vocab - 1 - i] = weight[j]
+        if i % 2:
+            col = int(torch.randint(weight.shape[1], (1,), generator=g))
+            weight[vocab - 1 - i, col] = torch.nextafter(weight[j, col].float(), torch.tensor(9.0)).bfloat16()
+        hidden[i % rows] = weight[j] * 3
+
+
+@needs_vnni
+@settings(max_examples=40, deadline=None)
+@given(vocab=st.integers(1, 3000), dim=st.sampled_from([4, 32, 128, 260]), rows=st.integers(1, 40),
+       ties=st.integers(0, 8), cluster=st.integers(0, 60), along=st.booleans(),
+       eps=st.sampled_from([0.01, 0.1, 1.0]), outlier=st.booleans(), spread=st.booleans(), seed=st.integers(0, 2**16))
+def test_int8_screened_argmax_is_the_bf16_kernels(vocab, dim, rows, ties, cluster, along, eps, outlier, spread, seed):
+    """The screen settles every row on the bf16 kernel's token: random rows; near and exact ties; a cluster
+    of large rows around one direction, with hidden rows along it (top logits large and close: bf16
+    rounding ties) or across it (top logits as close as the int8 error of the large common part); a hidden
+    outlier column (coarse activation quantization); vocabulary rows of very different sizes."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, dim, generator=g)
+    if spread:
+        weight *= torch.exp(torch.randn(vocab, 1, generator=g) * 2)
+    hidden = torch.randn(rows, dim, generator=g)
+    cluster = min(cluster, vocab)
+    if cluster:
+        base = torch.randn(dim, generator=g) * 3
+        weight[:-cluster] *= 0.01
+        weight[-cluster:] = base + eps * torch.randn(cluster, dim, generator=g)
+        if along:
+            hidden = base + eps * hidden
+        else:
+            hidden -= (hidden @ base)[:, None] * base / (base @ base)
+    weight, hidden = weight.bfloat16(), hidden.bfloat16()
+    _near_ties(weight, hidden, ties, g)
+    if outlier:
+        hidden[:, 0] = 60
+    kernel = cpu_kernels.Bf16Matmul.build(weight)
+    screen = cpu_kernels.Int8Argmax.build(kernel, weight)
+    assert screen is not None
+    assert torch.equal(screen(hidden), kernel.argmax(hidden))
+    assert screen.rows == rows
+
+
+@needs_vnni
+def test_int8_screen_keeps_a_column_whose_int8_error_is_its_whole_bound():
+    """Column 3's values sit halfway between int8 steps and the hidden row takes every error's sign, so its
+    screened logit is short of its true one by the whole of its error bound; column 7 (exact in int8)
+    lies just below it in truth (by less than a tenth of that bound) and far above it screened. The token
+    is column 3: a bound 15% short would lose it."""
+    g = torch.Generator().manual_seed(0)
+    k, step = 128, 2.0**-6
+    n = -torch.randint(0, 2, (k,), generator=g)  # values (n + 1/2) step: n = 0 rounds down, -1 up (to even)
+    x = torch.where(n == 0, 1.0, -1.0)  # the sign of each value's rounding error
+    w3 = (n + 0.5) * step
+    w3[0], x[0] = 127 * step, 1.0  # the row's largest value: its scale is `step`, exactly
+    w7 = torch.round(w3 / step) * step
+    w7[1:60] += step * x[1:60]  # 59 of the 63.5 steps the screen loses on column 3, back
+    weight = torch.randn(500, k, generator=g) * 1e-3
+    weight[3], weight[7] = w3, w7
+    weight, hidden = weight.bfloat16(), x[None].bfloat16()
+    true = weight.float() @ x
+    assert 0.07 < (true[3] - true[7]).item() < 0.08
+    kernel = cpu_kernels.Bf16Matmul.build(weight)
+    screen = cpu_kernels.Int8Argmax.build(kernel, weight)
+    assert kernel.argmax(hidden).item() == 3 and screen(hidden).item() == 3 and screen.redone == 0
+
+
+@needs_vnni
+def test_int8_screen_keeps_the_columns_that_round_to_the_top_in_bf16():
+    """Integer weights and hidden rows whose largest values are 127 quantize exactly: the screen's only
+    slack is the bf16 rounding of the logits, under which near-copies of one row (logits ~170k, a bf16
+    step of 1024) tie and the first index wins, whichever is largest in float32."""
+    g = torch.Generator().manual_seed(1)
+    k = 32
+    weight = torch.randint(-127, 128, (3000, k), generator=g).float()
+    family = weight[10] + torch.randint(-2, 3, (10, k), generator=g) * (torch.rand(10, k, generator=g) < 0.1)
+    weight[:10] = family.clamp(-127, 127)
+    hidden = (weight[10] + torch.randint(-3, 4, (40, k), generator=g)).clamp(-127, 127)
+    weight[:, 0] = hidden[:, 0] = 127
+    weight, hidden = weight.bfloat16(), hidden.bfloat16()
+    logits = weight.float() @ hidden.float().T
+    kernel = cpu_kernels.Bf16Matmul.build(weight)
+    tokens = kernel.argmax(hidden)
+    assert (tokens != logits.argmax(dim=0)).sum() >= 5  # the bf16 ties matter in these rows
+    screen = cpu_kernels.Int8Argmax.build(kernel, weight)
+    assert torch.equal(screen(hidden), tokens) and screen.redone == 0
+
+
+@needs_vnni
+def test_int8_screen_redoes_rows_it_cannot_narrow_and_stops_where_that_is_common(monkeypatch, caplog):
+    """Hundreds of equal top logits overflow the screen's pools: those rows are computed again in full
+    (the same tokens, the first index of the tie); all-zero rows cannot be quantized and are too. A head
+    whose rows are mostly redone stops screening."""
+    weight = torch.randn(4000, 64).bfloat16()
+    weight[1000:1600] = weight[999]  # 601 equal rows
+    hidden = torch.randn(8, 64).bfloat16()
+    hidden[:3] = weight[999] * 2
+    hidden[5] = 0
+    head = LMHead(weight)
+    assert head.screen is not None
+    tokens = head.argmax(hidden)
+    assert torch.equal(tokens, head.kernel.argmax(hidden))
+    assert tokens[:3].tolist() == [999] * 3 and tokens[5] == 0
+    assert head.screen.redone == 4 and head.screen.active
+    monkeypatch.setattr(cpu_kernels.Int8Argmax, "_TRIAL", 16)
+    with caplog.at_level("INFO", logger="sluice.engine"):
+        head.argmax(hidden)
+    assert head.screen.redone == 8 and head.screen.rows == 16 and not head.screen.active
+    assert "no longer screened" in caplog.text
+    calls = []
+    monkeypatch.setattr(head.screen, "fn", lambda *a: calls.append(a))
+    assert torch.equal(head.argmax(hidden), tokens) and not calls  # the bf16 kernel alone now
+
+
 def test_disabled_kernels_fall_back_to_onednn(fresh_kernels, monkeypatch):
     monkeypatch.setenv("SLUICE_CPU_KERNELS", "0")
     weight, hidden = torch.randn(300, 32).bfloat16(), torch.randn(5, 32).bfloat16()
