@@ -165,7 +165,7 @@ class Int8Argmax:
 
     TILE = 16
     _TRIAL, _REDO_MAX = 1024, 1 / 8
-    _CHUNK = 16384  # vocabulary rows quantized at a time (bounds the float64 copy)
+    _CHUNK = 1 << 21  # weight elements quantized at a time (bounds the float64 copies: 16 MB each)
 
     def __init__(self, fn, kernel: Bf16Matmul, weight: torch.Tensor) -> None:
         n, k = weight.shape
@@ -173,8 +173,9 @@ class Int8Argmax:
         q = torch.zeros(tiles * self.TILE, k, dtype=torch.int8)
         # per column (zero past n): s_v, e_v = ||w_v - s_v q_v||, n_v = ||s_v q_v||, and ||w_v||
         self.scale, self.err, self.norm, norm_w = torch.zeros(4, tiles * self.TILE, dtype=torch.float32)
-        for i in range(0, n, self._CHUNK):
-            w = weight[i:i + self._CHUNK].detach().double()
+        step = max(1, self._CHUNK // k)
+        for i in range(0, n, step):
+            w = weight[i:i + step].detach().double()
             amax = w.abs().amax(dim=1)
             s = torch.where(amax > 0, amax / 127, 1.0).float().double()  # (the float32 s_v the kernel uses)
             qi = torch.round(w / s[:, None]).clamp_(-127, 127)

@@ -285,9 +285,9 @@ int sluice_int8_argmax(const int8_t *q, const int32_t *start, const float *scale
         float best = -INFINITY, vals[TILE];
         int32_t at = INT32_MAX;
         for (int j0 = 0; j0 < count; j0 += TILE) {
-            const int c = count - j0 < TILE ? count - j0 : TILE;
-            exact_logits(w, k, hrow, kept + j0, c, vals);
-            for (int j = 0; j < c; j++)
+            const int some = count - j0 < TILE ? count - j0 : TILE;
+            exact_logits(w, k, hrow, kept + j0, some, vals);
+            for (int j = 0; j < some; j++)
                 if (vals[j] > best || (vals[j] == best && kept[j0 + j] < at)) {
                     best = vals[j];
                     at = kept[j0 + j];
