@@ -1,12 +1,13 @@
 """Where a decode step's time goes, in process, and what each vocabulary-sized kernel choice costs.
 
     python -m bench.step_parts [--batches 1,16,64] [--dtype bfloat16] [--prompt-len 130] [--prefill-steps]
-                               [--kernels] [--no-keep-heap]
+                               [--mixed] [--kernels] [--no-keep-heap]
 
 Part 1 runs Sluice's scheduler and paged runner on the tiny o200k Llama (130-token prompts by default,
 so each decode attends to ~130-190 keys, as in bench/peer.py's load) and times each part of a decode step,
 greedy and at temperature 1. --prefill-steps times, beside batch - 1 decodes, the steps that also carry
-a new request's whole prompt (at concurrency 16 with 64-token answers, one step in four). Part 2
+a new request's whole prompt (at concurrency 16 with 64-token answers, one step in four); --mixed times
+decode steps whose rows are half greedy, half at temperature 1, beside all of either. Part 2
 (--kernels) times the choices the runner and sampler make against the plain torch calls they replace, on
 the same shapes.
 """
@@ -99,6 +100,26 @@ def prefill_steps(model, dtype, batch: int, prompt_len: int = 130, steps: int = 
     return 1000 * float(np.mean(times[False])), 1000 * float(np.mean(times[True]))
 
 
+def mixed_steps(model, dtype, batch: int, prompt_len: int = 130, steps: int = 40) -> dict[str, float]:
+    """Mean ms of a decode step whose rows are all at temperature 1, half greedy (every other row) and
+    all greedy: a server whose clients differ."""
+    out = {}
+    for name, greedy in (("sampled", lambda i: False), ("half greedy", lambda i: i % 2 == 0),
+                         ("greedy", lambda i: True)):
+        runner, sched, rng = _engine(model, dtype)
+        for i in range(batch):
+            sched.add(Sequence(f"r{i}", rng.integers(0, 199_000, prompt_len).tolist(),
+                               SamplingParams(max_tokens=10_000, temperature=0.0 if greedy(i) else 1.0), seed=i))
+        times = []
+        for i in range(10 + steps):  # the prefill and warm-up decodes first
+            b = sched.schedule()
+            t0 = time.perf_counter()
+            sched.update(b, runner.run(b).tokens)
+            times.append(time.perf_counter() - t0)
+        out[name] = 1000 * float(np.mean(times[10:]))
+    return out
+
+
 def bench_ms(fn, n: int = 20) -> float:
     for _ in range(3):
         fn()
@@ -167,6 +188,8 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true")
     parser.add_argument("--prefill-steps", action="store_true",
                         help="also time steps that carry a new request's prompt beside batch - 1 decodes")
+    parser.add_argument("--mixed", action="store_true",
+                        help="also time decode steps whose rows are half greedy, half at temperature 1")
     parser.add_argument("--prompt-len", type=int, default=130, help="tokens of each sequence's prompt")
     parser.add_argument("--no-keep-heap", action="store_true",
                         help="leave glibc's malloc as it is (the engine process keeps large tensors on the heap)")
@@ -188,6 +211,11 @@ def main() -> None:
         for b in (b for b in batches if b > 1):
             alone, mixed = prefill_steps(model, dtype, b, args.prompt_len)
             print(f"{b:>5} {alone:>17.2f} {mixed:>15.2f}")
+    if args.mixed:
+        print(f"\n{'batch':>5} {'temperature 1 ms':>17} {'half greedy ms':>15} {'greedy ms':>10}")
+        for b in (b for b in batches if b > 1):
+            ms = mixed_steps(model, dtype, b, args.prompt_len)
+            print(f"{b:>5} {ms['sampled']:>17.2f} {ms['half greedy']:>15.2f} {ms['greedy']:>10.2f}")
     if args.kernels:
         print(f"\n{'kernel (torch / Sluice)':52} {'batch':>5} {'torch ms':>9} {'sluice ms':>9} {'speed-up':>8}")
         for what, b, plain, ours in kernels(model, batches):

@@ -240,6 +240,36 @@ def test_bf16_engine_greedy_tokens_are_those_of_the_logits_path(tiny_chat_dir):
     assert fused == with_logits
 
 
+@needs_kernel
+def test_greedy_rows_beside_sampled_ones_take_the_argmax_path_with_the_same_tokens(tiny_chat_dir):
+    """Five greedy requests beside three seeded sampled ones (one with logprobs): the greedy rows' argmax
+    runs apart, without logits, and every request gets the tokens it gets alone."""
+    prompts = [[5, 17, 300, 42], [7, 7, 7], list(range(40, 70)), [100, 2, 3, 99, 12], [8, 9], [1, 2, 3],
+               [60, 61], list(range(200, 230))]
+
+    def requests(which):
+        return [seq(f"r{i}", p, max_tokens=10, seed=i, **({"temperature": 0} if i < 5 else
+                                                          {"temperature": 1.0, "logprobs": 2 if i == 7 else None}))
+                for i, p in enumerate(prompts) if i in which]
+
+    runner, sched = make_engine(tiny_chat_dir, dtype=torch.bfloat16)
+    rows, steps = [], []
+    argmax_only, run = runner.lm_head.argmax, runner.run
+    runner.lm_head.argmax = lambda hidden: rows.append(len(hidden)) or argmax_only(hidden)
+    runner.run = lambda batch: steps.append((list(batch.seqs), run(batch))) or steps[-1][1]
+    together = generate(runner, sched, requests(range(8)))
+    assert rows.count(5) >= 8  # the decode steps split the five greedy rows off
+    split = [(seqs, out) for seqs, out in steps if len(seqs) == 8 and len(out.tokens) == 8]
+    assert split
+    for seqs, out in split:  # the logprobs land on the row that asked for them
+        assert [e is not None for e in out.logprobs] == [s.request_id == "r7" for s in seqs]
+        assert all(len(e.top_ids) == 2 for e in out.logprobs if e is not None)
+    alone = {}
+    for which in (range(5), range(5, 8)):
+        alone |= generate(*make_engine(tiny_chat_dir, dtype=torch.bfloat16), requests(which))
+    assert together == alone
+
+
 @needs_avx512
 @settings(max_examples=30, deadline=None)
 @given(vocab=st.integers(1, 3000), rows=st.integers(1, 9), masked=st.integers(0, 50),
