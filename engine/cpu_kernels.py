@@ -250,7 +250,13 @@ def _int8_argmax():
 @functools.cache
 def exp_blocks():
     """csrc/exp_blocks.c's function (None where it cannot run): see engine.sampler.exp_blocks."""
-    return _function("exp_blocks", _AVX512, "sluice_exp_blocks", [_P, _I, _I, _I, _P, _P, _P, _I])
+    return _function("exp_blocks", _AVX512, "sluice_exp_blocks", [_P, _I, _I, _I, _P, _P, _P, _I, _P])
+
+
+@functools.cache
+def exp_block():
+    """csrc/exp_blocks.c's probs of one block a row (None where it cannot run): see engine.sampler."""
+    return _function("exp_blocks", _AVX512, "sluice_exp_block", [_P, _I, _I, _I, _P, _P, _P, _I, _P])
 
 
 @functools.cache
@@ -455,6 +461,6 @@ class DecoderStack:
 
 def clear() -> None:
     """Forgets what was loaded (tests that change the environment)."""
-    for cached in (load, _bf16_matmul, _int8_argmax, exp_blocks, _decode_attention, _rope_store, _rms_norm,
-                   _decoder_layers):
+    for cached in (load, _bf16_matmul, _int8_argmax, exp_blocks, exp_block, _decode_attention, _rope_store,
+                   _rms_norm, _decoder_layers):
         cached.cache_clear()

@@ -199,11 +199,39 @@ def _draw(logits: torch.Tensor, scale: torch.Tensor, sb: SamplingBatch, rows: sl
             logits = _apply_top_k(logits, sb.top_k[rows])
         if top_p:
             logits = _apply_top_p(logits, sb.top_p[rows])
+    if not sb.any_min_p and (tokens := _draw_from_sums(logits, scale, sb.uniform[rows])) is not None:
+        return tokens
     probs, sums = exp_blocks(logits, scale)
     if sb.any_min_p:
         probs.mul_(probs >= sb.min_p[rows].unsqueeze(1) * probs.amax(dim=-1, keepdim=True))
         sums = None
     return inverse_cdf(probs, sb.uniform[rows].to(probs.dtype), sums)
+
+
+def _draw_from_sums(logits: torch.Tensor, scale: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    """`inverse_cdf(*exp_blocks(logits, scale))`'s tokens (the same bits) from the kernel's block sums
+    alone and then the probs of each row's one chosen block: without writing and reading back 4 bytes a
+    column. None where the kernel does not apply."""
+    kernel, block_kernel = (cpu_kernels.exp_blocks(), cpu_kernels.exp_block()) if logits.device.type == "cpu" \
+        else (None, None)
+    if kernel is None or block_kernel is None or logits.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    x, (r, v) = logits.contiguous(), logits.shape
+    c = min(_BLOCK, v)
+    sums = torch.empty(r, -(-v // c), dtype=torch.float32)
+    row_max = torch.empty(r, dtype=torch.float32)
+    inverse_t = (1.0 / scale.to(torch.float32)).reshape(r).contiguous()
+    bf16 = x.dtype == torch.bfloat16
+    kernel(x.data_ptr(), bf16, r, v, inverse_t.data_ptr(), None, sums.data_ptr(), c, row_max.data_ptr())
+
+    def block_values(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        block = block.contiguous()
+        values = torch.empty(r, c, dtype=torch.float32)
+        block_kernel(x.data_ptr(), bf16, r, v, inverse_t.data_ptr(), row_max.data_ptr(), block.data_ptr(), c,
+                     values.data_ptr())
+        return values, block.unsqueeze(1) * c + torch.arange(c)
+
+    return _pick(u.to(torch.float32), sums, block_values)
 
 
 def _scaled(logits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -226,9 +254,9 @@ def exp_blocks(logits: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
     probs = torch.empty(r, v, dtype=torch.float32)
     sums = torch.empty(r, -(-v // c), dtype=torch.float32)
     inverse_t = (1.0 / scale.to(torch.float32)).reshape(r).contiguous()
-    if kernel(x.data_ptr(), x.dtype == torch.bfloat16, r, v, inverse_t.data_ptr(), probs.data_ptr(),
-              sums.data_ptr(), c):
-        raise MemoryError("the sampling kernel could not allocate its workspace")
+    row_max = torch.empty(r, dtype=torch.float32)
+    kernel(x.data_ptr(), x.dtype == torch.bfloat16, r, v, inverse_t.data_ptr(), probs.data_ptr(), sums.data_ptr(), c,
+           row_max.data_ptr())
     return probs, sums
 
 
@@ -288,14 +316,21 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, sums: torch.Tensor | None 
         sums, c = _per_block(probs, torch.sum)
     else:
         c = min(_BLOCK, probs.shape[1])
+    return _pick(u, sums, lambda block: _block_columns(probs, block, c, 0.0))
+
+
+def _pick(u: torch.Tensor, sums: torch.Tensor, block_values) -> torch.Tensor:
+    """inverse_cdf from the per-block sums [B, blocks]: `block_values(block [B])` gives the probs of each
+    row's chosen block [B, C] (0 past the row's end) and their columns [B, C]."""
     cdf = sums.cumsum_(dim=-1)  # [B, blocks]
     target = u.unsqueeze(1) * cdf[:, -1:]  # [B, 1]
     block = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)  # [B, 1]
     before = torch.where(block > 0, cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
-    values, cols = _block_columns(probs, block.squeeze(1), c, 0.0)
+    values, cols = block_values(block.squeeze(1))
     pos = torch.searchsorted(values.cumsum(dim=-1), target - before, right=True)  # [B, 1]
     # rounding can put the target past the block's own running sum: take its last token with mass
-    last = torch.where(values > 0, torch.arange(c, device=probs.device), 0).amax(dim=-1, keepdim=True)
+    last = torch.where(values > 0, torch.arange(values.shape[1], device=values.device), 0).amax(dim=-1,
+                                                                                              keepdim=True)
     return cols.gather(1, torch.minimum(pos, last)).squeeze(1)
 
 

@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 from engine import cpu_kernels
 from engine.layers import Linear
 from engine.lm_head import LMHead
-from engine.sampler import SamplingBatch, _per_block, argmax, exp_blocks, sample
+from engine.sampler import SamplingBatch, _draw_from_sums, _per_block, argmax, exp_blocks, inverse_cdf, sample
 from tests.engine.helpers import generate, make_engine, seq
 
 _ISA = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
@@ -293,6 +293,28 @@ def test_exp_blocks_are_torch_exp_and_block_sums(vocab, rows, masked, dtype, see
     for r in range(rows):  # a row alone gives the same bits
         alone, alone_sums = exp_blocks(logits[r : r + 1], temperature[r : r + 1])
         assert torch.equal(alone[0], probs[r]) and torch.equal(alone_sums[0], sums[r])
+
+
+@needs_avx512
+@settings(max_examples=40, deadline=None)
+@given(vocab=st.integers(1, 5000), rows=st.integers(1, 12), masked=st.integers(0, 3000), peaked=st.booleans(),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2**16))
+def test_drawing_from_block_sums_is_drawing_from_the_written_probs(vocab, rows, masked, peaked, dtype, seed):
+    """The sampler's plain-temperature path (the kernel's block sums, then one block's probs a row) draws
+    the tokens of the inverse CDF over every prob written, for any uniform: the same bits."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=g) * (20 if peaked else 3)).to(dtype)
+    logits.view(-1)[torch.randint(0, rows * vocab, (masked,), generator=g)] = float("-inf")
+    logits[:, -1] = 1.0  # no row entirely masked
+    temperature = torch.rand(rows, 1, generator=g) * 2 + 0.05
+    u = torch.rand(rows, generator=g, dtype=torch.float64)
+    u[0] = 1 - 2**-53  # the last token with mass
+    if rows > 1:
+        u[1] = 0.0
+    tokens = _draw_from_sums(logits, temperature, u)
+    assert tokens is not None, "the kernel did not load"
+    probs, sums = exp_blocks(logits, temperature)
+    assert torch.equal(tokens, inverse_cdf(probs, u.float(), sums))
 
 
 @needs_avx512
