@@ -212,23 +212,18 @@ def _draw_from_sums(logits: torch.Tensor, scale: torch.Tensor, u: torch.Tensor) 
     """`inverse_cdf(*exp_blocks(logits, scale))`'s tokens (the same bits) from the kernel's block sums
     alone and then the probs of each row's one chosen block: without writing and reading back 4 bytes a
     column. None where the kernel does not apply."""
-    kernel, block_kernel = (cpu_kernels.exp_blocks(), cpu_kernels.exp_block()) if logits.device.type == "cpu" \
-        else (None, None)
-    if kernel is None or block_kernel is None or logits.dtype not in (torch.bfloat16, torch.float32):
+    block_kernel = cpu_kernels.exp_block() if logits.device.type == "cpu" else None
+    done = _exp_pass(logits, scale, write_probs=False) if block_kernel is not None else None
+    if done is None:
         return None
-    x, (r, v) = logits.contiguous(), logits.shape
-    c = min(_BLOCK, v)
-    sums = torch.empty(r, -(-v // c), dtype=torch.float32)
-    row_max = torch.empty(r, dtype=torch.float32)
-    inverse_t = (1.0 / scale.to(torch.float32)).reshape(r).contiguous()
-    bf16 = x.dtype == torch.bfloat16
-    kernel(x.data_ptr(), bf16, r, v, inverse_t.data_ptr(), None, sums.data_ptr(), c, row_max.data_ptr())
+    x, _, sums, row_max, inverse_t = done
+    (r, v), c = x.shape, min(_BLOCK, x.shape[1])
 
     def block_values(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         block = block.contiguous()
         values = torch.empty(r, c, dtype=torch.float32)
-        block_kernel(x.data_ptr(), bf16, r, v, inverse_t.data_ptr(), row_max.data_ptr(), block.data_ptr(), c,
-                     values.data_ptr())
+        block_kernel(x.data_ptr(), x.dtype == torch.bfloat16, r, v, inverse_t.data_ptr(), row_max.data_ptr(),
+                     block.data_ptr(), c, values.data_ptr())
         return values, block.unsqueeze(1) * c + torch.arange(c)
 
     return _pick(u.to(torch.float32), sums, block_values)
@@ -245,19 +240,28 @@ def exp_blocks(logits: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
     Sluice's kernel (csrc/exp_blocks.c: exp((x - max) / t) and the block sums in one pass, ~3x torch's
     softmax here); elsewhere torch's softmax (its kernel reads bf16 as it goes: twice as fast here as the
     same steps one op at a time)."""
+    done = _exp_pass(logits, scale, write_probs=True)
+    if done is None:
+        return torch.softmax(_scaled(logits, scale), dim=-1, dtype=torch.float32), None
+    return done[1], done[2]
+
+
+def _exp_pass(logits: torch.Tensor, scale: torch.Tensor, write_probs: bool):
+    """csrc/exp_blocks.c's pass: (the contiguous logits, probs or None, block sums, row maxes, 1 /
+    temperature), or None where the kernel does not apply."""
     kernel = cpu_kernels.exp_blocks() if logits.device.type == "cpu" else None
     if kernel is None or logits.dtype not in (torch.bfloat16, torch.float32):
-        return torch.softmax(_scaled(logits, scale), dim=-1, dtype=torch.float32), None
+        return None
     x = logits.contiguous()
     r, v = x.shape
     c = min(_BLOCK, v)
-    probs = torch.empty(r, v, dtype=torch.float32)
+    probs = torch.empty(r, v, dtype=torch.float32) if write_probs else None
     sums = torch.empty(r, -(-v // c), dtype=torch.float32)
-    inverse_t = (1.0 / scale.to(torch.float32)).reshape(r).contiguous()
     row_max = torch.empty(r, dtype=torch.float32)
-    kernel(x.data_ptr(), x.dtype == torch.bfloat16, r, v, inverse_t.data_ptr(), probs.data_ptr(), sums.data_ptr(), c,
-           row_max.data_ptr())
-    return probs, sums
+    inverse_t = (1.0 / scale.to(torch.float32)).reshape(r).contiguous()
+    kernel(x.data_ptr(), x.dtype == torch.bfloat16, r, v, inverse_t.data_ptr(),
+           None if probs is None else probs.data_ptr(), sums.data_ptr(), c, row_max.data_ptr())
+    return x, probs, sums, row_max, inverse_t
 
 
 # Vocabulary-sized scans run as two levels over blocks of this many columns: a reduction per block
