@@ -107,6 +107,20 @@ def _torch_runs_libgomp() -> bool:
         return False
 
 
+def _padded(n: int) -> int:
+    """n rounded up to whole tiles of 16 output rows."""
+    return -(-n // Bf16Matmul.TILE) * Bf16Matmul.TILE
+
+
+def _tiles(w: torch.Tensor, group: int) -> torch.Tensor:
+    """A weight [N, K] packed as the kernels read it: tiles of 16 output rows (zero rows past N), each
+    [K / group][16][group] (for every `group` consecutive columns, the 16 rows' values side by side)."""
+    n, k = w.shape
+    tile = Bf16Matmul.TILE
+    w = F.pad(w, (0, 0, 0, _padded(n) - n))
+    return w.view(-1, tile, k // group, group).permute(0, 2, 1, 3).contiguous()
+
+
 class Bf16Matmul:
     """csrc/bf16_matmul.c for one bf16 weight [N, K] (K even) and optional bias [N]: x @ W^T + bias in bf16
     for bf16 rows x [M, K], or each row's argmax over N without writing the product. The weight is packed
@@ -117,10 +131,8 @@ class Bf16Matmul:
 
     def __init__(self, fn, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         n, k = weight.shape
-        tiles = -(-n // self.TILE)
-        w = F.pad(weight.detach(), (0, 0, 0, tiles * self.TILE - n))
-        self.packed = w.view(tiles, self.TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-        self.bias = None if bias is None else F.pad(bias.detach().float(), (0, tiles * self.TILE - n))
+        self.packed = _tiles(weight.detach(), 2)
+        self.bias = None if bias is None else F.pad(bias.detach().float(), (0, _padded(n) - n))
         self.n, self.k = n, k
         self.fn = fn
 
@@ -163,16 +175,14 @@ class Int8Argmax:
     common (a model whose top logits sit closer together than the int8 error bound), screening costs more
     than it saves: after `_TRIAL` rows with more than `_REDO_MAX` of them redone, it stops (`active`)."""
 
-    TILE = 16
     _TRIAL, _REDO_MAX = 1024, 1 / 8
     _CHUNK = 1 << 21  # weight elements quantized at a time (bounds the float64 copies: 16 MB each)
 
     def __init__(self, fn, kernel: Bf16Matmul, weight: torch.Tensor) -> None:
         n, k = weight.shape
-        tiles = -(-n // self.TILE)
-        q = torch.zeros(tiles * self.TILE, k, dtype=torch.int8)
+        q = torch.zeros(n, k, dtype=torch.int8)
         # per column (zero past n): s_v, e_v = ||w_v - s_v q_v||, n_v = ||s_v q_v||, and ||w_v||
-        self.scale, self.err, self.norm, norm_w = torch.zeros(4, tiles * self.TILE, dtype=torch.float32)
+        self.scale, self.err, self.norm, norm_w = torch.zeros(4, _padded(n), dtype=torch.float32)
         step = max(1, self._CHUNK // k)
         for i in range(0, n, step):
             w = weight[i:i + step].detach().double()
@@ -185,10 +195,12 @@ class Int8Argmax:
             # (bounds rounded up: their float32 copies and the kernel's float sums of them still bound)
             for out, x in ((self.err, w - qi * s[:, None]), (self.norm, qi * s[:, None]), (norm_w, w)):
                 out[rows] = (x.norm(dim=1) * (1 + 2**-10) + 1e-30).float()
-        self.start = (-128 * q.sum(dim=1, dtype=torch.int32)).to(torch.int32)
-        self.packed = q.view(tiles, self.TILE, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+        self.start = F.pad(-128 * q.sum(dim=1, dtype=torch.int32), (0, _padded(n) - n))
+        self.packed = _tiles(q, 4)
         self.largest = [x.max().item() for x in (self.err, norm_w, self.norm)]
         self.kernel, self.n, self.k, self.fn = kernel, n, k, fn
+        self._weights = [t.data_ptr() for t in (self.packed, self.start, self.scale, self.err, self.norm,
+                                                kernel.packed)]
         self.rows = self.redone = 0
 
     @classmethod
@@ -209,9 +221,8 @@ class Int8Argmax:
         x = x.to(torch.bfloat16).contiguous()
         tokens = torch.empty(x.shape[0], dtype=torch.int32)
         if x.shape[0]:
-            redone = self.fn(*(t.data_ptr() for t in (self.packed, self.start, self.scale, self.err, self.norm,
-                                                       self.kernel.packed)),
-                             self.n, self.k, *self.largest, x.data_ptr(), x.shape[0], tokens.data_ptr())
+            redone = self.fn(*self._weights, self.n, self.k, *self.largest, x.data_ptr(), x.shape[0],
+                             tokens.data_ptr())
             if redone < 0:
                 raise MemoryError("the int8 argmax kernel could not allocate its workspace")
             self.rows += x.shape[0]
@@ -280,8 +291,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     t, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     if (q.device.type != "cpu" or {q.dtype, k_cache.dtype, v_cache.dtype, out.dtype} != {torch.bfloat16}
-            or not _attention_shape_ok(heads, kv_heads, dim) or q.stride(2) != 1 or q.stride(1) != dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()
-                                                              and out.is_contiguous())):
+            or not _attention_shape_ok(heads, kv_heads, dim) or q.stride(2) != 1 or q.stride(1) != dim
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous())):
         return False
     fn = _decode_attention()
     if fn is None:

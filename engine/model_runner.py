@@ -94,27 +94,27 @@ class ModelRunner:
         hidden, inputs = self._hidden(batch)
         seqs = inputs["sampling_seqs"]
         if not inputs["prompt_rows"]:
-            greedy = [r for r, s in enumerate(seqs) if plain_greedy(s)]
-            if len(greedy) == len(seqs):
+            greedy = [plain_greedy(s) for s in seqs]
+            if all(greedy):
                 # the argmax without the logits: the LM head's kernel need not write them (the same tokens)
                 return StepSamples(self.lm_head.argmax(hidden).tolist())
-            if len(greedy) >= _SPLIT_GREEDY_MIN and self.lm_head.kernel is not None:
+            if sum(greedy) >= _SPLIT_GREEDY_MIN and self.lm_head.kernel is not None:
                 return self._split(hidden, seqs, greedy)
         return self._sample(hidden, seqs, inputs["num_prompt_rows"], inputs["prompt_rows"])
 
-    def _split(self, hidden: torch.Tensor, seqs: list[Sequence], greedy: list[int]) -> StepSamples:
-        """A step whose plain-greedy rows take the argmax path and the others the logits path: the tokens
-        each path gives alone (a row's token depends on that row only)."""
-        others = sorted(set(range(len(seqs))) - set(greedy))
+    def _split(self, hidden: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> StepSamples:
+        """A step whose plain-greedy rows (`greedy[r]`) take the argmax path and the others the logits path:
+        the tokens each path gives alone (a row's token depends on that row only)."""
+        fast = [r for r, g in enumerate(greedy) if g]
+        others = [r for r, g in enumerate(greedy) if not g]
         out = self._sample(hidden[others], [seqs[r] for r in others], 0, [])
-        tokens = [0] * len(seqs)
-        for r, token in zip(greedy, self.lm_head.argmax(hidden[greedy]).tolist()):
+        tokens, logprobs = [0] * len(seqs), [None] * len(seqs) if out.logprobs else []
+        for r, token in zip(fast, self.lm_head.argmax(hidden[fast]).tolist()):
             tokens[r] = token
-        for r, token in zip(others, out.tokens):
-            tokens[r] = token
-        logprobs = [None] * len(seqs) if out.logprobs else []
-        for r, entry in zip(others, out.logprobs):
-            logprobs[r] = entry
+        for i, r in enumerate(others):
+            tokens[r] = out.tokens[i]
+            if out.logprobs:
+                logprobs[r] = out.logprobs[i]
         return StepSamples(tokens, logprobs)
 
     def _sample(self, hidden: torch.Tensor, seqs: list[Sequence], split: int, prompt_rows: list) -> StepSamples:

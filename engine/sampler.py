@@ -10,6 +10,7 @@ distribution, before any of the above.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -216,7 +217,7 @@ def _draw_from_sums(logits: torch.Tensor, scale: torch.Tensor, u: torch.Tensor) 
     done = _exp_pass(logits, scale, write_probs=False) if block_kernel is not None else None
     if done is None:
         return None
-    x, _, sums, row_max, inverse_t = done
+    x, sums, row_max, inverse_t = done.logits, done.sums, done.row_max, done.inverse_t
     (r, v), c = x.shape, min(_BLOCK, x.shape[1])
 
     def block_values(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,12 +244,20 @@ def exp_blocks(logits: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
     done = _exp_pass(logits, scale, write_probs=True)
     if done is None:
         return torch.softmax(_scaled(logits, scale), dim=-1, dtype=torch.float32), None
-    return done[1], done[2]
+    return done.probs, done.sums
 
 
-def _exp_pass(logits: torch.Tensor, scale: torch.Tensor, write_probs: bool):
-    """csrc/exp_blocks.c's pass: (the contiguous logits, probs or None, block sums, row maxes, 1 /
-    temperature), or None where the kernel does not apply."""
+class _ExpPass(NamedTuple):
+    logits: torch.Tensor  # [R, V], contiguous
+    probs: torch.Tensor | None  # [R, V] float32, when written
+    sums: torch.Tensor  # [R, blocks]
+    row_max: torch.Tensor  # [R]
+    inverse_t: torch.Tensor  # [R]: 1 / temperature
+
+
+def _exp_pass(logits: torch.Tensor, scale: torch.Tensor, write_probs: bool) -> _ExpPass | None:
+    """csrc/exp_blocks.c's pass over logits at temperatures `scale`, or None where the kernel does not
+    apply."""
     kernel = cpu_kernels.exp_blocks() if logits.device.type == "cpu" else None
     if kernel is None or logits.dtype not in (torch.bfloat16, torch.float32):
         return None
@@ -261,7 +270,7 @@ def _exp_pass(logits: torch.Tensor, scale: torch.Tensor, write_probs: bool):
     inverse_t = (1.0 / scale.to(torch.float32)).reshape(r).contiguous()
     kernel(x.data_ptr(), x.dtype == torch.bfloat16, r, v, inverse_t.data_ptr(),
            None if probs is None else probs.data_ptr(), sums.data_ptr(), c, row_max.data_ptr())
-    return x, probs, sums, row_max, inverse_t
+    return _ExpPass(x, probs, sums, row_max, inverse_t)
 
 
 # Vocabulary-sized scans run as two levels over blocks of this many columns: a reduction per block

@@ -10,9 +10,10 @@
  *
  * x [tokens][hidden] (bf16, updated in place) holds the step's rows. Each attends as one query over its
  * own keys (a decode, or a prefill chunk's row at its position with its causal mask), so the attention is
- * decode_attention.c's whatever the step holds. Each layer's linears are packed as bf16_matmul.c wants them. Returns 0, -1 when out of memory, -2 when a layer's
- * shape is one the attention kernel does not take, -3 (with that layer's cache untouched) when a position
- * is outside the rotary table or a slot outside the cache.
+ * decode_attention.c's whatever the step holds. Each layer's linears are packed as bf16_matmul.c wants
+ * them. Returns 0, -1 when out of memory, -2 when a layer's shape is one the attention kernel does not
+ * take, -3 (with that layer's cache untouched) when a position is outside the rotary table or a slot
+ * outside the cache.
  */
 #include "bf16_matmul.c"
 #undef SERIAL_WORK

@@ -4,9 +4,9 @@
  * VPDPBUSD (AVX512-VNNI) does 64 on int8, from half the bytes. So each row is first screened against an
  * int8 copy of the weight (a scale s_v per vocabulary row, symmetric), with the hidden row quantized per
  * row (scale s_x); the few columns whose bf16 logit could still be the row's maximum are then computed
- * again exactly as the bf16 kernel computes them (the same VDPBF16PS sequence from the same packed
- * weight, rounded to bf16, first index of a tie), and the best of them is the token. A column is dropped
- * only when a rigorous bound says its bf16 logit cannot reach the maximum:
+ * again exactly as the bf16 kernel computes them (its own block function, over those columns gathered
+ * from its packed weight, rounded to bf16, first index of a tie), and the best of them is the token. A
+ * column is dropped only when a rigorous bound says its bf16 logit cannot reach the maximum:
  *
  *   true logit T_v = w_v . x,  screened A_v = s_v s_x (q_v . q_x)
  *   T_v - A_v = (w_v - s_v q_v) . x + s_v q_v . (x - s_x q_x)
@@ -191,22 +191,19 @@ static int quantize_row(const uint16_t *h, int k, uint8_t *u, float err_w, float
 }
 
 /* The exact bf16 logits (rounded, as float) of row h at the `count` (<= 16) columns col, from the bf16
- * kernel's packed weight w: the same VDPBF16PS sequence its blocks run. */
-static void exact_logits(const uint16_t *w, int k, const uint16_t *h, const int32_t *col, int count, float *out) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int p = 0; p < k / 2; p++) {
-        uint32_t pairs[TILE] = {0};
-        for (int j = 0; j < count; j++) {
-            const int tile = col[j] / TILE, lane = col[j] % TILE;
-            memcpy(pairs + j, w + ((size_t)tile * (k / 2) + p) * 2 * TILE + 2 * lane, 4);
-        }
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(pairs);
-        const __m512bh hb = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(h + 2 * p));
-        acc = _mm512_dpbf16_ps(acc, wv, hb);
+ * kernel's packed weight w: those columns gathered into one tile (`tile`: room for k * 16 values) and run
+ * through the bf16 kernel's own block, so each lane's arithmetic is the kernel's. */
+static void exact_logits(const uint16_t *w, int k, const uint16_t *h, const int32_t *col, int count, uint16_t *tile,
+                         float *out) {
+    memset(tile, 0, sizeof(uint16_t) * k * TILE);
+    for (int j = 0; j < count; j++) {
+        const int from = col[j] / TILE, lane = col[j] % TILE;
+        for (int p = 0; p < k / 2; p++)
+            memcpy(tile + ((size_t)p * TILE + j) * 2, w + (((size_t)from * (k / 2) + p) * TILE + lane) * 2, 4);
     }
-    float all[TILE];
-    _mm512_storeu_ps(all, round_bf16(acc));
-    memcpy(out, all, sizeof(float) * count);
+    uint16_t logits[TILE];
+    ONE[1](tile, h, k, 0, count, NULL, logits, TILE, NULL, NULL, NULL);
+    for (int j = 0; j < count; j++) out[j] = load1(logits, 1, j);
 }
 
 /* tokens[m]: each bf16 row h's argmax over the n columns of the LM head, the same as
@@ -228,8 +225,9 @@ int sluice_int8_argmax(const int8_t *q, const int32_t *start, const float *scale
     uint16_t *hr = malloc(sizeof(uint16_t) * (size_t)m * k);
     int32_t *tr = malloc(sizeof(int32_t) * m);
     int32_t *kept = malloc(sizeof(int32_t) * (size_t)threads * CAP);
-    if (!u || !rows || !bad || !pools || !redo || !hr || !tr || !kept) {
-        free(u), free(rows), free(bad), free(pools), free(redo), free(hr), free(tr), free(kept);
+    uint16_t *tile = malloc(sizeof(uint16_t) * (size_t)k * TILE);
+    if (!u || !rows || !bad || !pools || !redo || !hr || !tr || !kept || !tile) {
+        free(u), free(rows), free(bad), free(pools), free(redo), free(hr), free(tr), free(kept), free(tile);
         return -1;
     }
     for (int r = 0; r < m; r++)
@@ -286,7 +284,7 @@ int sluice_int8_argmax(const int8_t *q, const int32_t *start, const float *scale
         int32_t at = INT32_MAX;
         for (int j0 = 0; j0 < count; j0 += TILE) {
             const int some = count - j0 < TILE ? count - j0 : TILE;
-            exact_logits(w, k, hrow, kept + j0, some, vals);
+            exact_logits(w, k, hrow, kept + j0, some, tile, vals);
             for (int j = 0; j < some; j++)
                 if (vals[j] > best || (vals[j] == best && kept[j0 + j] < at)) {
                     best = vals[j];
@@ -303,6 +301,6 @@ int sluice_int8_argmax(const int8_t *q, const int32_t *start, const float *scale
     int status = redone;
     if (redone && sluice_bf16_matmul(w, n, k, hr, redone, NULL, NULL, 0, tr)) status = -1;
     for (int i = 0; status >= 0 && i < redone; i++) tokens[redo[i]] = tr[i];
-    free(u), free(rows), free(bad), free(pools), free(redo), free(hr), free(tr), free(kept);
+    free(u), free(rows), free(bad), free(pools), free(redo), free(hr), free(tr), free(kept), free(tile);
     return status;
 }

@@ -437,8 +437,10 @@ def test_rope_store_kernel_refuses_positions_and_slots_out_of_range():
     rotary = Rotary(8, 10, 10000.0, {"rope_type": "default"})
     qkv = torch.randn(2, 3, 8).bfloat16()
     k_cache, v_cache = torch.zeros(4, 1, 8, dtype=torch.bfloat16), torch.zeros(4, 1, 8, dtype=torch.bfloat16)
-    for positions, slots in ((torch.tensor([1, 10]), torch.tensor([0, 1])), (torch.tensor([1, 2]), torch.tensor([0, 4])),
+    for positions, slots in ((torch.tensor([1, 10]), torch.tensor([0, 1])),
+                             (torch.tensor([1, 2]), torch.tensor([0, 4])),
                              (torch.tensor([-1, 2]), torch.tensor([0, 1]))):
         with pytest.raises(IndexError):
-            cpu_kernels.rope_store(qkv[:, :2], qkv[:, 2:], 1, positions, rotary.cos, rotary.sin, slots, k_cache, v_cache)
+            cpu_kernels.rope_store(qkv[:, :2], qkv[:, 2:], 1, positions, rotary.cos, rotary.sin, slots, k_cache,
+                                   v_cache)
     assert (k_cache == 0).all() and (v_cache == 0).all()
