@@ -1,10 +1,14 @@
 """Fault scenarios on real processes: kill -9 a stage under streaming load, mass disconnects,
 idle-then-active connections. Each reports how requests ended: ok, error (an error response or
 in-band error event), cut (connection lost), hung (still open at the deadline; must be 0).
+Abuse scenarios: connections that never finish a request, random unknown paths, a stream
+nobody reads, a flood of /health_generate.
 
-The test suite runs them small (tests/e2e/test_faults.py); this script runs them large:
+The test suite runs them small (tests/e2e/test_faults.py, tests/e2e/test_limits.py); this
+script runs them large:
 
-    python -m bench.faults [--streams 64] [--clients 200] [--connections 1000]
+    python -m bench.faults [--streams 64] [--clients 200] [--connections 1000] [--held 1100]
+                           [--paths 25000] [--unread-n 128]
 
 Loopback only; every load is bounded in count and time.
 """
@@ -16,8 +20,10 @@ import json
 import os
 import re
 import signal
+import socket
 import threading
 import time
+import uuid
 
 import httpx
 
@@ -200,9 +206,214 @@ def idle_then_active(server: Server, connections: int) -> dict[int, int]:
     return {s: statuses.count(s) for s in sorted(set(statuses))}
 
 
+def stage_pids(server: Server, role: str) -> dict[int, int]:
+    """index -> pid of each worker of `role`, restarted ones by their newest pid."""
+    return {int(i): int(pid) for i, pid in re.findall(rf"{role}\[(\d+)\] ready \(pid (\d+)\)", server.output())}
+
+
+def kill_renders_while_decoding(server: Server, requests: int, max_tokens: int) -> dict[str, int]:
+    """kill -9 every render worker while non-streaming requests they rendered are decoding: those requests
+    are in the engine's hands, so each must still finish with 200 (needs a slow engine: --replay-step-ms)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": max_tokens,
+            "ignore_eos": True}
+    results: list[str] = []
+
+    def one() -> None:
+        try:
+            r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+            results.append("ok" if r.status_code == 200 else "error")
+        except httpx.HTTPError:
+            results.append("cut")
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(requests)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while server.metrics()["sluice:num_requests_running"] < requests:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the {requests} requests never all ran at once")
+        time.sleep(0.05)
+    pids = stage_pids(server, "render")
+    for pid in pids.values():
+        os.kill(pid, signal.SIGKILL)
+    counts = finish(threads, results)
+    for pid in pids.values():
+        wait_restarted(server, "render", pid)
+    return counts
+
+
+def rss_mb(pids: list[int]) -> float:
+    """The resident memory of these processes together."""
+    kib = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                kib += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            pass
+    return round(kib / 1024, 1)
+
+
+_HALF_HEADER = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+_HALF_BODY = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 100\r\n\r\n{\"model\": ")
+
+
+def hold_connections(server: Server, count: int) -> list[socket.socket]:
+    """`count` connections that never finish a request: a third silent, a third half a header, a third
+    half a body."""
+    socks = []
+    for i in range(count):
+        s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        s.sendall((b"", _HALF_HEADER, _HALF_BODY)[i % 3])
+        socks.append(s)
+    return socks
+
+
+def how_it_ended(s: socket.socket) -> str:
+    """A held connection now: 'open', 'closed' by the server with no answer, or the status it answered."""
+    s.setblocking(False)
+    try:
+        data = s.recv(1024)
+    except BlockingIOError:
+        return "open"
+    except OSError:
+        return "closed"
+    return data.split(b" ", 2)[1].decode() if data else "closed"
+
+
+def connection_flood(server: Server, count: int, settle: float) -> dict:
+    """Hold `count` connections that never finish a request; time /health from a new client while they
+    are held, then see how each held one ended `settle` seconds after they were opened."""
+    t0 = time.monotonic()
+    socks = hold_connections(server, count)
+    try:
+        t1 = time.monotonic()
+        try:
+            health: int | str = httpx.get(server.url + "/health", timeout=30).status_code
+        except httpx.TimeoutException:
+            health = "timeout"
+        health_s = time.monotonic() - t1
+        time.sleep(max(0.0, settle - (time.monotonic() - t0)))
+        ends = [how_it_ended(s) for s in socks]
+        return {"held": count, "health": health, "health_s": round(health_s, 2),
+                f"after_{settle:g}s": {e: ends.count(e) for e in sorted(set(ends))}}
+    finally:
+        for s in socks:
+            s.close()
+
+
+def random_paths(server: Server, count: int, headers: dict | None = None) -> dict:
+    """`count` requests to distinct unknown /v1/ paths (401 without a key, 404 with one): the
+    requests_total series /metrics then holds, its size, and the ingress workers' memory."""
+    workers = ingress_workers(server)
+    before = rss_mb(workers)
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, headers=headers) as c:
+            for start in range(0, count, 64):
+                await asyncio.gather(*[c.get(f"/v1/{uuid.uuid4().hex}") for _ in range(min(64, count - start))])
+
+    asyncio.run(run())
+    text = httpx.get(server.url + "/metrics", timeout=60, headers=headers).text
+    series = sum(line.startswith("sluice:requests_total{") for line in text.splitlines())
+    return {"paths": count, "requests_total_series": series, "metrics_kib": len(text) >> 10,
+            "ingress_rss_mb": {"before": before, "after": rss_mb(workers)}}
+
+
+def stream_request(body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+
+
+def read_to_end(s: socket.socket, timeout: float) -> str:
+    """Reads what the server sent: '[DONE]' if the stream ended properly, 'cut' if the server closed it
+    short, 'open' if it is still open after `timeout` seconds."""
+    s.setblocking(True)
+    s.settimeout(timeout)
+    tail = b""
+    try:
+        while data := s.recv(1 << 16):
+            tail = (tail + data)[-64:]
+    except socket.timeout:
+        return "open"
+    except OSError:
+        return "cut"
+    return "[DONE]" if b"data: [DONE]" in tail else "cut"
+
+
+def unread_stream(server: Server, n: int, max_tokens: int, read_after: bool = False, timeout: float = 300) -> dict:
+    """A chat stream (n choices, top_logprobs 20) whose client never reads: the tokens the engine made for
+    it, how long until the engine let it go, and the ingress workers' memory (before, peak, and after the
+    client left; with read_after, the client reads what is left first and says how the stream ended)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "stream": True, "n": n,
+            "max_tokens": max_tokens, "ignore_eos": True, "logprobs": True, "top_logprobs": 20}
+    workers = ingress_workers(server)
+    before, tokens_before = rss_mb(workers), server.metrics()["sluice:generation_tokens_total"]
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)  # fixed and small: the client's kernel buffers little
+    s.connect(("127.0.0.1", server.port))
+    s.sendall(stream_request(body))
+    t0, peak, m = time.monotonic(), before, server.metrics()
+    while time.monotonic() - t0 < timeout:
+        peak = max(peak, rss_mb(workers))
+        m = server.metrics()
+        started = m["sluice:generation_tokens_total"] > tokens_before
+        if started and m["sluice:num_requests_running"] + m["sluice:num_requests_waiting"] == 0:
+            break
+        time.sleep(0.2)
+    result = {"n": n, "max_tokens": max_tokens,
+              "tokens_generated": int(m["sluice:generation_tokens_total"] - tokens_before),
+              "engine_busy_s": round(time.monotonic() - t0, 1)}
+    if read_after:
+        result["stream_ended"] = read_to_end(s, 30)
+    s.close()
+    time.sleep(2)
+    result["ingress_rss_mb"] = {"before": before, "peak": peak, "client_gone": rss_mb(workers)}
+    return result
+
+
+def health_generate_flood(server: Server, calls: int) -> dict[int, int]:
+    """`calls` concurrent /health_generate calls: the statuses they got."""
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=calls)) as c:
+            responses = await asyncio.gather(*[c.get(server.url + "/health_generate") for _ in range(calls)])
+            return [r.status_code for r in responses]
+
+    statuses = asyncio.run(run())
+    return {s: statuses.count(s) for s in sorted(set(statuses))}
+
+
 def fleet(*extra: str) -> Server:
     return Server("--render-workers", "2", "--postproc-workers", "2", "--ingress-workers", "2", "--max-num-seqs",
                   "512", *extra)
+
+
+def abuse(args: argparse.Namespace) -> dict:
+    """The abuse scenarios on a fleet with the default limits, then (--max-pending lowered so that a
+    flood can reach it) on one with a slow engine."""
+    server = fleet()
+    try:
+        result = {"connection_flood": connection_flood(server, args.held, settle=40),
+                  "random_paths": random_paths(server, args.paths),
+                  "unread_stream": unread_stream(server, args.unread_n, 2000)}
+    finally:
+        server.stop()
+    server = fleet("--runner", "replay", "--replay-step-ms", "20", "--max-pending", "256")
+    try:
+        result["health_generate_flood (max-pending 256)"] = health_generate_flood(server, 1000)
+    finally:
+        server.stop()
+    return result
+
+
+def kill_renders_slow_engine(requests: int) -> dict[str, int]:
+    server = fleet("--runner", "replay", "--replay-step-ms", "20")
+    try:
+        return kill_renders_while_decoding(server, requests, 400)
+    finally:
+        server.stop()
 
 
 def main() -> None:
@@ -210,6 +421,9 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--clients", type=int, default=200)
     parser.add_argument("--connections", type=int, default=1000)
+    parser.add_argument("--held", type=int, default=1100, help="connections that never finish a request")
+    parser.add_argument("--paths", type=int, default=25000, help="requests to distinct unknown /v1/ paths")
+    parser.add_argument("--unread-n", type=int, default=128, help="choices of the stream nobody reads")
     args = parser.parse_args()
     server = fleet()
     try:
@@ -224,6 +438,8 @@ def main() -> None:
     finally:
         server.stop()
     rows[f"kill -9 the engine, {args.streams} streams"] = kill_engine(args.streams)
+    rows[f"kill -9 every render worker, {args.streams} decoding"] = kill_renders_slow_engine(args.streams)
+    print(json.dumps({"abuse": abuse(args)}))
     print(f"{'scenario':48} {'ok':>5} {'error':>6} {'cut':>5} {'hung':>5}")
     for name, c in rows.items():
         print(f"{name:48} {c['ok']:>5} {c['error']:>6} {c['cut']:>5} {c['hung']:>5}"

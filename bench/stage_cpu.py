@@ -50,7 +50,8 @@ def main() -> None:
         before = {role: sum(cpu_seconds(p) for p in ps) for role, ps in pids.items()}
         spy = None
         if args.profile:  # profile the postproc and the engine while the load runs
-            spy = [subprocess.Popen(["py-spy", "record", "-d", "8", "-r", "500", "-f", "raw", "-o", f"{args.profile}.{role}",
+            spy = [subprocess.Popen(["py-spy", "record", "-d", "8", "-r", "500", "-f", "raw",
+                                     "-o", f"{args.profile}.{role}",
                                      "-p", str(pids[role][0])], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                    for role in ("postproc", "engine", "ingress")]
         summary = serve(args)

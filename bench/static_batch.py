@@ -16,8 +16,8 @@ from engine.block_manager import BlockManager
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
-from engine.worker import keep_heap_memory
 from engine.sequence import Sequence
+from engine.worker import keep_heap_memory
 from ipc.messages import SamplingParams
 
 

@@ -1,9 +1,10 @@
 """Sluice's C kernels for the CPU: compiled on first use with the machine's C compiler, cached under the
 cache directory (keyed by the source and the flags) and loaded with ctypes.
 
-A kernel is optional: without a compiler, on a CPU without the instructions it needs, when the build
-fails, or with SLUICE_CPU_KERNELS=0, `load` returns None and the caller keeps its torch path. The
-kernels use OpenMP; torch is imported first, so they share the libgomp (and the threads) torch runs on.
+A kernel is optional: without a compiler, on a CPU without the instructions it needs, with no writable
+cache directory, when the build fails, or with SLUICE_CPU_KERNELS=0, `load` returns None and the caller
+keeps its torch path. The kernels use OpenMP; torch is imported first, so they share the libgomp (and the
+threads) torch runs on.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ _ISA = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512v
 _AVX512 = ("avx512f", "avx512bw")
 _AVX512_BF16 = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 _AVX512_VNNI = (*_AVX512_BF16, "avx512_vnni")
+_BUILD_TIMEOUT_S = 120
 
 
 @functools.cache
@@ -50,7 +52,8 @@ def cpu_flags() -> frozenset[str]:
 @functools.cache
 def load(name: str, isa: tuple[str, ...]) -> ctypes.CDLL | None:
     """The kernel library csrc/<name>.c (with the headers beside it) built for the instruction sets `isa`,
-    or None (and why, logged)."""
+    or None, with one warning saying why, where it cannot be built or loaded: the caller keeps its torch
+    path. Never raises (a kernel is worth a build, not a crashed engine)."""
     if not envs.cpu_kernels_enabled():
         return None
     missing = [f for f in isa if f not in cpu_flags()]
@@ -60,41 +63,66 @@ def load(name: str, isa: tuple[str, ...]) -> ctypes.CDLL | None:
     if not _torch_runs_libgomp():
         log.info("CPU kernel %s not used: torch's OpenMP runtime is not libgomp", name)
         return None
-    compiler = envs.c_compiler() or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("CPU kernel %s not used: no C compiler (set CC)", name)
-        return None
-    source = _SOURCES / f"{name}.c"
-    flags = [*_FLAGS, *(_ISA[f] for f in isa)]
-    digest = hashlib.sha256(" ".join(flags).encode())
-    for part in [source, *sorted(_SOURCES.iterdir())]:  # (a source may include another's)
-        digest.update(part.read_bytes())
-    key = digest.hexdigest()[:16]
-    path = envs.cache_dir() / "kernels" / f"{name}-{key}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-        os.close(fd)
-        try:
-            subprocess.run([compiler, *flags, "-I", str(_SOURCES), "-o", tmp, str(source)], check=True,
-                           capture_output=True, timeout=120)
-            os.replace(tmp, path)  # atomic: processes building at once each install a whole file
-            for old in path.parent.glob(f"{name}-*.so"):  # builds of earlier sources (a process that
-                if old != path:                            # has one loaded keeps its mapping)
-                    old.unlink(missing_ok=True)
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", b"") or b""
-            log.warning("CPU kernel %s not used: the build failed: %s %s", name, e,
-                        detail.decode(errors="replace")[-2000:])
-            return None
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
     try:
+        compiler = _compiler()
+        source = _SOURCES / f"{name}.c"
+        flags = [*_FLAGS, *(_ISA[f] for f in isa)]
+        path = envs.cache_dir() / "kernels" / f"{name}-{_key(source, flags)}.so"
+        if not path.exists():
+            _build(compiler, flags, source, path)
         return ctypes.CDLL(str(path))
-    except OSError as e:  # e.g. a libgomp older than the compiler's
-        log.warning("CPU kernel %s not used: %s", name, e)
+    except (OSError, ValueError, subprocess.SubprocessError) as e:
+        log.warning("CPU kernel %s not used (torch's path instead): %s", name, _why(e))
         return None
+
+
+def _compiler() -> list[str]:
+    """CC as a command line (`ccache gcc`), else cc or gcc; FileNotFoundError where there is none."""
+    command = envs.c_compiler()
+    if command is None:
+        found = shutil.which("cc") or shutil.which("gcc")
+        if found is None:
+            raise FileNotFoundError("no C compiler (install cc or gcc, or set CC)")
+        return [found]
+    if shutil.which(command[0]) is None:
+        raise FileNotFoundError(f"the C compiler {command[0]!r} (CC) is not found")
+    return command
+
+
+def _key(source: Path, flags: list[str]) -> str:
+    """What a build depends on: the flags and every source (a source may include another's)."""
+    digest = hashlib.sha256(" ".join(flags).encode())
+    for part in [source, *sorted(_SOURCES.iterdir())]:
+        digest.update(part.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _build(compiler: list[str], flags: list[str], source: Path, path: Path) -> None:
+    """Compiles source into path. Builds of other sources or flags are left alone: the cache may be shared
+    by installs of other versions, each loading its own."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        subprocess.run([*compiler, *flags, "-I", str(_SOURCES), "-o", tmp, str(source)], check=True,
+                       capture_output=True, timeout=_BUILD_TIMEOUT_S)
+        os.replace(tmp, path)  # atomic: processes building at once each install a whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _why(e: Exception) -> str:
+    """A failed build or load in one line."""
+    if isinstance(e, subprocess.CalledProcessError):
+        lines = [line for line in (e.stderr or b"").decode(errors="replace").splitlines() if line.strip()]
+        errors = [line for line in lines if "error:" in line] or lines[-1:]
+        return f"the build failed (exit {e.returncode})" + (f": {errors[0].strip()}" if errors else "")
+    if isinstance(e, subprocess.TimeoutExpired):
+        return f"the build took longer than {e.timeout:.0f}s"
+    if isinstance(e, ValueError):
+        return f"CC does not parse as a command line ({e})"
+    return str(e)
 
 
 def _torch_runs_libgomp() -> bool:

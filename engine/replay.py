@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from engine.model_runner import StepSamples
-from engine.scheduler import ScheduledBatch
 from engine.sampler import uniform_from
+from engine.scheduler import ScheduledBatch
 
 
 def load_recordings(path: str) -> list[list[int]]:

@@ -107,6 +107,7 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     vocab = logits.shape[1]
     allowed = [(r, s.sampling.allowed_token_ids) for r, s in enumerate(seqs) if s.sampling.allowed_token_ids]
     constrained = [r for r, s in enumerate(seqs) if s.grammar is not None and s.grammar.active]
+    grammar_rows = set(constrained)
     banned_rows, banned_ids = [], []
     bias_rows, bias_ids, bias_vals = [], [], []
     penalized = []
@@ -117,7 +118,7 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
             if len(word) == 1 or out[len(out) - len(word) + 1 :] == word[:-1]:
                 banned_rows.append(r)
                 banned_ids.append(word[-1])
-        if len(out) < sp.min_tokens:
+        if len(out) < sp.min_tokens and r not in grammar_rows:  # a grammar decides where its output ends
             banned_rows += [r] * len(sp.stop_token_ids)
             banned_ids += sp.stop_token_ids
         for tok, bias in sp.logit_bias.items():
@@ -337,7 +338,9 @@ def _pick(u: torch.Tensor, sums: torch.Tensor, block_values) -> torch.Tensor:
     row's chosen block [B, C] (0 past the row's end) and their columns [B, C]."""
     cdf = sums.cumsum_(dim=-1)  # [B, blocks]
     target = u.unsqueeze(1) * cdf[:, -1:]  # [B, 1]
-    block = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)  # [B, 1]
+    # A u that rounds to 1 puts the target at the total, past every block: take the last block with mass
+    # (the first to reach the total), never a masked tail.
+    block = torch.minimum(torch.searchsorted(cdf, target, right=True), torch.searchsorted(cdf, cdf[:, -1:]))
     before = torch.where(block > 0, cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
     values, cols = block_values(block.squeeze(1))
     pos = torch.searchsorted(values.cumsum(dim=-1), target - before, right=True)  # [B, 1]

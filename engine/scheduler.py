@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, Status
+from ipc.messages import FinishReason
 
 
 @dataclass
@@ -32,7 +33,7 @@ class ScheduledBatch:
 @dataclass
 class StepResult:
     new_tokens: list[tuple[Sequence, int]] = field(default_factory=list)
-    finished: list[tuple[Sequence, str]] = field(default_factory=list)
+    finished: list[tuple[Sequence, FinishReason]] = field(default_factory=list)
 
 
 @dataclass
@@ -85,7 +86,8 @@ class Scheduler:
                 continue
             n = min(seq.num_uncomputed, self._budget)
             if self.sliding_window:  # this step's first query sees keys from here on
-                (self.window_pool or self.bm).free_outside_window(seq, seq.num_computed_tokens - self.sliding_window + 1)
+                first_seen = seq.num_computed_tokens - self.sliding_window + 1
+                (self.window_pool or self.bm).free_outside_window(seq, first_seen)
             if not (self.bm.has_room(seq, n) and (self.window_pool is None or self.window_pool.has_room(seq, n))):
                 if not self._make_room(seq, n, []):
                     continue  # seq itself was preempted
@@ -188,9 +190,11 @@ class Scheduler:
                 result.finished.append((seq, reason))
         return result
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         sp = seq.sampling
         if token in sp.stop_token_ids and seq.num_output_tokens > sp.min_tokens:
+            return "stop"
+        if seq.grammar is not None and seq.grammar.terminated:  # ends the output whatever min_tokens says
             return "stop"
         if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import ctypes
-import itertools
 import logging
 import os
 import queue
@@ -11,6 +10,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,17 +26,33 @@ from engine.replay import ReplayRunner, load_recordings
 from engine.sampler import TokenLogprobs
 from engine.scheduler import Scheduler, StepResult
 from engine.sequence import Sequence
-from ipc.messages import (Abort, EngineInput, EngineRequest, Logprobs, PostprocInput, PromptLogprobs, Ready, Started,
-                          StepOutputs, SupervisorInput, Timings, bytes_to_ids, ids_to_bytes)
-from sluice.metrics import observe_finished
+from ipc.messages import (
+    Abort,
+    EngineInput,
+    EngineRequest,
+    Failed,
+    Finished,
+    Logprobs,
+    PostprocInput,
+    PromptLogprobs,
+    Ready,
+    Started,
+    StepOutputs,
+    SupervisorInput,
+    Timings,
+    bytes_to_ids,
+    ids_to_bytes,
+)
 from ipc.stats import EngineStats
 from ipc.transport import PullChannel, PushChannel
 from sluice.config import ServerConfig
+from sluice.metrics import observe_finished
 
 log = logging.getLogger("sluice.engine")
 _IDLE_POLL_S = 0.25
 _HELD_POLL_S = 0.01
 _MAX_EARLY_ABORTS = 10_000
+_MAX_FAILED_STEPS = 3  # steps failing in a row: the engine itself is broken, not one request
 _REPLAY_KV_BLOCKS = 1 << 16  # nothing is stored: blocks are only accounted
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc mallopt parameters
 _CHOICE_SEED_STRIDE = 0x9E3779B97F4A7C15  # choice i of a seeded request samples with its own stream
@@ -86,6 +102,8 @@ class _ShardStep:
     indices: list = field(default_factory=list)
     tokens: list = field(default_factory=list)
     finished: list = field(default_factory=list)
+    aborted: dict = field(default_factory=dict)  # request ids, once each
+    failed: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)
     timings: list = field(default_factory=list)
@@ -102,6 +120,63 @@ def pack_logprobs(entries: list[TokenLogprobs]) -> Logprobs:
     )
 
 
+@dataclass
+class Ended:
+    """Requests the engine ended outside a step's own verdicts, for their postproc shards to hear of."""
+
+    aborted: list[Sequence] = field(default_factory=list)  # every choice of requests ended by an Abort
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)  # (one choice of the request, why)
+
+    def __bool__(self) -> bool:
+        return bool(self.aborted or self.failed)
+
+
+def step_outputs(result: StepResult, samples: StepSamples | None, ended: Ended) -> dict[int, StepOutputs]:
+    """One step's message for each postproc shard that has something in it."""
+    shards: dict[int, _ShardStep] = {}
+
+    def shard_of(seq: Sequence) -> _ShardStep:
+        out = shards.get(seq.shard)
+        if out is None:
+            out = shards[seq.shard] = _ShardStep()
+        head = seq.leader or seq
+        if not head.started:
+            head.started = True
+            out.started.append(Started(seq.request_id, seq.postproc_spec, seq.num_prompt_tokens,
+                                       seq.num_cached_tokens or 0))
+        return out
+
+    if samples is not None:
+        for chunk in samples.prompt_logprobs:
+            shard_of(chunk.seq).prompt_logprobs.append(
+                PromptLogprobs(chunk.seq.request_id, chunk.start,
+                               ids_to_bytes(chunk.seq.token_ids[chunk.start : chunk.start + len(chunk.entries)]),
+                               pack_logprobs(chunk.entries)))
+        entries = samples.logprobs or [None] * len(samples.tokens)
+        for (seq, token), lp in zip(result.new_tokens, entries):
+            out = shard_of(seq)
+            if lp is not None:
+                out.logprobs.append((len(out.request_ids), pack_logprobs([lp])))
+            out.request_ids.append(seq.request_id)
+            out.indices.append(seq.index)
+            out.tokens.append(token)
+    for seq, reason in result.finished:
+        out = shard_of(seq)
+        out.finished.append(Finished(seq.request_id, seq.index, reason))
+        out.timings.append(Timings(seq.request_id, seq.index, seq.arrival_time, seq.render_done_time,
+                                   seq.first_scheduled_time, seq.first_token_time, seq.last_token_time))
+        observe_finished(seq)
+    for seq in ended.aborted:
+        if (seq.leader or seq).started:  # else its shard never heard of it
+            shard_of(seq).aborted[seq.request_id] = None
+    for seq, message in ended.failed:
+        shard_of(seq).failed.append(Failed(seq.request_id, message))
+    return {shard: StepOutputs(out.started, out.request_ids, ids_to_bytes(out.indices), ids_to_bytes(out.tokens),
+                               out.finished, list(out.aborted), out.failed, out.logprobs, out.prompt_logprobs,
+                               out.timings)
+            for shard, out in shards.items()}
+
+
 class Outbox:
     """Encodes and sends step outputs on a thread, off the model's critical path."""
 
@@ -111,47 +186,9 @@ class Outbox:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._run, name="engine-outbox", daemon=True).start()
 
-    def emit(self, result: StepResult, samples: StepSamples | None, aborted: list[Sequence]) -> None:
-        shards: dict[int, _ShardStep] = {}
-
-        def shard_of(seq: Sequence) -> _ShardStep:
-            out = shards.get(seq.shard)
-            if out is None:
-                out = shards[seq.shard] = _ShardStep()
-            head = seq.leader or seq
-            if not head.started:
-                head.started = True
-                out.started.append(Started(seq.request_id, seq.postproc_spec, seq.num_prompt_tokens,
-                                           seq.num_cached_tokens or 0))
-            return out
-
-        if samples is not None:
-            for chunk in samples.prompt_logprobs:
-                shard_of(chunk.seq).prompt_logprobs.append(
-                    PromptLogprobs(chunk.seq.request_id, chunk.start,
-                                   ids_to_bytes(chunk.seq.token_ids[chunk.start : chunk.start + len(chunk.entries)]),
-                                   pack_logprobs(chunk.entries)))
-            entries = samples.logprobs or [None] * len(samples.tokens)
-            for (seq, token), lp in zip(result.new_tokens, entries):
-                out = shard_of(seq)
-                if lp is not None:
-                    out.logprobs.append((len(out.request_ids), pack_logprobs([lp])))
-                out.request_ids.append(seq.request_id)
-                out.indices.append(seq.index)
-                out.tokens.append(token)
-        for seq, reason in result.finished:
-            out = shard_of(seq)
-            out.finished.append((seq.request_id, seq.index, reason))
-            out.timings.append(Timings(seq.request_id, seq.index, seq.arrival_time, seq.render_done_time,
-                                       seq.first_scheduled_time, seq.first_token_time, seq.last_token_time))
-            observe_finished(seq)
-        for seq in aborted:
-            if (seq.leader or seq).started:
-                shard_of(seq).finished.append((seq.request_id, seq.index, "abort"))
-        for shard, out in shards.items():
-            self._queue.put((shard, StepOutputs(out.started, out.request_ids, ids_to_bytes(out.indices),
-                                                ids_to_bytes(out.tokens), out.finished, out.logprobs,
-                                                out.prompt_logprobs, out.timings)))
+    def emit(self, result: StepResult, samples: StepSamples | None, ended: Ended) -> None:
+        for shard, msg in step_outputs(result, samples, ended).items():
+            self._queue.put((shard, msg))
 
     def _run(self) -> None:
         while True:
@@ -193,65 +230,116 @@ class Engine:
                                                             "window_table")
                                    if hybrid else None)
         self.grammars = Grammars(cfg.model_path, hf["vocab_size"])
-        self._held: list[EngineRequest] = []  # constrained requests waiting for structured output to load
+        # Constrained requests, in arrival order, while their grammar loads.
+        self._held: list[tuple[EngineRequest, Future]] = []
         # Aborts that overtook their request (a client gone while it was rendering).
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
+        self._ended = Ended()
+        self._failed_steps = 0
         log.info("engine: %s %s, %d KV blocks of %d tokens (+%d for sliding-window layers)", device, dtype, blocks,
                  cfg.block_size, window_blocks)
 
-    def accept(self, msg: EngineInput) -> list[Sequence]:
-        """Adds a request or applies an abort; returns the sequences aborted."""
+    def accept(self, msg: EngineInput) -> None:
+        """Adds a request, or ends requests (Abort) or single choices (EndChoices)."""
         if isinstance(msg, EngineRequest):
-            if self._early_aborts.pop(msg.request_id, 0) is None:
-                return []
-            if msg.grammar and not self.grammars.ready():
-                self._held.append(msg)  # until structured output has loaded; admitted by admit_held()
-                return []
-            seed = msg.sampling.seed if msg.sampling.seed is not None else random.getrandbits(63)
-            prompt = bytes_to_ids(msg.prompt_token_ids).tolist()
-            leader = None
-            for index in range(msg.n):
-                seq = Sequence(msg.request_id, prompt, msg.sampling, seed=(seed + index * _CHOICE_SEED_STRIDE) % 2**63,
-                               shard=msg.shard, postproc_spec=msg.postproc_spec, arrival_time=msg.arrival_time,
-                               priority=msg.priority, cache_salt=msg.cache_salt, index=index, leader=leader)
-                seq.render_done_time = msg.render_done_time
-                if msg.grammar:
-                    seq.grammar = self.grammars.state(msg.grammar, msg.grammar_trigger, msg.sampling.stop_token_ids)
-                leader = leader or seq
-                self.scheduler.add(seq)
-            return []
-        assert isinstance(msg, Abort)
-        aborted = []
-        held = {m.request_id for m in self._held}
-        self._held = [m for m in self._held if m.request_id not in msg.request_ids]
-        for rid, choice in itertools.zip_longest(msg.request_ids, msg.choices, fillvalue=-1):
-            if rid in held:
-                continue
-            seqs = self.scheduler.abort(rid, choice)
+            self._add(msg)
+        elif isinstance(msg, Abort):
+            self._abort(msg.request_ids)
+        else:  # choices their postproc shard has finished already: nobody needs to hear of it
+            for rid, index in msg.choices:
+                self.scheduler.abort(rid, index)
+
+    def _add(self, msg: EngineRequest) -> None:
+        if self._early_aborts.pop(msg.request_id, 0) is None:
+            return
+        if msg.grammar:
+            self._held.append((msg, self.grammars.load(msg.grammar)))  # admitted by admit_held()
+            return
+        self._start(msg)
+
+    def _start(self, msg: EngineRequest, grammar: Future | None = None) -> None:
+        seed = msg.sampling.seed if msg.sampling.seed is not None else random.getrandbits(63)
+        prompt = bytes_to_ids(msg.prompt_token_ids).tolist()
+        seqs: list[Sequence] = []
+        for index in range(msg.n):
+            seq = Sequence(msg.request_id, prompt, msg.sampling, seed=(seed + index * _CHOICE_SEED_STRIDE) % 2**63,
+                           shard=msg.shard, postproc_spec=msg.postproc_spec, arrival_time=msg.arrival_time,
+                           priority=msg.priority, cache_salt=msg.cache_salt, index=index,
+                           leader=seqs[0] if seqs else None)
+            seq.render_done_time = msg.render_done_time
+            seqs.append(seq)
+        if grammar is not None:
+            try:
+                compiled = grammar.result()
+                for seq in seqs:
+                    seq.grammar = self.grammars.state(compiled, msg.grammar_trigger, msg.sampling.stop_token_ids)
+            except Exception as e:  # xgrammar raises several types
+                log.exception("structured output could not start for %s", msg.request_id)
+                self._ended.failed.append((seqs[0], f"structured output could not start: {e}"))
+                return
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        ids = set(request_ids)
+        held = [m.request_id for m, _ in self._held if m.request_id in ids]
+        self._held = [(m, f) for m, f in self._held if m.request_id not in ids]
+        for rid in ids.difference(held):
+            seqs = self.scheduler.abort(rid)
             if seqs:
-                aborted += seqs
+                self._ended.aborted += seqs
             else:
                 self._early_aborts[rid] = None
                 if len(self._early_aborts) > _MAX_EARLY_ABORTS:
                     self._early_aborts.popitem(last=False)
-        return aborted
+
+    def fail(self, request_id: str, message: str) -> None:
+        """Ends every choice of a request that cannot go on; its client gets an error, the others go on."""
+        seqs = self.scheduler.abort(request_id)
+        if seqs:
+            self._ended.failed.append((seqs[0], message))
+
+    def take_ended(self) -> Ended:
+        ended, self._ended = self._ended, Ended()
+        return ended
 
     @property
     def held(self) -> bool:
         return bool(self._held)
 
     def admit_held(self) -> None:
-        if self._held and self.grammars.ready():
-            held, self._held = self._held, []
-            for msg in held:
-                self.accept(msg)
+        """Starts the held requests whose grammar has loaded (or failed to)."""
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        for msg, grammar in held:
+            if grammar.done():
+                self._start(msg, grammar)
+            else:
+                self._held.append((msg, grammar))
 
     def step(self) -> tuple[StepResult, StepSamples | None]:
         batch = self.scheduler.schedule()
         if batch is None:
             return StepResult(), None
-        samples = self.runner.run(batch)
-        return self.scheduler.update(batch, samples.tokens), samples
+        try:
+            samples = self.runner.run(batch)
+        except Exception:
+            # One request's bad state must not take every request down with the engine; a step that keeps
+            # failing means the engine itself is broken, and it exits (the server restarts).
+            self._failed_steps += 1
+            if self._failed_steps >= _MAX_FAILED_STEPS:
+                raise
+            log.exception("engine: a step failed: failing its requests")
+            for rid in dict.fromkeys(seq.request_id for seq in batch.seqs):
+                self.fail(rid, "internal error in the engine while running this request")
+            return StepResult(), None
+        self._failed_steps = 0
+        result = self.scheduler.update(batch, samples.tokens)
+        for seq in batch.seqs:
+            if seq.grammar is not None and seq.grammar.error is not None:
+                self.fail(seq.request_id, seq.grammar.error)
+        return result, samples
 
 
 def keep_heap_memory() -> None:
@@ -289,7 +377,8 @@ def run_engine(cfg: ServerConfig) -> None:
         else:  # idle: block (briefly, while a constrained request waits for structured output to load)
             first = inbox.get(timeout=_HELD_POLL_S if engine.held else _IDLE_POLL_S)
             msgs = [first, *inbox.drain()] if first is not None else []
-        aborted = [s for m in msgs for s in engine.accept(m)]
+        for m in msgs:
+            engine.accept(m)
         engine.admit_held()
         t0 = time.perf_counter()
         result, samples = engine.step()
@@ -297,8 +386,9 @@ def run_engine(cfg: ServerConfig) -> None:
             steps += 1
             step_time = time.perf_counter() - t0
             step_seconds += step_time
-        if samples is not None or aborted:
-            outbox.emit(result, samples, aborted)
+        ended = engine.take_ended()
+        if samples is not None or ended:
+            outbox.emit(result, samples, ended)
             tokens += len(result.new_tokens)
         st = sched.stats
         stats.set(heartbeat=time.time(), num_running=len(sched.running), num_waiting=len(sched.waiting),

@@ -15,16 +15,40 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ingress.http import SSE, BodyTooLarge, authorized, read_body, respond, respond_error, validation_error
+from ingress.http import (
+    SSE,
+    BodyTimedOut,
+    BodyTooLarge,
+    authorized,
+    read_body,
+    respond,
+    respond_error,
+    validation_error,
+)
 from ingress.metrics import render_metrics
 from ingress.openapi import openapi_document
+from ingress.server_options import raise_open_files_limit
 from ipc.addresses import shard_of
-from ipc.messages import (Abort, Control, ControlInput, EngineInput, Frame, IngressInput, IngressStatus,
-                          RenderInput, RenderJob, SupervisorInput)
+from ipc.messages import (
+    Abort,
+    ControlInput,
+    Drain,
+    DrainTimedOut,
+    EngineDied,
+    EngineInput,
+    Frame,
+    Frames,
+    IngressInput,
+    IngressStatus,
+    RenderInput,
+    RenderJob,
+    StageDied,
+    SupervisorInput,
+)
 from ipc.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, error_body
 from ipc.stats import EngineStats
 from ipc.transport import AsyncPullChannel, PushChannel, SubChannel
-from sluice import __version__, envs, metrics
+from sluice import __version__, envs, metrics, procs
 from sluice.config import ServerConfig
 from sluice.logs import setup_logging
 
@@ -32,11 +56,54 @@ _STATUS_INTERVAL_S = 0.2
 _HEALTH_GENERATE_TIMEOUT_S = 30.0
 _DISCONNECTED = object()
 _TIMED_OUT = object()
+_STALL_S = 1.0  # a stream over --max-stream-buffer whose client took nothing for this long is cut
 log = logging.getLogger("sluice.ingress")
 _ENDPOINTS = {
     "/v1/chat/completions": ("chat", msgspec.json.Decoder(ChatCompletionRequest), "chatcmpl-"),
     "/v1/completions": ("completions", msgspec.json.Decoder(CompletionRequest), "cmpl-"),
 }
+_ROUTES = frozenset(_ENDPOINTS) | {"/v1/models"}  # the /v1 paths requests_total names; every other one is "other"
+
+
+class FrameQueue(asyncio.Queue):
+    """One request's frames (and sentinels) on their way to its client, with the frame bytes waiting in it.
+
+    `owner` is the task writing them out. Stuck in a send to a client that does not read, it sees neither
+    the queue nor anything else: cancelling it is the one way to end that response."""
+
+    def __init__(self, owner: asyncio.Task) -> None:
+        super().__init__()
+        self.owner = owner
+        self.nbytes = 0
+        self.sending_since: float | None = None  # monotonic time the owner's current send began
+        self.cut = False  # the stream was cut for its slow client: drop its frames, the owner ends it
+
+    def _put(self, item) -> None:
+        if isinstance(item, Frame):
+            self.nbytes += len(item.data)
+        super()._put(item)
+
+    def _get(self):
+        item = super()._get()
+        if isinstance(item, Frame):
+            self.nbytes -= len(item.data)
+        return item
+
+    def watch(self, send):
+        """`send`, timed: while the owner waits in it, the client is taking nothing."""
+        async def timed(message) -> None:
+            self.sending_since = time.monotonic()
+            try:
+                await send(message)
+            finally:
+                self.sending_since = None
+        return timed
+
+    def stalled(self) -> bool:
+        """The owner has been stuck in a send for a while: its client takes nothing. (A full queue alone is
+        not enough: _read_frames does not yield while messages are ready, so a burst of them can fill a
+        queue before its relay gets to run.)"""
+        return self.sending_since is not None and time.monotonic() - self.sending_since > _STALL_S
 
 
 class Ingress:
@@ -44,10 +111,11 @@ class Ingress:
         self.cfg = cfg
         self.names = set(cfg.served_model_names)
         self.address = cfg.addresses.ingress(os.getpid())
-        self.pending: dict[str, asyncio.Queue] = {}
+        self.pending: dict[str, FrameQueue] = {}
         self._deadlines: dict[str, asyncio.TimerHandle] = {}
         # This worker's share of --max-pending (the connections are spread over the workers).
         self.max_pending = -(-cfg.max_pending // cfg.ingress_workers)
+        raise_open_files_limit(cfg)
         self.api_keys = [k.encode() for k in cfg.api_keys]
         self.draining = False
         self.engine_dead = False
@@ -77,21 +145,41 @@ class Ingress:
     async def _read_frames(self) -> None:
         while True:
             msg = await self._inbox.get()
+            if not isinstance(msg, Frames):  # Rendered: these requests are in the engine's hands now
+                for rid in msg.request_ids:
+                    self._rendered_by.pop(rid, None)
+                continue
             for frame in msg.frames:
                 q = self.pending.get(frame.request_id)
-                if q is not None:
-                    self._rendered_by.pop(frame.request_id, None)
+                if q is None or q.cut:
+                    continue
+                self._rendered_by.pop(frame.request_id, None)
+                # A last frame always goes in: the request is done, nothing more can pile up behind it.
+                if not frame.done and q.nbytes > self.cfg.max_stream_buffer and q.stalled():
+                    self._cut(frame.request_id, q)
+                else:
                     q.put_nowait(frame)
+
+    def _cut(self, rid: str, q: FrameQueue) -> None:
+        """The client reads its stream slower than it comes: end it (its relay aborts it in the engine)
+        rather than hold what the client has not read without bound."""
+        q.cut = True
+        q.owner.cancel()
+        log.warning("stream cut: its client reads too slowly", extra={"fields": {
+            "request_id": rid, "queued_bytes": q.nbytes, "max_stream_buffer": self.cfg.max_stream_buffer}})
 
     async def _read_control(self) -> None:
         while True:
-            msg: Control = await self._control.get()
-            if msg.event == "drain":
+            msg = await self._control.get()
+            if isinstance(msg, Drain):
                 self.draining = True
-            elif msg.event == "engine_dead":
+            elif isinstance(msg, DrainTimedOut):
+                self._fail(list(self.pending), f"the server is shutting down and this request did not finish "
+                           f"within its drain timeout ({msg.timeout:g}s); retry it", "shutting_down", 503)
+            elif isinstance(msg, EngineDied):
                 self.engine_dead = True
                 self._fail(list(self.pending), "the engine process died; the server is restarting", "engine_dead")
-            elif msg.event == "stage_died":
+            elif isinstance(msg, StageDied):
                 self._stage_died(msg.role, msg.index)
 
     def _stage_died(self, role: str, index: int) -> None:
@@ -104,12 +192,21 @@ class Ingress:
         if rids:
             self._engine.put(Abort(rids))
 
-    def _fail(self, rids: list[str], message: str, code: str) -> None:
-        body = error_body(500, message, code=code)
+    def _fail(self, rids: list[str], message: str, code: str, status: int = 500) -> None:
+        body = error_body(status, message, code=code)
         for rid in rids:
             self._rendered_by.pop(rid, None)
             if (q := self.pending.get(rid)) is not None:
-                q.put_nowait(Frame(rid, body, done=True, status=500))
+                self._end(rid, q, Frame(rid, body, done=True, status=status))
+
+    def _end(self, rid: str, q: FrameQueue, last) -> None:
+        """Hands a request its last frame (an error) or the deadline's sentinel. A relay stuck in a send to a
+        client that reads nothing would never see it: that response is cut instead."""
+        if q.cut:
+            return
+        q.put_nowait(last)
+        if q.stalled():
+            self._cut(rid, q)
 
     def _submit(self, rid: str, endpoint: str, body: bytes) -> None:
         k = self._next_render = (self._next_render + 1) % len(self._renders)
@@ -140,7 +237,9 @@ class Ingress:
             status = await self._route(scope, receive, send)
         finally:
             if scope["path"].startswith("/v1/"):
-                metrics.REQUESTS.labels(scope["path"], str(status)).inc()
+                # by route, never by raw path: each label set is a series kept for the server's life
+                endpoint = scope["path"] if scope["path"] in _ROUTES else "other"
+                metrics.REQUESTS.labels(endpoint, str(status)).inc()
                 if status >= 400:
                     log.info("request refused", extra={"fields": {"path": scope["path"], "status": status}})
 
@@ -186,9 +285,12 @@ class Ingress:
         endpoint, decoder, prefix = _ENDPOINTS[path]
         limit = self.cfg.max_request_bytes
         try:
-            body = await read_body(receive, limit)
+            body = await read_body(receive, limit, self.cfg.body_timeout)
         except BodyTooLarge:
             return await respond_error(send, 413, f"request body larger than {limit} bytes")
+        except BodyTimedOut:
+            return await respond_error(send, 408, f"the request body did not arrive within {self.cfg.body_timeout:g}s",
+                                       code="timeout")
         except ConnectionResetError:
             return 0
         try:
@@ -196,14 +298,15 @@ class Ingress:
         except msgspec.MsgspecError as e:
             message, param = validation_error(e)
             return await respond_error(send, 400, message, param)
+        except RecursionError:  # msgspec's guard: it stops at the interpreter's recursion limit
+            return await respond_error(send, 400, "invalid JSON body: arrays or objects nested too deeply to parse")
         if request.model not in self.names:
             return await respond_error(send, 404, f"The model {request.model!r} does not exist; this server serves "
                                        f"{sorted(self.names)}", param="model", code="model_not_found")
         if self.draining or self.engine_dead:
             return await respond_error(send, 503, "the server is shutting down", extra_headers=[(b"retry-after", b"5")])
         if len(self.pending) >= self.max_pending:
-            return await respond_error(send, 503, "the server is at capacity; retry shortly",
-                                       extra_headers=[(b"retry-after", b"1")])
+            return await _respond_full(send)
         rid = prefix + uuid.uuid4().hex
         q = self._open(rid)
         watcher = asyncio.create_task(_watch_disconnect(receive, q))
@@ -217,12 +320,12 @@ class Ingress:
             watcher.cancel()
             self._close(rid)
 
-    def _open(self, rid: str) -> asyncio.Queue:
-        q: asyncio.Queue = asyncio.Queue()
+    def _open(self, rid: str) -> FrameQueue:
+        q = FrameQueue(asyncio.current_task())
         self.pending[rid] = q
         metrics.IN_FLIGHT.labels("ingress").set(len(self.pending))
         if self.cfg.request_timeout:
-            self._deadlines[rid] = asyncio.get_running_loop().call_later(self.cfg.request_timeout, q.put_nowait,
+            self._deadlines[rid] = asyncio.get_running_loop().call_later(self.cfg.request_timeout, self._end, rid, q,
                                                                          _TIMED_OUT)
         return q
 
@@ -233,7 +336,7 @@ class Ingress:
         if (deadline := self._deadlines.pop(rid, None)) is not None:
             deadline.cancel()
 
-    async def _relay(self, q: asyncio.Queue, send, stream: bool) -> tuple[bool, int]:
+    async def _relay(self, q: FrameQueue, send, stream: bool) -> tuple[bool, int]:
         """Writes the request's frames to the client. Returns whether it got its last frame (if not: client
         gone, deadline passed, so the engine must drop it) and the status sent."""
         frame = await q.get()
@@ -242,6 +345,7 @@ class Ingress:
         if frame is _TIMED_OUT:
             return False, await respond_error(send, 504, f"the request did not finish within "
                                               f"{self.cfg.request_timeout}s", code="timeout")
+        send = q.watch(send)
         try:
             if frame.status != 200 or not stream:
                 return True, await respond(send, frame.status, frame.data)
@@ -272,9 +376,16 @@ class Ingress:
                                   frame.status)
         except OSError:
             return False, 200
+        except asyncio.CancelledError:
+            if not q.cut:
+                raise
+            _uncancel()  # the cancel was ours (_cut): this request ends here, the response cut short
+            return False, 200
 
     async def _health_generate(self, send) -> int:
         """One token through the whole pipeline: render, engine, postproc, back here."""
+        if len(self.pending) >= self.max_pending:  # it takes a slot like any request: probes must not pile up
+            return await _respond_full(send)
         rid = "health-" + uuid.uuid4().hex
         q = self._open(rid)
         body = msgspec.json.encode({"model": self.cfg.served_model_names[0], "prompt": [0], "max_tokens": 1,
@@ -294,6 +405,17 @@ class Ingress:
         return await respond_error(send, 503, "a one-token generation did not come back")
 
 
+async def _respond_full(send) -> int:
+    return await respond_error(send, 503, "the server is at capacity; retry shortly",
+                               extra_headers=[(b"retry-after", b"1")])
+
+
+def _uncancel() -> None:
+    task = asyncio.current_task()
+    if hasattr(task, "uncancel"):  # Python 3.11+ counts cancels: a handled one must be taken back
+        task.uncancel()
+
+
 async def _watch_disconnect(receive, q: asyncio.Queue) -> None:
     while True:
         msg = await receive()
@@ -304,6 +426,8 @@ async def _watch_disconnect(receive, q: asyncio.Queue) -> None:
 
 def create_app() -> Ingress:
     """granian's factory: one Ingress per worker process."""
+    procs.die_with_parent()  # with granian's main process, which dies with the supervisor
+    procs.set_title("sluice: ingress")
     path = envs.config_path()
     if not path:
         raise RuntimeError("SLUICE_CONFIG is not set: start the ingress through `sluice serve`")

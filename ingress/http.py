@@ -1,6 +1,7 @@
 """Small ASGI helpers: read a body, send a response, errors in the OpenAI shape."""
 from __future__ import annotations
 
+import asyncio
 import hmac
 import re
 
@@ -19,7 +20,20 @@ class BodyTooLarge(Exception):
     pass
 
 
-async def read_body(receive, limit: int) -> bytes:
+class BodyTimedOut(Exception):
+    pass
+
+
+async def read_body(receive, limit: int, timeout: float) -> bytes:
+    """The whole body within `timeout` seconds: a client that trickles its body in would otherwise hold
+    the connection, and what it sent so far, for as long as it liked."""
+    try:
+        return await asyncio.wait_for(_read_chunks(receive, limit), timeout)
+    except asyncio.TimeoutError:
+        raise BodyTimedOut() from None
+
+
+async def _read_chunks(receive, limit: int) -> bytes:
     chunks, size = [], 0
     while True:
         msg = await receive()

@@ -4,8 +4,10 @@ Token ids travel as raw little-endian int32 buffers (`bytes`), never as lists.
 """
 from __future__ import annotations
 
-import numpy as np
+from typing import Literal
+
 import msgspec
+import numpy as np
 
 _WIRE = dict(array_like=True, omit_defaults=True, gc=False)
 
@@ -45,9 +47,12 @@ class SamplingParams(msgspec.Struct, frozen=True, **_WIRE):
 
 # ---- ingress -> render -------------------------------------------------------
 
+Endpoint = Literal["chat", "completions"]
+
+
 class RenderJob(msgspec.Struct, tag=True, **_WIRE):
     request_id: str
-    endpoint: str  # "chat" | "completions"
+    endpoint: Endpoint
     body: bytes  # the JSON body, already validated by the ingress
     reply_to: str  # address of the ingress worker holding the connection
     arrival_time: float
@@ -74,11 +79,20 @@ class EngineRequest(msgspec.Struct, tag=True, **_WIRE):
 
 
 class Abort(msgspec.Struct, tag=True, **_WIRE):
+    """Ends whole requests whose output nobody will read (the client left, its deadline passed, a stage
+    failed it). The engine frees them, and tells their postproc shard to forget them."""
+
     request_ids: list[str]
-    choices: list[int] = []  # parallel to request_ids: the one choice to end; empty: every choice
 
 
-EngineInput = EngineRequest | Abort
+class EndChoices(msgspec.Struct, tag=True, **_WIRE):
+    """Ends single choices that their postproc shard has already finished (a stop string, malformed
+    output): the engine frees them; the request's other choices go on."""
+
+    choices: list[tuple[str, int]]  # (request_id, choice index)
+
+
+EngineInput = EngineRequest | Abort | EndChoices
 
 
 # ---- engine -> postproc ------------------------------------------------------
@@ -119,6 +133,24 @@ class Timings(msgspec.Struct, **_WIRE):
     last_token: float
 
 
+FinishReason = Literal["stop", "length"]  # a stop token (or a finished grammar); max_tokens or the context
+
+
+class Finished(msgspec.Struct, **_WIRE):
+    """The engine ended a choice on the token it sent for it in the same step."""
+
+    request_id: str
+    index: int
+    reason: FinishReason
+
+
+class Failed(msgspec.Struct, **_WIRE):
+    """The engine could not go on with a request (every choice of it is gone from the engine)."""
+
+    request_id: str
+    message: str
+
+
 class StepOutputs(msgspec.Struct, tag=True, **_WIRE):
     """One engine step's results for the requests one postproc shard owns."""
 
@@ -126,7 +158,9 @@ class StepOutputs(msgspec.Struct, tag=True, **_WIRE):
     request_ids: list[str]  # one new token each, for choice `indices[i]`
     indices: bytes  # int32[len(request_ids)]
     token_ids: bytes  # int32[len(request_ids)]
-    finished: list[tuple[str, int, str]]  # (request_id, choice, "stop" | "length" | "abort"); abort: choice -1
+    finished: list[Finished] = []
+    aborted: list[str] = []  # whole requests freed on an Abort: nobody reads them, forget them
+    failed: list[Failed] = []
     logprobs: list[tuple[int, Logprobs]] = []  # (position in request_ids, logprobs of that token)
     prompt_logprobs: list[PromptLogprobs] = []
     timings: list[Timings] = []  # for the choices in `finished`
@@ -154,13 +188,22 @@ class Frames(msgspec.Struct, tag=True, **_WIRE):
     frames: list[Frame]
 
 
-IngressInput = Frames
+class Rendered(msgspec.Struct, tag=True, **_WIRE):
+    """Render handed these requests to the engine: from now on they no longer depend on that worker."""
+
+    request_ids: list[str]
+
+
+IngressInput = Frames | Rendered
 
 
 # ---- supervisor control ------------------------------------------------------
 
+Role = Literal["engine", "render", "postproc"]
+
+
 class Ready(msgspec.Struct, tag=True, **_WIRE):
-    role: str
+    role: Role
     index: int
     pid: int
 
@@ -173,36 +216,54 @@ class IngressStatus(msgspec.Struct, tag=True, **_WIRE):
 SupervisorInput = Ready | IngressStatus
 
 
-class Control(msgspec.Struct, tag=True, **_WIRE):
-    """Broadcast from the supervisor to every ingress worker."""
+# Broadcasts from the supervisor to every ingress worker.
 
-    event: str  # "drain" | "engine_dead" | "stage_died"
-    role: str = ""  # stage_died: "render" | "postproc"
-    index: int = -1
+class Drain(msgspec.Struct, tag=True, **_WIRE):
+    """SIGTERM: refuse new requests (503), let the ones in flight finish."""
 
 
-ControlInput = Control
+class DrainTimedOut(msgspec.Struct, tag=True, **_WIRE):
+    """The drain's --shutdown-timeout passed: end the requests still in flight."""
+
+    timeout: float
+
+
+class EngineDied(msgspec.Struct, tag=True, **_WIRE):
+    """The engine process is gone: every request in flight fails, the server exits."""
+
+
+class StageDied(msgspec.Struct, tag=True, **_WIRE):
+    """A render or postproc worker died (it is being restarted): fail the requests that depended on it."""
+
+    role: Literal["render", "postproc"]
+    index: int
+
+
+ControlInput = Drain | DrainTimedOut | EngineDied | StageDied
 
 
 # ---- render -> postproc (carried opaquely by the engine) -------------------
 
 class PostprocSpec(msgspec.Struct, **_WIRE):
     request_id: str
-    endpoint: str  # "chat" | "completions"
+    endpoint: Endpoint
     model: str
     created: int
     reply_to: str
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # usage so far in every chunk (with include_usage)
+    parallel_tool_calls: bool = True  # False: the output ends after its first tool call
+    user: str | None = None  # the client's end-user id, for the request's log line
     stop: list[str] = []
-    output_mode: str = "text"  # "text" | "tokens"
+    output_mode: Literal["text", "tokens"] = "text"
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     n: int = 1
     logprobs: bool = False  # report the sampled tokens' logprobs
     echo: str = ""  # text that starts each completion (completions' echo)
     prompt_token_ids_b64: str | None = None  # returned in the response when asked for
-    parsers: list[str] = []  # chat output parsers, in order: "harmony" | "think" | "hermes"
+    parsers: list[Literal["harmony", "think", "hermes"]] = []  # chat output parsers, in order
     output_prefix: list[int] = []  # prompt tokens that begin the assistant's output (the parsers read them first)
     return_token_ids: bool = False
     prompt_token_ids: list[int] | None = None  # with return_token_ids

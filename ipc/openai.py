@@ -14,12 +14,19 @@ from msgspec import Meta
 
 _STRICT = dict(forbid_unknown_fields=True, omit_defaults=True)
 
+# Every integer is bounded where it is declared: past the ingress, integers travel as msgpack int64 (token
+# ids and counts as int32) and land in numpy arrays, where an unbounded one is a crash, not a 400.
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
-TopK = Annotated[int, Meta(ge=-1)]
+TopK = Annotated[int, Meta(ge=-1, le=INT32_MAX)]  # render clamps it to the vocabulary
 MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
-PositiveInt = Annotated[int, Meta(ge=1)]
-TokenId = Annotated[int, Meta(ge=0)]
+PositiveInt = Annotated[int, Meta(ge=1, le=INT32_MAX)]
+TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]  # render checks it against the vocabulary
 Stop = str | Annotated[list[str], Meta(max_length=16)] | None
 
 
@@ -100,11 +107,11 @@ class _Sampling(msgspec.Struct, **_STRICT):
     top_p: TopP | None = None
     top_k: TopK | None = None
     min_p: MinP | None = None
-    seed: int | None = None
+    seed: Int64 | None = None  # the engine takes it mod 2**63
     stop: Stop = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    min_tokens: Count = 0
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -118,7 +125,7 @@ class _Sampling(msgspec.Struct, **_STRICT):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: TopLogprobs | None = None
-    priority: int = 0
+    priority: Int64 = 0
     cache_salt: str | None = None
     prompt_token_ids_b64: str | None = None
     return_prompt_token_ids_b64: bool = False
@@ -140,7 +147,7 @@ class ChatCompletionRequest(_Sampling, **_STRICT):
     response_format: ResponseFormat | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    thinking_token_budget: int | None = None
+    thinking_token_budget: Count | None = None
 
 
 class CompletionRequest(_Sampling, **_STRICT):

@@ -61,4 +61,5 @@ class HarmonyParser:
                                                                          arguments=arguments)))
             self.num_calls += 1
         else:
-            piece.tool_calls.append(ToolCallOut(index=self.num_calls - 1, function=FunctionCallOut(arguments=arguments)))
+            piece.tool_calls.append(ToolCallOut(index=self.num_calls - 1,
+                                                function=FunctionCallOut(arguments=arguments)))

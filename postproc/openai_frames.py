@@ -7,9 +7,26 @@ import msgspec
 import numpy as np
 
 from ipc.messages import Logprobs, PostprocSpec
-from ipc.openai import (ChatChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs, ChunkChoice, Completion,
-                        CompletionChoice, CompletionLogprobs, Delta, FunctionCallOut, PerfMetrics, PromptLogprob,
-                        PromptTokensDetails, ResponseMessage, TokenLogprob, ToolCallOut, TopLogprob, Usage)
+from ipc.openai import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    Delta,
+    FunctionCallOut,
+    PerfMetrics,
+    PromptLogprob,
+    PromptTokensDetails,
+    ResponseMessage,
+    TokenLogprob,
+    ToolCallOut,
+    TopLogprob,
+    Usage,
+)
 from postproc.parsers import Piece
 
 _json = msgspec.json.Encoder()
@@ -55,14 +72,17 @@ class OpenAIFramer:
     # ---- streaming -------------------------------------------------------------
 
     def chunk(self, index: int, piece: Piece, finish_reason: str | None, logprobs: list[tuple[int, tuple]],
-              token_ids: list[int]) -> bytes:
-        """SSE bytes for one choice this step (empty when there is nothing to say)."""
+              token_ids: list[int], completion_tokens: int = 0) -> bytes:
+        """SSE bytes for one choice this step (empty when there is nothing to say); with continuous usage,
+        each chunk carries the usage so far (`completion_tokens` of the whole request)."""
         out = b""
         opening = not self._opened[index]
+        usage = self.usage(completion_tokens) if self.spec.continuous_usage else None
         if opening:
             self._opened[index] = True
             if self._chat:
-                out += sse(self._envelope([ChunkChoice(index, Delta(role="assistant", content=""))], first=True))
+                out += sse(self._envelope([ChunkChoice(index, Delta(role="assistant", content=""))], usage=usage,
+                                          first=True))
             piece.content = self.spec.echo + piece.content
         if piece or finish_reason or logprobs or (opening and not self._chat):
             lp = self._format_logprobs(logprobs, offset=0) if logprobs else None
@@ -73,8 +93,8 @@ class OpenAIFramer:
                 choice = ChunkChoice(index, delta, finish_reason, lp, ids)
             else:
                 choice = CompletionChoice(index, piece.content, finish_reason, lp, token_ids=ids)
-            if opening and not self._chat:  # a completion's first chunk carries the per-request extras
-                out += sse(self._envelope([choice], first=True))
+            if (opening and not self._chat) or usage is not None:  # the per-request extras, the usage
+                out += sse(self._envelope([choice], usage=usage, first=opening and not self._chat))
             else:
                 out += self._head + _json.encode(choice) + self._tail
         return out
@@ -116,7 +136,8 @@ class OpenAIFramer:
             self.prompt_logprobs = [None]
         assert len(self.prompt_logprobs) == start, "prompt logprob chunks out of order"
         for token, (lp, rank, top_ids, top_lps) in zip(prompt_ids, entries):
-            scored = {str(t): PromptLogprob(v, i + 1, self.text_of(t)) for i, (t, v) in enumerate(zip(top_ids, top_lps))}
+            scored = {str(t): PromptLogprob(v, i + 1, self.text_of(t))
+                      for i, (t, v) in enumerate(zip(top_ids, top_lps))}
             scored[str(token)] = PromptLogprob(lp, rank, self.text_of(token))
             self.prompt_logprobs.append(scored)
 

@@ -106,16 +106,20 @@ class HermesParser:
     a block still open at the end that never got that far.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_calls: int | None = None) -> None:
         self._split = TagSplitter("<tool_call>", "</tool_call>")
         self._call = ""  # the open block's text
         self._sent: int | None = None  # streaming: where the block's unsent arguments text starts
         self.num_calls = 0
+        self.max_calls = max_calls
+        self.done = False  # max_calls calls are closed: the rest of the output is not read
 
     def feed(self, piece: Piece, final: bool = False) -> Piece:
         out = Piece(reasoning=piece.reasoning, tool_calls=list(piece.tool_calls))
         segments = self._split.feed(piece.content) + (self._split.flush() if final else [])
         for inside, text in segments:
+            if self.done:
+                break
             if inside and text is not None:
                 self._call += text
                 self._stream(out)
@@ -124,9 +128,10 @@ class HermesParser:
             elif text is None:  # the closing tag
                 if self._sent is None:
                     self._emit_whole(out)
+                self.done = self.max_calls is not None and self.num_calls >= self.max_calls
             else:
                 out.content += text
-        if final and self._split.inside and self._sent is None:  # an unclosed block: give it back as text
+        if final and self._split.inside and self._sent is None and not self.done:  # unclosed: give it back
             out.content += "<tool_call>" + self._call
             self._call = ""
         return out

@@ -9,10 +9,10 @@ from tokenizers.decoders import DecodeStream
 
 from ipc.messages import Frame, PostprocSpec, Started, Timings
 from ipc.openai import PerfMetrics
-from sluice import metrics
 from postproc.openai_frames import OpenAIFramer
-from postproc.parsers import TEXT_PARSERS, Piece
+from postproc.parsers import TEXT_PARSERS, HermesParser, Piece
 from postproc.stop import StopStrings
+from sluice import metrics
 
 
 class Choice:
@@ -38,13 +38,21 @@ class Choice:
             return
         self.decode = DecodeStream(skip_special_tokens=spec.skip_special_tokens)
         self.parsers = [TEXT_PARSERS[name]() for name in spec.parsers]
+        if not spec.parallel_tool_calls:
+            for parser in self.parsers:
+                if isinstance(parser, HermesParser):
+                    parser.max_calls = 1
         if spec.output_prefix:  # a forced start already in the prompt: the parsers read it, nobody sees it
             self._parse(Piece(content=tokenizer.decode(spec.output_prefix, skip_special_tokens=False)), False)
 
     @property
     def ended_early(self) -> bool:
-        """Ended by a stop string or malformed output, before the engine ended it."""
-        return self.stops.stopped or bool(self.harmony and self.harmony.failed)
+        """Ended by a stop string, malformed output or its last allowed tool call, before the engine ended it."""
+        return self.stops.stopped or bool(self.harmony and self.harmony.failed) or self._calls_done
+
+    @property
+    def _calls_done(self) -> bool:
+        return any(getattr(parser, "done", False) for parser in self.parsers) if self.harmony is None else False
 
     def on_token(self, token: int, finish_reason: str | None) -> Piece:
         """Feeds one token with the engine's verdict on it; returns what it adds to the message."""
@@ -64,6 +72,8 @@ class Choice:
                 piece.content += self.stops.flush()
         if self.harmony is None:
             piece = self._parse(piece, finish_reason is not None)
+            if finish_reason is None and self._calls_done:
+                finish_reason = "stop"
         self.has_tool_calls |= bool(piece.tool_calls)
         if finish_reason == "stop" and self.has_tool_calls:
             finish_reason = "tool_calls"
@@ -134,12 +144,14 @@ class RequestOutput:
             return b""
         interval = 1 if choice.frames_sent == 0 else self.spec.stream_interval
         if not choice.finish_reason and (not choice.pending or len(choice.pending_ids) < interval):
-            return self.framer.chunk(index, Piece(), None, [], []) if not choice.frames_sent else b""
+            if choice.frames_sent:
+                return b""
+            return self.framer.chunk(index, Piece(), None, [], [], self.completion_tokens)
         choice.frames_sent += 1
         piece, choice.pending = choice.pending, Piece()
         entries, choice.pending_logprobs = choice.pending_logprobs, []
         ids, choice.pending_ids = choice.pending_ids, []
-        return self.framer.chunk(index, piece, choice.finish_reason, entries, ids)
+        return self.framer.chunk(index, piece, choice.finish_reason, entries, ids, self.completion_tokens)
 
     def final(self) -> Frame:
         perf = self.perf() if self.spec.perf_metrics else None
@@ -161,6 +173,7 @@ class RequestOutput:
         perf = self.perf()
         done = time.time()
         return {"request_id": self.spec.request_id, "endpoint": self.spec.endpoint, "status": 200,
+                **({"user": self.spec.user} if self.spec.user is not None else {}),
                 "finish_reasons": [c.finish_reason for c in self.choices],
                 "prompt_tokens": self.started.num_prompt_tokens, "cached_tokens": self.started.num_cached_tokens,
                 "completion_tokens": self.completion_tokens,

@@ -6,14 +6,28 @@ import logging
 import os
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 import zmq
 from tokenizers import Tokenizer
 
-from ipc.messages import (Abort, EngineInput, Frame, Frames, IngressGone, IngressInput, PostprocInput, PostprocSpec,
-                          Ready, StepOutputs, SupervisorInput, bytes_to_ids)
+from ipc.messages import (
+    Abort,
+    EndChoices,
+    EngineInput,
+    Frame,
+    Frames,
+    IngressGone,
+    IngressInput,
+    PostprocInput,
+    PostprocSpec,
+    Ready,
+    StepOutputs,
+    SupervisorInput,
+    bytes_to_ids,
+)
 from ipc.openai import error_body
 from ipc.transport import PullChannel, PushChannel, PushPool
 from postproc.openai_frames import unpack
@@ -24,6 +38,18 @@ from sluice.config import ServerConfig
 _spec_decoder = msgspec.msgpack.Decoder(PostprocSpec)
 log = logging.getLogger("sluice.postproc")
 _METRICS_INTERVAL_S = 0.25
+
+
+@dataclass
+class _Feed:
+    """What feeding one batch of steps to a shard produced."""
+
+    touched: dict[str, RequestOutput] = field(default_factory=dict)  # requests that got tokens
+    fed: dict[tuple[str, int], None] = field(default_factory=dict)  # (request, choice) fed tokens, in order
+    failed: dict[str, tuple[RequestOutput, str]] = field(default_factory=dict)  # request -> (state, why)
+    ended_choices: list[tuple[str, int]] = field(default_factory=list)  # ended here, before the engine did
+    aborts: list[str] = field(default_factory=list)  # requests this shard failed, for the engine to drop
+    gaps: list[float] = field(default_factory=list)  # inter-token gaps
 
 
 class Shard:
@@ -41,23 +67,18 @@ class Shard:
             text = self._token_text[token] = self.tokenizer.decode([token], skip_special_tokens=False)
         return text
 
-    def on_steps(self, msgs: list[StepOutputs]) -> tuple[dict[str, list[Frame]], Abort | None]:
-        """Frames per ingress address for the steps given (oldest first), and the choices that stop strings
-        ended (to abort in the engine). A request that got tokens in several of these steps (the shard fell
-        behind the engine) gets them in one chunk: under load it sends fewer, larger frames."""
-        touched: dict[str, RequestOutput] = {}
-        fed: dict[tuple[str, int], None] = {}  # (request, choice) fed tokens, in order
-        failed: dict[str, RequestOutput] = {}
-        stop_ids, stop_choices = [], []
-        gaps: list[float] = []
+    def on_steps(self, msgs: list[StepOutputs]) -> tuple[dict[str, list[Frame]], list[EngineInput]]:
+        """Frames per ingress address for the steps given (oldest first), and what the engine must end: the
+        choices this shard finished (stop strings, malformed output) and the requests it failed. A request
+        that got tokens in several of these steps (the shard fell behind the engine) gets them in one
+        chunk: under load it sends fewer, larger frames."""
+        step = _Feed()
         for msg in msgs:
-            self._feed(msg, touched, fed, failed, stop_ids, stop_choices, gaps)
+            self._feed(msg, step)
+        touched, fed = step.touched, step.fed
         out: dict[str, list[Frame]] = defaultdict(list)
-        for rid, req in failed.items():
-            stop_ids.append(rid)
-            stop_choices.append(-1)
-            body = error_body(500, "internal error while producing the output", code="internal_error")
-            out[req.spec.reply_to].append(Frame(rid, body, True, 500))
+        for rid, (req, message) in step.failed.items():
+            out[req.spec.reply_to].append(Frame(rid, error_body(500, message, code="internal_error"), True, 500))
         data: dict[str, bytes] = defaultdict(bytes)
         for rid, index in fed:
             if rid in touched:
@@ -69,10 +90,15 @@ class Shard:
                 out[req.spec.reply_to].append(Frame(rid, data[rid] + req.final().data, True))
             elif data[rid]:
                 out[req.spec.reply_to].append(Frame(rid, data[rid]))
-        self._gaps += gaps
+        self._gaps += step.gaps
         if not self.requests or time.monotonic() - self._metrics_at >= _METRICS_INTERVAL_S:
             self._record_metrics()
-        return out, Abort(stop_ids, stop_choices) if stop_ids else None
+        to_engine: list[EngineInput] = []
+        if step.ended_choices:
+            to_engine.append(EndChoices(step.ended_choices))
+        if step.aborts:
+            to_engine.append(Abort(step.aborts))
+        return out, to_engine
 
     def _record_metrics(self) -> None:
         """Each multiprocess metric update checks the pid and packs into an mmap: per step that costs more
@@ -83,11 +109,18 @@ class Shard:
         self._gaps = []
         self._metrics_at = time.monotonic()
 
-    def _feed(self, msg: StepOutputs, touched: dict, fed: dict, failed: dict, stop_ids: list, stop_choices: list,
-              gaps: list) -> None:
+    def _feed(self, msg: StepOutputs, step: "_Feed") -> None:
+        touched = step.touched
         for s in msg.started:
             self.requests[s.request_id] = RequestOutput(_spec_decoder.decode(s.postproc_spec), self.tokenizer, s,
                                                         self.text_of)
+        for f in msg.failed:  # the engine has freed them: their tokens of this step are not shown
+            if (req := self.requests.pop(f.request_id, None)) is not None:
+                touched.pop(f.request_id, None)
+                step.failed[f.request_id] = (req, f.message)
+        for rid in msg.aborted:  # the ingress asked for it: nobody is listening
+            if self.requests.pop(rid, None) is not None:
+                touched.pop(rid, None)
         for chunk in msg.prompt_logprobs:
             req = self.requests.get(chunk.request_id)
             if req is not None:
@@ -96,7 +129,7 @@ class Shard:
         for t in msg.timings:
             if (req := self.requests.get(t.request_id)) is not None:
                 req.timings.append(t)
-        verdicts = {(rid, i): reason for rid, i, reason in msg.finished}
+        verdicts = {(f.request_id, f.index): f.reason for f in msg.finished}
         logprobs = {pos: unpack(lp)[0] for pos, lp in msg.logprobs}
         indices = bytes_to_ids(msg.indices).tolist()
         for pos, (rid, index, token) in enumerate(zip(msg.request_ids, indices, bytes_to_ids(msg.token_ids).tolist())):
@@ -105,21 +138,17 @@ class Shard:
                 continue
             verdict = verdicts.get((rid, index)) if verdicts else None
             try:
-                req.feed(index, token, verdict, logprobs.get(pos) if logprobs else None, gaps)
+                req.feed(index, token, verdict, logprobs.get(pos) if logprobs else None, step.gaps)
             except Exception:  # one request's bad state must not take the shard down
                 log.exception("postproc failed for %s", rid)
-                failed[rid] = self.requests.pop(rid)
+                step.failed[rid] = (self.requests.pop(rid), "internal error while producing the output")
+                step.aborts.append(rid)
                 touched.pop(rid, None)
                 continue
             touched[rid] = req
-            fed[(rid, index)] = None
+            step.fed[(rid, index)] = None
             if verdict is None and req.choices[index].ended_early:
-                stop_ids.append(rid)
-                stop_choices.append(index)
-        for (rid, index), reason in verdicts.items():
-            if reason == "abort" and rid in self.requests:  # the ingress asked for it: nobody is listening
-                del self.requests[rid]
-                touched.pop(rid, None)
+                step.ended_choices.append((rid, index))
 
     def drop_destination(self, address: str) -> list[str]:
         """Forgets the requests whose frames go to `address`; returns their ids."""
@@ -164,9 +193,9 @@ def run_postproc(cfg: ServerConfig, index: int) -> None:
         # Coalescing: a request's tokens from those steps in one event; without: an event per step still.
         out: dict[str, list[Frame]] = defaultdict(list)
         for group in [steps] if cfg.coalesce_frames else [[m] for m in steps]:
-            frames_by_address, abort = shard.on_steps(group)
-            if abort is not None:
-                engine.put(abort)
+            frames_by_address, to_engine = shard.on_steps(group)
+            for request in to_engine:
+                engine.put(request)
             for address, frames in frames_by_address.items():
                 out[address] += frames
         for address, frames in out.items():

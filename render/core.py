@@ -4,6 +4,7 @@ from __future__ import annotations
 import base64
 import binascii
 import time
+from typing import Any, Iterator
 
 import msgspec
 import numpy as np
@@ -12,15 +13,18 @@ from ipc.addresses import shard_of
 from ipc.messages import EngineRequest, PostprocSpec, RenderJob, SamplingParams, ids_to_bytes
 from ipc.openai import ChatCompletionRequest, CompletionRequest
 from render.errors import RequestError
-from render.extensions import ServingExtension
+from render.extensions import ServingExtension, message_text
 from render.structured import GrammarCompiler
-from render.tokenizer import TokenizerBundle
+from render.tokenizer import PromptBudget, TokenizerBundle, context_length_error
 
 _DECODERS = {
     "chat": msgspec.json.Decoder(ChatCompletionRequest),
     "completions": msgspec.json.Decoder(CompletionRequest),
 }
 _spec_encoder = msgspec.msgpack.Encoder()
+# How deeply a free-form JSON field (a tool's parameters, a schema) may nest: past it, json.dumps, templates
+# and harmony's renderer fail on the recursion. Real schemas nest a few dozen levels at most.
+MAX_JSON_DEPTH = 100
 
 
 class ChatCore:
@@ -36,33 +40,35 @@ class ChatCore:
         self.model_vocab_size = model_vocab_size
         self.num_shards = num_shards
 
+    @property
+    def budget(self) -> PromptBudget:
+        return PromptBudget(self.max_model_len, self.bundle.max_token_chars)
+
     def render(self, job: RenderJob) -> EngineRequest:
-        request = _DECODERS[job.endpoint].decode(job.body)
-        grammar, trigger = "", []
+        try:
+            request = _DECODERS[job.endpoint].decode(job.body)
+        except RecursionError:
+            raise RequestError(400, "the JSON body nests too deeply") from None
+        try:
+            return self._render(job, request)
+        except RecursionError:  # past the depth checks: still the request's nesting, not the server's fault
+            raise RequestError(400, "the request nests too deeply to render") from None
+
+    def _render(self, job: RenderJob, request: ChatCompletionRequest | CompletionRequest) -> EngineRequest:
         if job.endpoint == "chat":
-            for item in self.ext.unsupported_features(request):
-                raise RequestError(400, f"{item.feature} is not supported by this model: {item.message}",
-                                   code="unsupported_feature")
-            prompt, prefix = self._pretokenized(request), []
-            if prompt is None:
-                rendered = self.ext.render_prompt(request)
-                prompt, prefix = rendered.prompt_ids, rendered.output_prefix
+            prompt, prefix = self._chat_prompt(request)
             max_tokens = request.max_completion_tokens or request.max_tokens
-            if request.response_format is not None and request.response_format.type != "text":
-                grammar = self.grammars.compile(request.response_format)
-                trigger = self.ext.structured_output_format(request)
-            top_logprobs = request.top_logprobs if request.logprobs else None
+            max_tokens_field = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+            grammar, trigger = self._grammar(request)
             if request.top_logprobs is not None and not request.logprobs:
                 raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            top_logprobs = request.top_logprobs if request.logprobs else None
             echo = ""
         else:
-            prompt, prefix = self._pretokenized(request), []
-            if prompt is None:
-                prompt = self._completion_prompt(request)
-            max_tokens = request.max_tokens
-            top_logprobs = request.logprobs
-            echo = self._echo_text(request, prompt) if request.echo else ""
-        max_tokens = self._check_length(len(prompt), max_tokens)
+            (prompt, echo), prefix = self._completion_prompt(request), []
+            max_tokens, top_logprobs, grammar, trigger = request.max_tokens, request.logprobs, "", []
+            max_tokens_field = "max_tokens"
+        max_tokens = self._check_length(len(prompt), max_tokens, max_tokens_field)
         spec = PostprocSpec(
             request_id=job.request_id,
             endpoint=job.endpoint,
@@ -71,6 +77,10 @@ class ChatCore:
             reply_to=job.reply_to,
             stream=bool(request.stream),
             include_usage=bool(request.stream_options and request.stream_options.include_usage),
+            continuous_usage=bool(request.stream_options and request.stream_options.include_usage
+                                  and request.stream_options.continuous_usage_stats),
+            parallel_tool_calls=getattr(request, "parallel_tool_calls", None) is not False,
+            user=request.user,
             stop=[request.stop] if isinstance(request.stop, str) else list(request.stop or []),
             output_mode=self.ext.output_mode if job.endpoint == "chat" else "text",
             parsers=self.ext.parsers() if job.endpoint == "chat" else [],
@@ -102,6 +112,27 @@ class ChatCore:
             render_done_time=time.time(),
         )
 
+    def _chat_prompt(self, request: ChatCompletionRequest) -> tuple[list[int], list[int]]:
+        """The prompt's ids, and those of its end that begin the output (a forced tool call)."""
+        for item in self.ext.unsupported_features(request):
+            raise RequestError(400, f"{item.feature} is not supported by this model: {item.message}",
+                               param=item.param, code="unsupported_feature")
+        _check_nesting(request)
+        ids = self._pretokenized(request)
+        if ids is not None:
+            return ids, []
+        # Text that every template renders: past the budget, the prompt cannot fit however it renders.
+        self.budget.check_chars(sum(len(message_text(m)) for m in request.messages if m.role != "assistant"))
+        rendered = self.ext.render_prompt(request, self.budget)
+        return rendered.prompt_ids, rendered.output_prefix
+
+    def _grammar(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """The response_format's compiled grammar, and the ids after which it applies."""
+        fmt = request.response_format
+        if fmt is None or fmt.type == "text":
+            return "", []
+        return self.grammars.compile(fmt), self.ext.structured_output_format(request)
+
     def _pretokenized(self, request) -> list[int] | None:
         """Prompt ids the client sent itself (`prompt_token_ids`, `prompt_token_ids_b64`), if any."""
         ids, field = getattr(request, "prompt_token_ids", None), "prompt_token_ids"
@@ -121,49 +152,51 @@ class ChatCore:
         if any(t < 0 or t >= self.model_vocab_size for t in ids):
             raise RequestError(400, f"token ids must be in [0, {self.model_vocab_size})", param=field)
 
-    def _echo_text(self, request: CompletionRequest, prompt: list[int]) -> str:
-        if isinstance(request.prompt, str):
-            return request.prompt
-        if isinstance(request.prompt, list) and len(request.prompt) == 1 and isinstance(request.prompt[0], str):
-            return request.prompt[0]
-        return self.bundle.tokenizer.decode(prompt, skip_special_tokens=False)
-
-    def _completion_prompt(self, request: CompletionRequest) -> list[int]:
+    def _completion_prompt(self, request: CompletionRequest) -> tuple[list[int], str]:
+        """The prompt's ids, and the text that starts each completion with echo ("" without)."""
+        ids = self._pretokenized(request)
+        if ids is not None:
+            if request.prompt != "":  # the OpenAI SDKs make `prompt` required: "" goes with the ids
+                raise RequestError(400, "send prompt or prompt_token_ids_b64, not both", param="prompt_token_ids_b64")
+            return ids, self._decode(ids) if request.echo else ""
         prompt = request.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = self.bundle.tokenizer.encode(prompt, add_special_tokens=True).ids
+            ids, text = self.budget.encode(self.bundle.tokenizer, prompt, add_special_tokens=True), prompt
         elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
-            ids = prompt
-            self._check_ids(ids, "prompt")
+            self._check_ids(prompt, "prompt")
+            ids, text = prompt, None
         else:
             raise RequestError(400, "prompt must be a string, a list of token ids, or a one-element list of either "
                                "(batched prompts are not supported yet)", param="prompt")
         if not ids:
             raise RequestError(400, "the prompt is empty", param="prompt")
-        return ids
+        if not request.echo:
+            return ids, ""
+        return ids, text if text is not None else self._decode(ids)
 
-    def _check_length(self, prompt_len: int, max_tokens: int | None) -> int:
+    def _decode(self, ids: list[int]) -> str:
+        return self.bundle.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _check_length(self, prompt_len: int, max_tokens: int | None, field: str) -> int:
         limit = self.max_model_len
         if prompt_len >= limit:
-            raise RequestError(
-                400, f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                f"{prompt_len} tokens. Please reduce the length of the prompt.",
-                param="messages", code="context_length_exceeded")
+            raise context_length_error(limit, f"has {prompt_len} tokens")
         if max_tokens is None:
             return limit - prompt_len
         if prompt_len + max_tokens > limit:
             raise RequestError(
                 400, f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
-                f"completion). Please reduce the prompt or max_tokens.",
-                param="max_tokens", code="context_length_exceeded")
+                f"completion). Please reduce the prompt or {field}.",
+                param=field, code="context_length_exceeded")
         return max_tokens
 
     def _sampling(self, r: ChatCompletionRequest | CompletionRequest, max_tokens: int,
                   top_logprobs: int | None) -> SamplingParams:
         stop_ids = list(r.stop_token_ids or [])
+        self._check_ids(stop_ids, "stop_token_ids")  # xgrammar refuses (in the engine) an id past the vocabulary
         if not r.ignore_eos:
             stop_ids.extend(self.bundle.eos_token_ids)
         stop_ids.extend(self.ext.extra_stop_token_ids())
@@ -173,7 +206,7 @@ class ChatCore:
             max_tokens=max_tokens,
             temperature=1.0 if r.temperature is None else r.temperature,
             top_p=1.0 if r.top_p is None else r.top_p,
-            top_k=0 if r.top_k in (None, -1) else r.top_k,
+            top_k=0 if r.top_k in (None, -1) or r.top_k >= self.model_vocab_size else r.top_k,  # 0: off
             min_p=r.min_p or 0.0,
             seed=r.seed,
             stop_token_ids=tuple(dict.fromkeys(stop_ids)),
@@ -201,6 +234,9 @@ class ChatCore:
 
     def _bad_words(self, words: list[str]) -> list[list[int]]:
         """Each word as it starts the text and as it follows a space (as vLLM)."""
+        if sum(map(len, words)) > self.budget.max_chars:  # longer than any output, and slow to tokenize
+            raise RequestError(400, f"bad_words are longer than {self.budget.max_chars} characters in all",
+                               param="bad_words")
         out: list[list[int]] = []
         for word in words:
             for variant in (word.lstrip(), " " + word.lstrip()):
@@ -223,3 +259,30 @@ def _from_b64(text: str) -> list[int]:
         raise RequestError(400, "prompt_token_ids_b64 must decode to little-endian int32s (a multiple of 4 bytes)",
                            param="prompt_token_ids_b64")
     return np.frombuffer(raw, dtype="<i4").tolist()
+
+
+def _check_nesting(request: ChatCompletionRequest) -> None:
+    for field, value in _free_form_fields(request):
+        if _depth(value) > MAX_JSON_DEPTH:
+            raise RequestError(400, f"{field} nests deeper than {MAX_JSON_DEPTH} levels", param=field)
+
+
+def _free_form_fields(request: ChatCompletionRequest) -> Iterator[tuple[str, Any]]:
+    for i, tool in enumerate(request.tools or []):
+        yield f"tools[{i}].function.parameters", tool.function.parameters
+    fmt = request.response_format
+    if fmt is not None and fmt.json_schema is not None:
+        yield "response_format.json_schema.schema", fmt.json_schema.schema
+    yield "chat_template_kwargs", request.chat_template_kwargs
+
+
+def _depth(value: Any) -> int:
+    """How deeply lists and dicts nest in a JSON value, measured without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest

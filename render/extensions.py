@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Literal, Protocol
 
 import msgspec
 
 from ipc.openai import ChatCompletionRequest, ChatMessage, NamedToolChoice
-from render.chat_template import ChatTemplateError, render_chat
+from render.chat_template import ChatTemplateError, TemplateOutputTooLong, render_chat
 from render.errors import RequestError
-from render.tokenizer import TokenizerBundle
+from render.tokenizer import PromptBudget, TokenizerBundle
 
 TOOL_PARSERS = {"hermes"}
 REASONING_PARSERS = {"think"}
@@ -41,12 +41,15 @@ class Rendered:
 class Unsupported:
     feature: str  # a stable name, e.g. "multimodal_input"
     message: str  # what to do instead
+    param: str | None = None  # the request field that asks for it
 
 
 class ServingExtension(Protocol):
-    output_mode: str  # "text": parse detokenized text; "tokens": parse token ids
+    output_mode: Literal["text", "tokens"]  # "text": parse detokenized text; "tokens": parse token ids
 
-    def render_prompt(self, request: ChatCompletionRequest) -> Rendered: ...
+    def render_prompt(self, request: ChatCompletionRequest, budget: PromptBudget) -> Rendered:
+        """The prompt's ids; a context-length RequestError as soon as it is clear they cannot fit `budget`."""
+        ...
 
     def extra_stop_token_ids(self) -> tuple[int, ...]: ...
 
@@ -107,7 +110,7 @@ def _message_dict(m: ChatMessage) -> dict[str, Any]:
         fn = call["function"]
         try:  # templates expect arguments as an object, the wire carries a JSON string
             fn["arguments"] = json.loads(fn["arguments"])
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, RecursionError):
             pass
     return d
 
@@ -115,30 +118,37 @@ def _message_dict(m: ChatMessage) -> dict[str, Any]:
 def common_unsupported(request: ChatCompletionRequest, options: ExtensionOptions) -> list[Unsupported]:
     out = []
     if any(isinstance(m.content, list) and any(p.type != "text" for p in m.content) for m in request.messages):
-        out.append(Unsupported("multimodal_input", "this model takes text only; send content parts of type 'text'"))
+        out.append(Unsupported("multimodal_input", "this model takes text only; send content parts of type 'text'",
+                               "messages"))
     if request.chat_template is not None and not options.trust_request_chat_template:
         out.append(Unsupported("request_chat_template", "start the server with --trust-request-chat-template to "
-                                                        "allow a chat_template in requests"))
+                                                        "allow a chat_template in requests", "chat_template"))
     if request.tool_choice == "required":
         out.append(Unsupported("tool_choice_required", "tool_choice 'required' needs constrained decoding, which "
-                                                       "this server does not have yet; name the function instead"))
+                                                       "this server does not have yet; name the function instead",
+                               "tool_choice"))
     return out
 
 
-def render_template(template: str, request: ChatCompletionRequest, bundle: TokenizerBundle,
-                    tools: list | None) -> str:
+def render_template(template: str, request: ChatCompletionRequest, bundle: TokenizerBundle, tools: list | None,
+                    budget: PromptBudget) -> str:
+    """The chat template's text; a 400 naming the template's source (the request's chat_template, or the
+    messages the server's template failed on) when it fails, and a context-length error when its text is
+    longer than any prompt that fits."""
+    context = {
+        **bundle.special_tokens,
+        "tools": [msgspec.to_builtins(t) for t in tools] if tools else None,
+        "add_generation_prompt": request.add_generation_prompt,
+        **({"reasoning_effort": request.reasoning_effort} if request.reasoning_effort else {}),
+        **(request.chat_template_kwargs or {}),  # over the defaults above, as in vLLM
+        "messages": [_message_dict(m) for m in request.messages],
+    }
     try:
-        return render_chat(
-            template,
-            messages=[_message_dict(m) for m in request.messages],
-            tools=[msgspec.to_builtins(t) for t in tools] if tools else None,
-            add_generation_prompt=request.add_generation_prompt,
-            **({"reasoning_effort": request.reasoning_effort} if request.reasoning_effort else {}),
-            **bundle.special_tokens,
-            **(request.chat_template_kwargs or {}),
-        )
+        return render_chat(template, context, budget.max_chars)
+    except TemplateOutputTooLong as e:
+        raise budget.too_long(e.chars) from None
     except ChatTemplateError as e:
-        raise RequestError(400, str(e), param="messages") from e
+        raise RequestError(400, str(e), param="messages" if request.chat_template is None else "chat_template") from e
 
 
 class HfChatTemplateExtension:
@@ -159,18 +169,18 @@ class HfChatTemplateExtension:
             raise ValueError(f"--reasoning-parser {options.reasoning_parser!r} cannot apply to this model; "
                              f"choose from {sorted(REASONING_PARSERS)}")
 
-    def render_prompt(self, request: ChatCompletionRequest) -> Rendered:
+    def render_prompt(self, request: ChatCompletionRequest, budget: PromptBudget) -> Rendered:
         template = request.chat_template or self.bundle.chat_template
         if template is None:
             raise RequestError(400, "this model has no chat template; use /v1/completions", param="messages")
         tools = request.tools if request.tool_choice != "none" else None
-        text = render_template(template, request, self.bundle, tools)
+        text = render_template(template, request, self.bundle, tools, budget)
         prefix = ""
         if isinstance(request.tool_choice, NamedToolChoice):  # hermes: start the turn with that call
             prefix = '<tool_call>\n{"name": "%s", "arguments": ' % request.tool_choice.function.name
-        encode = self.bundle.tokenizer.encode
-        prefix_ids = encode(prefix, add_special_tokens=False).ids if prefix else []
-        return Rendered(encode(text, add_special_tokens=False).ids + prefix_ids, prefix_ids)
+        tokenizer = self.bundle.tokenizer
+        prefix_ids = tokenizer.encode(prefix, add_special_tokens=False).ids if prefix else []
+        return Rendered(budget.encode(tokenizer, text, add_special_tokens=False) + prefix_ids, prefix_ids)
 
     def extra_stop_token_ids(self) -> tuple[int, ...]:
         return ()
@@ -179,9 +189,10 @@ class HfChatTemplateExtension:
         out = common_unsupported(request, self.options)
         if request.thinking_token_budget is not None:
             out.append(Unsupported("thinking_token_budget", "this server does not enforce a thinking budget; "
-                                                            "use max_tokens"))
+                                                            "use max_tokens", "thinking_token_budget"))
         if isinstance(request.tool_choice, NamedToolChoice) and self.options.tool_parser != "hermes":
-            out.append(Unsupported("named_tool_choice", "forcing a function needs --tool-parser hermes on this model"))
+            out.append(Unsupported("named_tool_choice", "forcing a function needs --tool-parser hermes on this model",
+                                   "tool_choice"))
         return out
 
     def structured_output_format(self, request: ChatCompletionRequest) -> list[int]:

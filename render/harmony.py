@@ -5,13 +5,29 @@ from __future__ import annotations
 import json
 from datetime import date
 
-from openai_harmony import (Author, Conversation, DeveloperContent, Message, ReasoningEffort, Role, SystemContent,
-                            ToolDescription)
+from openai_harmony import (
+    Author,
+    Conversation,
+    DeveloperContent,
+    Message,
+    ReasoningEffort,
+    Role,
+    SystemContent,
+    ToolDescription,
+)
 
 from ipc.openai import ChatCompletionRequest, NamedToolChoice
-from render.extensions import (ExtensionOptions, HfChatTemplateExtension, Rendered, Unsupported, common_unsupported,
-                               message_text, register, render_template)
-from render.tokenizer import TokenizerBundle
+from render.extensions import (
+    ExtensionOptions,
+    HfChatTemplateExtension,
+    Rendered,
+    Unsupported,
+    common_unsupported,
+    message_text,
+    register,
+    render_template,
+)
+from render.tokenizer import PromptBudget, TokenizerBundle
 from sluice.harmony_vocab import harmony_encoding
 
 _EFFORT = {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM, "high": ReasoningEffort.HIGH}
@@ -76,9 +92,9 @@ class HarmonyExtension:
         self.options = options
         self.enc = harmony_encoding()
 
-    def render_prompt(self, request: ChatCompletionRequest) -> Rendered:
+    def render_prompt(self, request: ChatCompletionRequest, budget: PromptBudget) -> Rendered:
         if request.chat_template is not None:  # allowed only with --trust-request-chat-template
-            text = render_template(request.chat_template, request, self.bundle, request.tools)
+            text = render_template(request.chat_template, request, self.bundle, request.tools, budget)
             ids = self.enc.encode(text, allowed_special="all")
         else:
             convo = Conversation.from_messages(harmony_messages(request))
@@ -97,7 +113,8 @@ class HarmonyExtension:
         out = common_unsupported(request, self.options)
         if request.thinking_token_budget is not None:
             out.append(Unsupported("thinking_token_budget", "gpt-oss has no thinking budget; "
-                                                            "use reasoning_effort (low, medium or high)"))
+                                                            "use reasoning_effort (low, medium or high)",
+                                   "thinking_token_budget"))
         return out
 
     def structured_output_format(self, request: ChatCompletionRequest) -> list[int]:

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import defaultdict
 from pathlib import Path
 
 import msgspec
 import zmq
 
-from ipc.messages import EngineInput, Frame, Frames, IngressInput, Ready, RenderInput, SupervisorInput
+from ipc.messages import EngineInput, Frame, Frames, IngressInput, Ready, Rendered, RenderInput, SupervisorInput
 from ipc.openai import error_body
 from ipc.transport import PullChannel, PushChannel, PushPool
 from render.core import ChatCore
 from render.errors import RequestError
-from render.structured import GrammarCompiler
 from render.extensions import extension_for, options_of
+from render.structured import GrammarCompiler, GrammarLimits
 from render.tokenizer import load_tokenizer
 from sluice import metrics
 from sluice.config import ServerConfig
@@ -28,7 +29,13 @@ def build_core(cfg: ServerConfig) -> ChatCore:
     hf = cfg.hf_config()
     return ChatCore(extension_for(hf, bundle, options_of(cfg)), bundle, max_model_len=cfg.max_model_len,
                     model_vocab_size=hf["vocab_size"], num_shards=cfg.postproc_workers,
-                    grammars=GrammarCompiler(cfg.model_path, hf["vocab_size"]), perf_metrics=cfg.perf_metrics, stream_interval=cfg.stream_interval)
+                    grammars=GrammarCompiler(cfg.model_path, hf["vocab_size"], grammar_limits(cfg)),
+                    perf_metrics=cfg.perf_metrics, stream_interval=cfg.stream_interval)
+
+
+def grammar_limits(cfg: ServerConfig) -> GrammarLimits:
+    return GrammarLimits(compile_timeout=cfg.grammar_compile_timeout, memory=cfg.grammar_memory,
+                         max_grammar_bytes=cfg.grammar_max_bytes)
 
 
 def run_render(cfg: ServerConfig, index: int) -> None:
@@ -41,12 +48,17 @@ def run_render(cfg: ServerConfig, index: int) -> None:
     PushChannel[SupervisorInput](ctx, addr.supervisor).put(Ready("render", index, os.getpid()))
     while True:
         backlog = [jobs.get(), *jobs.drain()]
+        rendered: dict[str, list[str]] = defaultdict(list)  # ingress address -> requests now in the engine
         for i, job in enumerate(backlog):
             metrics.IN_FLIGHT.labels("render").set(len(backlog) - i)
             error = _render_one(core, job, engine)
-            if error is not None:
+            if error is None:
+                rendered[job.reply_to].append(job.request_id)
+            else:
                 body = error_body(error.status, error.message, error.param, error.code)
                 replies.get(job.reply_to).put(Frames([Frame(job.request_id, body, done=True, status=error.status)]))
+        for address, rids in rendered.items():
+            replies.get(address).put(Rendered(rids))
         metrics.IN_FLIGHT.labels("render").set(0)
 
 

@@ -1,54 +1,124 @@
 """The server's configuration: one frozen Struct, validated once at startup and
-handed to every process (as a JSON file for the granian-started ingress)."""
+handed to every process (as a JSON file for the granian-started ingress).
+
+Each option is defined here once: its name, type, default, bounds and help.
+The command line (`sluice serve --help`), `--config` files and the README's
+flag table are all derived from these fields (sluice/cli.py).
+"""
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Annotated, Literal
 
 import msgspec
+from msgspec import Meta
 
 from ipc.addresses import Addresses
 
+# Connections beyond --max-pending by default: health checks, /metrics, and the 503s of a full server need one each.
+CONNECTION_HEADROOM = 1024
+HEADER_TIMEOUT_MAX_S = 60.0  # granian's upper bound on --http1-header-read-timeout
+
+
+def option(help: str, *, flag: str | None = None, unit: Literal["bytes", "s", "ms"] | None = None,
+           default_text: str | None = None, derived: bool = False, **bounds) -> Meta:
+    """An option's metadata: help, bounds (ge=, le=, ...), and how the command line shows it: `flag`
+    (default --field-name; for a bool that defaults to True, the --no-... flag that turns it off), `unit`
+    (bytes accept 512MiB, 2GiB), `default_text` (a default that is worked out at startup), `derived`
+    (set at startup, never by the user)."""
+    extra = {k: v for k, v in dict(flag=flag, unit=unit, default_text=default_text, derived=derived).items() if v}
+    return Meta(description=help, extra=extra, **bounds)
+
+
+Count = Annotated[int, Meta(ge=1)]
+
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
-    model: str  # as given on the command line: the served model id
-    model_path: str  # resolved local checkpoint directory
-    served_model_names: list[str]
-    runtime_dir: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    ingress_workers: int = 1
-    render_workers: int = 1
-    postproc_workers: int = 1
-    max_model_len: int = 0  # 0: the checkpoint's max_position_embeddings
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    num_kv_blocks: int = 0  # 0: derived from kv_cache_memory
-    kv_cache_memory: int = 0  # bytes; 0: 1 GiB on CPU, 85% of free memory on CUDA
-    runner: str = "model"  # "model" | "replay"
-    replay_file: str | None = None
-    replay_step_ms: float = 0.0
-    dtype: str = "auto"
-    device: str = "auto"
-    tool_parser: str | None = None
-    reasoning_parser: str | None = None
-    harmony: bool = True
-    trust_request_chat_template: bool = False
-    shm_threshold: int = 1 << 20
-    shutdown_timeout: float = 30.0
-    api_keys: list[str] = []
-    protect_metrics: bool = False
-    max_request_bytes: int = 32 << 20
-    request_timeout: float = 0.0  # seconds; 0: none
-    max_pending: int = 4096  # requests in flight across the ingress workers before new ones get 503
-    stall_timeout: float = 2.0  # an engine silent for this long is reported stuck
-    perf_metrics: bool = False
-    stream_interval: int = 1
-    coalesce_frames: bool = True  # a request's tokens from steps queued at the postproc go in one event
-    kv_timing_output: str | None = None
-    log_format: str = "text"  # "text" | "json"
+    model: Annotated[str, option("checkpoint directory, Hugging Face hub id, or builtin:NAME (also the first "
+                                 "positional argument)")] = "builtin:tiny-chat"
+    served_model_names: Annotated[list[str], option("the model ids clients use", flag="--served-model-name",
+                                                    default_text="--model as given")] = []
+    model_path: Annotated[str, option("the checkpoint's local directory", derived=True)] = ""
+    runtime_dir: Annotated[str, option("this server's private directory of IPC sockets", derived=True)] = ""
+    host: Annotated[str, option("address to listen on")] = "127.0.0.1"
+    port: Annotated[int, option("port to listen on", ge=0, le=65535)] = 8000
+    ingress_workers: Annotated[int, option("HTTP worker processes", ge=1)] = 1
+    render_workers: Annotated[int, option("processes that render and tokenize prompts", ge=1)] = 1
+    postproc_workers: Annotated[int, option("processes that detokenize and frame outputs", ge=1)] = 1
+    max_model_len: Annotated[int, option("context length", ge=0, default_text="the checkpoint's")] = 0
+    max_num_seqs: Annotated[int, option("sequences in the running batch", ge=1)] = 256
+    max_num_batched_tokens: Annotated[int, option("tokens per step (decodes first, then prefill chunks)", ge=1)] = 2048
+    block_size: Annotated[int, option("tokens per KV block", ge=1)] = 16
+    enable_prefix_caching: Annotated[bool, option("do not reuse the KV blocks of earlier prompts",
+                                                  flag="--no-prefix-caching")] = True
+    num_kv_blocks: Annotated[int, option("KV cache size in blocks (overrides --kv-cache-memory)", ge=0,
+                                         default_text="from --kv-cache-memory")] = 0
+    kv_cache_memory: Annotated[int, option("KV cache size", unit="bytes", ge=0,
+                                           default_text="1 GiB on CPU, 85% of free memory on CUDA")] = 0
+    runner: Annotated[Literal["model", "replay"], option(
+        "replay: emit recorded (or random) token ids instead of running the model")] = "model"
+    replay_file: Annotated[str | None, option("JSONL of recorded token id sequences for --runner replay")] = None
+    replay_step_ms: Annotated[float, option("simulated cost of a replay step", unit="ms", ge=0)] = 0.0
+    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], option(
+        "compute dtype", default_text="auto: float32 on CPU, the checkpoint's bf16/fp16 on CUDA")] = "auto"
+    device: Annotated[Literal["auto", "cpu", "cuda"], option("where the engine runs (auto: CUDA if present)")] = "auto"
+    tool_parser: Annotated[str | None, option("tool-call parser for chat output: hermes (generic), gpt_oss "
+                                              "(gpt-oss)")] = None
+    reasoning_parser: Annotated[str | None, option("reasoning parser for chat output: think (generic), gpt_oss "
+                                                   "(gpt-oss)")] = None
+    harmony: Annotated[bool, option("serve a gpt-oss checkpoint through its HF chat template, as text",
+                                    flag="--no-harmony")] = True
+    trust_request_chat_template: Annotated[bool, option(
+        "allow a chat_template in requests (rendered in jinja2's sandbox, with a time limit)")] = False
+    shm_threshold: Annotated[int, option("payloads of at least this size go through shared memory "
+                                         "(bench/RESULTS.md)", unit="bytes", ge=0)] = 1 << 20
+    shutdown_timeout: Annotated[float, option("how long SIGTERM waits for in-flight requests", unit="s",
+                                              ge=0)] = 30.0
+    api_keys: Annotated[list[str], option("require 'Authorization: Bearer KEY' on /v1 routes (repeatable; also "
+                                          "SLUICE_API_KEY, comma-separated)", flag="--api-key",
+                                          default_text="none")] = []
+    protect_metrics: Annotated[bool, option("require the API key on /metrics and the health routes too")] = False
+    max_request_bytes: Annotated[int, option("larger request bodies get 413", unit="bytes", ge=1)] = 32 << 20
+    request_timeout: Annotated[float, option("per-request deadline (504, or an error event in a stream; 0: none)",
+                                             unit="s", ge=0)] = 0.0
+    max_pending: Annotated[int, option("requests in flight before new ones get 503 with Retry-After", ge=1)] = 4096
+    stall_timeout: Annotated[float, option("without engine progress this long, /health and /ready answer 503",
+                                           unit="s", gt=0)] = 2.0
+    perf_metrics: Annotated[bool, option("add each request's stage timings to its response (the last chunk of a "
+                                         "stream)")] = False
+    stream_interval: Annotated[int, option("stream an event every N tokens per request (the first at once)",
+                                           ge=1)] = 1
+    coalesce_frames: Annotated[bool, option(
+        "one event per token (per --stream-interval tokens) even when the postproc falls behind the engine "
+        "(by default a request's tokens from steps that queued up go in one event)",
+        flag="--no-coalesce-frames")] = True
+    kv_timing_output: Annotated[str | None, option("append one JSON line of timings per finished request to this "
+                                                   "file")] = None
+    log_format: Annotated[Literal["text", "json"], option("log line format")] = "text"
+    max_connections: Annotated[int, option(
+        "open connections across the ingress workers; past it a new connection waits, unanswered, in the "
+        "kernel's accept queue until one closes (granian cannot answer 503 before it accepts)", ge=0,
+        default_text=f"--max-pending + {CONNECTION_HEADROOM}")] = 0
+    header_timeout: Annotated[float, option(
+        "time to send a request's headers, and how long an idle keep-alive connection stays open", unit="s",
+        ge=0.001, le=HEADER_TIMEOUT_MAX_S)] = 10.0
+    body_timeout: Annotated[float, option("time to send a whole request body; past it, 408", unit="s", gt=0)] = 30.0
+    max_stream_buffer: Annotated[int, option(
+        "a stream's events waiting for a client that reads slower than they come; past it the request is "
+        "aborted and the stream cut", unit="bytes", ge=1)] = 4 << 20
+    grammar_compile_timeout: Annotated[float, option(
+        "time to compile one response_format schema; past it, 408", unit="s", gt=0)] = 10.0
+    grammar_memory: Annotated[int, option(
+        "memory a schema's compile may take; past it, 400 (the compile runs in a child process of the render "
+        "worker)", unit="bytes", ge=1 << 20)] = 4 << 30
+    grammar_max_bytes: Annotated[int, option(
+        "largest compiled grammar a schema may give (the engine loads it); past it, 400", unit="bytes",
+        ge=1)] = 64 << 20
+
+    @property
+    def connection_limit(self) -> int:
+        return self.max_connections or self.max_pending + CONNECTION_HEADROOM
 
     @property
     def addresses(self) -> Addresses:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 
 
@@ -9,6 +10,14 @@ def cache_dir() -> Path:
     """Where built-in checkpoints and unpacked vocabularies live."""
     base = os.environ.get("SLUICE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sluice"
+    )
+    return Path(base)
+
+
+def state_dir() -> Path:
+    """Where what must outlive a restart lives (the batch and stored-response database)."""
+    base = os.environ.get("SLUICE_STATE_DIR") or os.path.join(
+        os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"), "sluice"
     )
     return Path(base)
 
@@ -61,9 +70,11 @@ def cpu_kernels_enabled() -> bool:
     return os.environ.get("SLUICE_CPU_KERNELS", "1") != "0"
 
 
-def c_compiler() -> str | None:
-    """The C compiler for Sluice's CPU kernels (CC, as make reads it; else cc or gcc on the PATH)."""
-    return os.environ.get("CC")
+def c_compiler() -> list[str] | None:
+    """The C compiler command for Sluice's CPU kernels, split as a shell would: CC is a command line, as
+    make reads it (`ccache gcc`). None where CC is unset or blank (the caller looks for cc or gcc);
+    ValueError where it does not parse (an unclosed quote)."""
+    return shlex.split(os.environ.get("CC", "")) or None
 
 
 def default_omp_wait_policy() -> None:

@@ -14,7 +14,8 @@ _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
 _TOKEN_GAP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
               10.0, 20.0, 40.0, 80.0)
 
-REQUESTS = Counter("sluice:requests", "HTTP requests answered, by endpoint and status", ["endpoint", "status"])
+REQUESTS = Counter("sluice:requests", "HTTP /v1 requests answered, by route (other: any path without one) and "
+                   "status", ["endpoint", "status"])
 REQUEST_SUCCESS = Counter("sluice:request_success", "Finished choices by finish reason", ["finished_reason"])
 PROMPT_TOKENS = Counter("sluice:prompt_tokens", "Prompt tokens of finished requests")
 GENERATION_TOKENS = Counter("sluice:generation_tokens_finished", "Generated tokens of finished requests")

@@ -24,7 +24,7 @@ VOCAB_SIZE = 201088
 
 def _byte_chars() -> dict[int, str]:
     """GPT-2's printable stand-in for each byte (what ByteLevel pre-tokenization uses)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars, n = {}, 0
     for b in range(256):
         if b in keep:

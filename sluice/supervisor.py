@@ -7,7 +7,6 @@ SIGTERM / SIGINT: drain (new requests get 503, in-flight ones finish within
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing as mp
 import os
@@ -22,11 +21,22 @@ from pathlib import Path
 
 import zmq
 
-from ipc.messages import (Control, ControlInput, IngressGone, IngressStatus, PostprocInput, Ready,
-                          SupervisorInput)
+from ingress.server_options import granian_args
+from ipc.messages import (
+    ControlInput,
+    Drain,
+    DrainTimedOut,
+    EngineDied,
+    IngressGone,
+    IngressStatus,
+    PostprocInput,
+    Ready,
+    StageDied,
+    SupervisorInput,
+)
 from ipc.stats import EngineStats
 from ipc.transport import PubChannel, PullChannel, PushChannel
-from sluice import envs
+from sluice import envs, procs
 from sluice.config import ServerConfig
 from sluice.logs import setup_logging
 
@@ -35,17 +45,18 @@ _READY_TIMEOUT_S = 900.0
 _ERROR_FLUSH_S = 1.0
 
 
-def _die_with_parent() -> None:
-    """Linux: a stage is killed when the supervisor dies, however it dies."""
+def _kill_group(pgid: int) -> None:
+    """SIGKILL to whatever is left of a child's process group (its own children, if it died before them)."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
         pass
 
 
 def stage_main(role: str, index: int, config_path: str) -> None:
     """Entry of every stage process."""
-    _die_with_parent()
+    procs.die_with_parent()
+    procs.set_title(f"sluice: {role}" if role == "engine" else f"sluice: {role} {index}")
     os.setpgrp()  # a terminal's Ctrl-C reaches the supervisor only; it stops the stages in order
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cfg = ServerConfig.load(config_path)
@@ -122,9 +133,13 @@ class Supervisor:
         cmd = [sys.executable, "-m", "granian", "--interface", "asgi", "--factory", "--workers",
                str(c.ingress_workers), "--loop", "uvloop", "--host", c.host, "--port", str(c.port), "--no-ws",
                "--respawn-failed-workers", "--respawn-interval", "0.5", "--log-level", "warning",
-               "ingress.app:create_app"]
+               *(["--process-name", "sluice: granian"] if procs.titles_supported() else []),
+               *granian_args(c), "ingress.app:create_app"]
         env = dict(os.environ, SLUICE_CONFIG=self.config_path)
-        self.granian = subprocess.Popen(cmd, env=env, preexec_fn=lambda: (_die_with_parent(), os.setpgrp()))
+        supervisor = os.getpid()
+        # Its own group: shutdown() can end granian's workers with it. Each worker dies with granian (create_app).
+        self.granian = subprocess.Popen(cmd, env=env,
+                                        preexec_fn=lambda: (procs.die_with_parent(supervisor), os.setpgrp()))
         deadline = time.monotonic() + 60
         while not self._port_open():
             if self.granian.poll() is not None:
@@ -143,6 +158,7 @@ class Supervisor:
     # ---- run ------------------------------------------------------------------
 
     def run(self) -> int:
+        procs.set_title("sluice: supervisor")
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         try:
@@ -176,7 +192,7 @@ class Supervisor:
                 p = self.stages[(role, index)]
                 log.error("%s[%d] (pid %d) died (exit code %s): restarting it", role, index, p.pid, p.exitcode)
                 _forget_process(p.pid)
-                self.control.put(Control("stage_died", role, index))
+                self.control.put(StageDied(role, index))
                 self._spawn(role, index)
             self._check_ingress_workers()
             if self.granian.poll() is not None:
@@ -207,12 +223,12 @@ class Supervisor:
 
     def _fail_in_flight(self) -> None:
         self.stats.set(alive=0)
-        self.control.put(Control("engine_dead"))
+        self.control.put(EngineDied())
         time.sleep(_ERROR_FLUSH_S)  # let the ingress workers write the errors out
 
     def _drain(self) -> None:
         log.info("draining: waiting up to %.0fs for in-flight requests", self.cfg.shutdown_timeout)
-        self.control.put(Control("drain"))
+        self.control.put(Drain())
         drain_started = time.monotonic()
         deadline = drain_started + self.cfg.shutdown_timeout
         while time.monotonic() < deadline:
@@ -223,22 +239,26 @@ class Supervisor:
                 break
         else:
             log.warning("drain timed out: ending the remaining requests")
-            self._fail_in_flight()
+            self.control.put(DrainTimedOut(self.cfg.shutdown_timeout))
+            time.sleep(_ERROR_FLUSH_S)  # let the ingress workers write the errors out
 
     def shutdown(self) -> None:
-        if self.granian is not None and self.granian.poll() is None:
-            self.granian.terminate()
-            try:
-                self.granian.wait(10)
-            except subprocess.TimeoutExpired:
-                self.granian.kill()
+        if self.granian is not None:
+            if self.granian.poll() is None:
+                self.granian.terminate()
+                try:
+                    self.granian.wait(10)
+                except subprocess.TimeoutExpired:
+                    self.granian.kill()
+            _kill_group(self.granian.pid)  # workers granian left behind (SO_REUSEPORT: they would share the port)
         for role in ("render", "engine", "postproc"):
-            for (r, _), p in self.stages.items():
-                if r == role and p.is_alive():
+            for p in (p for (r, _), p in self.stages.items() if r == role):
+                if p.is_alive():
                     p.terminate()
                     p.join(5)
                     if p.is_alive():
                         p.kill()
+                _kill_group(p.pid)  # (a stage leads its own group: see stage_main)
         self.stats.close()
         shutil.rmtree(self.cfg.runtime_dir, ignore_errors=True)
         shutil.rmtree(self.cfg.addresses.shm_dir, ignore_errors=True)

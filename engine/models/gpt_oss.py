@@ -104,7 +104,8 @@ class GptOssForCausalLM(CausalLM):
         super().__init__(c, _attention, MoE)
 
     @staticmethod
-    def load_param(name: str, fetch: Callable[[str], torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, list[str]]:
+    def load_param(name: str, fetch: Callable[[str], torch.Tensor],
+                   dtype: torch.dtype) -> tuple[torch.Tensor, list[str]]:
         """An expert weight from its MXFP4 `_blocks` / `_scales` pair (KeyError if the checkpoint has none)."""
         blocks, scales = fetch(name + "_blocks"), fetch(name + "_scales")
         # stored [E, out, in/32, 16]: dequantize to [E, out, in], then to the model's [E, in, out]

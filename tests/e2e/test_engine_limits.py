@@ -7,8 +7,8 @@ import threading
 import httpx
 import pytest
 
-from tests.e2e.conftest import MODEL
 from bench.server import Server
+from tests.e2e.conftest import MODEL
 
 
 @pytest.fixture(scope="module")

@@ -27,9 +27,20 @@ def served(server) -> None:
 def test_kill_a_render_worker_under_load(fleet):
     counts = faults.kill_render(fleet, 8)
     assert counts["hung"] == counts["cut"] == 0, counts
-    assert counts["error"] >= 1 and counts["ok"] >= 1, counts  # its requests got errors, the others went on
+    # the jobs it was stopped on, never rendered, got errors; the others went on
+    assert counts["error"] >= 1 and counts["ok"] >= 1, counts
     served(fleet)
     faults.wait_idle(fleet)
+
+
+def test_requests_already_decoding_outlive_the_render_workers_that_rendered_them():
+    slow = faults.fleet("--runner", "replay", "--replay-step-ms", "20")  # 200 tokens: 4 s of decoding
+    try:
+        counts = faults.kill_renders_while_decoding(slow, 16, 200)
+        assert counts == {"ok": 16, "error": 0, "cut": 0, "hung": 0}, counts
+        served(slow)
+    finally:
+        assert slow.stop() == 0, slow.output()
 
 
 def test_kill_a_postproc_worker_under_load(fleet):

@@ -12,7 +12,8 @@ from tests.harmony_outputs import harmony_tokens
 
 MODEL = "builtin:tiny-gpt-oss"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
 ASK = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
 
 
@@ -131,11 +132,13 @@ def text_parsers(tmp_path_factory, tiny_chat_dir):
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tiny_chat_dir / "tokenizer.json"))
-    text = '<think>Plan: call the tool.</think>Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    text = ('<think>Plan: call the tool.</think>Sure.'
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
     ids = tok.encode(text, add_special_tokens=False).ids + [tok.token_to_id("<|im_end|>")]
     path = tmp_path_factory.mktemp("replay") / "text.jsonl"
     path.write_text("\n".join(json.dumps(ids) for _ in range(3)))
-    s = Server("--runner", "replay", "--replay-file", str(path), "--reasoning-parser", "think", "--tool-parser", "hermes",
+    s = Server("--runner", "replay", "--replay-file", str(path), "--reasoning-parser", "think",
+               "--tool-parser", "hermes",
                "--no-coalesce-frames")
     yield s
     assert s.stop() == 0, s.output()

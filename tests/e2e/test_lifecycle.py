@@ -9,8 +9,8 @@ import time
 
 import httpx
 
-from tests.e2e.conftest import MODEL
 from bench.server import Server
+from tests.e2e.conftest import MODEL
 
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "stream": True, "ignore_eos": True,
         "stream_options": {"include_usage": True}}

@@ -55,7 +55,8 @@ def test_metrics_aggregate_every_process(observed):
     before = _samples(httpx.get(observed.url + "/metrics").text)
     for i in range(10):  # spread over both ingress workers and both postproc shards
         assert httpx.post(observed.url + "/v1/completions",
-                          json={"model": MODEL, "prompt": f"p{i}", "max_tokens": 2, "ignore_eos": True}).status_code == 200
+                          json={"model": MODEL, "prompt": f"p{i}", "max_tokens": 2,
+                                "ignore_eos": True}).status_code == 200
     assert httpx.post(observed.url + "/v1/completions", json={"model": MODEL, "prompt": 5}).status_code == 400
     after = _samples(httpx.get(observed.url + "/metrics").text)
 

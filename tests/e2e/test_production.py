@@ -59,7 +59,8 @@ def test_api_keys(prod):
         r = httpx.post(url, json=CHAT, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     for key in ("k1", "k2"):
-        assert httpx.post(url, json=dict(CHAT, max_tokens=1), headers={"authorization": f"Bearer {key}"}).status_code == 200
+        auth = {"authorization": f"Bearer {key}"}
+        assert httpx.post(url, json=dict(CHAT, max_tokens=1), headers=auth).status_code == 200
     assert httpx.get(prod.url + "/v1/models").status_code == 401
     for path in ("/health", "/ready", "/metrics", "/version"):  # open without --protect-metrics
         assert httpx.get(prod.url + path).status_code == 200

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.attention import _attention
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from unittest import mock
 
+import pytest
 import torch
 import torch.nn.functional as F
-import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine import cpu_kernels
 from engine.layers import Linear

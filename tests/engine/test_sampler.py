@@ -3,7 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.sampler import SamplingBatch, sample, uniform_from
 from ipc.messages import SamplingParams
@@ -147,6 +148,23 @@ def test_inverse_cdf_is_the_full_running_sum_search(rows, vocab, seed, data):
     got = inverse_cdf(probs, u)
     assert got.tolist() == want.tolist()
     assert (probs.gather(1, got.unsqueeze(1)) > 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_uniform_that_rounds_to_one_never_picks_a_token_without_mass(dtype):
+    """u = 1 - 2^-53 is 1.0 in float32: the target is then the whole total. The old search fell past the
+    last block with mass into a masked tail (a grammar's masked token, sampled)."""
+    from engine.sampler import inverse_cdf
+
+    probs = torch.zeros(2, 3 * _WIDE)
+    probs[0, 7] = probs[1, _WIDE + 2] = 1.0
+    u = torch.tensor([1 - 2**-53] * 2, dtype=torch.float64)
+    assert inverse_cdf(probs, u.to(torch.float32)).tolist() == [7, _WIDE + 2]
+    logits = probs.log().to(dtype)
+    params = [SamplingParams(1, temperature=1.0)] * 2
+    sb = _batch(params)
+    sb.uniform.fill_(1 - 2**-53)
+    assert sample(logits, sb).tolist() == [7, _WIDE + 2]
 
 
 def test_seeded_rows_over_a_wide_vocabulary_are_independent_of_the_batch_and_follow_it():

@@ -74,7 +74,8 @@ def test_stop_tokens_min_tokens_and_length():
     sched.add(seq("min", [1] * 3, max_tokens=10, stop_token_ids=(7,), min_tokens=4))
     sched.add(seq("len", [1] * 3, max_tokens=5))
     finished = {}
-    run(sched, on_step=lambda i, r: finished.update({s.request_id: (why, s.num_output_tokens) for s, why in r.finished}))
+    run(sched, on_step=lambda i, r: finished.update({s.request_id: (why, s.num_output_tokens)
+                                                     for s, why in r.finished}))
     assert finished == {"stops": ("stop", 1), "min": ("stop", 5), "len": ("length", 5)}
 
 

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import asyncio
+import time
+
 import msgspec
 import pytest
 
-from ingress.http import authorized, validation_error
+from ingress.http import BodyTimedOut, BodyTooLarge, authorized, read_body, validation_error
 from ipc.openai import ChatCompletionRequest
 
 KEYS = [b"k1", b"k2"]
@@ -38,3 +41,29 @@ def test_validation_errors_name_the_field(body, param):
         msgspec.json.decode(body, type=ChatCompletionRequest)
     message, got = validation_error(e.value)
     assert message and got == param
+
+
+def receiver(chunks: list[bytes], then_stall: bool = False):
+    """An ASGI receive that hands out `chunks` (the last one final unless it stalls after them)."""
+    messages = [{"type": "http.request", "body": c, "more_body": then_stall or i < len(chunks) - 1}
+                for i, c in enumerate(chunks)]
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop(0)
+        await asyncio.sleep(3600)  # a client that sent part of its body and then nothing
+
+    return receive
+
+
+def test_a_body_in_pieces_is_joined():
+    assert asyncio.run(read_body(receiver([b"ab", b"", b"cd"]), 10, 1.0)) == b"abcd"
+    with pytest.raises(BodyTooLarge):
+        asyncio.run(read_body(receiver([b"abcdef", b"ghijkl"]), 10, 1.0))
+
+
+def test_a_body_that_stops_coming_times_out():
+    t0 = time.monotonic()
+    with pytest.raises(BodyTimedOut):
+        asyncio.run(read_body(receiver([b'{"model": '], then_stall=True), 1 << 20, 0.2))
+    assert time.monotonic() - t0 < 2

@@ -202,3 +202,20 @@ def test_harmony_parser_never_raises(tokens):
     parser = HarmonyParser(harmony_encoding())
     for t in tokens:
         parser.feed(t)
+
+
+TWO_CALLS = ('<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "b", "arguments": {"y": 2}}\n</tool_call> trailing text')
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(1, len(TWO_CALLS) - 1), unique=True).map(sorted))
+def test_hermes_with_one_call_allowed_reads_the_first_call_only(cuts):
+    parser = HermesParser(max_calls=1)
+    pieces = [TWO_CALLS[i:j] for i, j in zip([0, *cuts], [*cuts, len(TWO_CALLS)])]
+    out = Piece()
+    for i, text in enumerate(pieces):
+        out.extend(parser.feed(Piece(content=text), final=i == len(pieces) - 1))
+    message = _message(out)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [("a", {"x": 1})]
+    assert parser.done and out.content.strip() == ""

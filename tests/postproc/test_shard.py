@@ -6,10 +6,11 @@ import json
 
 import msgspec
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from ipc.messages import PostprocSpec, Started, StepOutputs, ids_to_bytes
+from ipc.messages import Abort, EndChoices, Failed, Finished, PostprocSpec, Started, StepOutputs, ids_to_bytes
 from postproc.worker import Shard
 
 
@@ -29,16 +30,16 @@ def feed(shard, text, rid="r1", started=None, final="length", eos=None, groups=N
     (default: one at a time); returns every frame's data in order."""
     ids = shard.tokenizer.encode(text, add_special_tokens=False).ids + ([eos] if eos is not None else [])
     steps = [StepOutputs([started] if (i == 0 and started) else [], [rid], ids_to_bytes([0]), ids_to_bytes([tok]),
-                         [(rid, 0, "stop" if eos is not None else final)] if i == len(ids) - 1 else [])
+                         [Finished(rid, 0, "stop" if eos is not None else final)] if i == len(ids) - 1 else [])
              for i, tok in enumerate(ids)]
     data, stopped = [], []
     for size in itertools.chain(groups or [], itertools.repeat(1)):
         if not steps:
             break
-        out, abort = shard.on_steps(steps[:size])
+        out, to_engine = shard.on_steps(steps[:size])
         del steps[:size]
         data += [f.data for f in out.get("ipc://r", [])]
-        stopped += abort.request_ids if abort else []
+        stopped += [choice for m in to_engine if isinstance(m, EndChoices) for choice in m.choices]
     return data, stopped
 
 
@@ -56,7 +57,8 @@ def test_streaming_chat_frames_and_usage(shard):
     assert events[-3]["choices"][0]["finish_reason"] == "length"
     n = len(shard.tokenizer.encode("Hello world", add_special_tokens=False).ids)
     assert events[-2]["choices"] == [] and events[-2]["usage"] == {
-        "prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n, "prompt_tokens_details": {"cached_tokens": 2}}
+        "prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n,
+        "prompt_tokens_details": {"cached_tokens": 2}}
     assert events[-1] == "[DONE]" and shard.requests == {}
 
 
@@ -69,20 +71,68 @@ def test_non_streaming_body_hides_the_stop_token(shard):
                                   "finish_reason": "stop", "logprobs": None, "token_ids": None}
 
 
-def test_stop_string_ends_the_request_and_asks_for_an_abort(shard):
+def test_stop_string_ends_the_request_and_ends_its_choice_in_the_engine(shard):
     data, stopped = feed(shard, "The river runs to the sea", started=start(shard, "r1", stop=["runs"],
                                                                                 endpoint="completions"))
     body = json.loads(data[-1])
     assert body["choices"][0]["text"] == "The river " and body["choices"][0]["finish_reason"] == "stop"
-    assert stopped == ["r1"] and shard.requests == {}
-    out, _ = shard.on_steps([StepOutputs([], ["r1"], ids_to_bytes([0]), ids_to_bytes([5]), [("r1", 0, "abort")])])
-    assert out == {}
+    assert stopped == [("r1", 0)] and shard.requests == {}
+    out, _ = shard.on_steps([StepOutputs([], ["r1"], ids_to_bytes([0]), ids_to_bytes([5]), [])])
+    assert out == {}  # a token already in flight for it
 
 
 def test_abort_drops_state_silently(shard):
     shard.on_steps([StepOutputs([start(shard, "r1", stream=True)], ["r1"], ids_to_bytes([0]), ids_to_bytes([50]), [])])
-    out, _ = shard.on_steps([StepOutputs([], [], b"", b"", [("r1", 0, "abort")])])
-    assert out == {} and shard.requests == {}
+    out, to_engine = shard.on_steps([StepOutputs([], [], b"", b"", aborted=["r1"])])
+    assert out == {} and to_engine == [] and shard.requests == {}
+
+
+def step(rids, indices, tokens, finished=(), **kw):
+    return StepOutputs(kw.pop("started", []), list(rids), ids_to_bytes(indices), ids_to_bytes(tokens),
+                       list(finished), **kw)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_one_choice_stopped_by_a_string_leaves_the_others_running(shard, stream):
+    """n=3: choice 1 meets the stop string; the shard ends that choice only (EndChoices), and the request
+    ends when the engine ends the other two. The old protocol dropped the whole request here and the
+    client never got an answer."""
+    tok = shard.tokenizer
+    river, sea = (tok.encode(w, add_special_tokens=False).ids for w in ("The river runs", " sea"))
+    started = start(shard, "r", endpoint="completions", n=3, stop=["sea"], stream=stream)
+    out, to_engine = shard.on_steps([step(["r"] * 3, [0, 1, 2], [river[0]] * 3, started=[started])])
+    assert to_engine == []
+    out, to_engine = shard.on_steps([step(["r"] * 3, [0, 1, 2], [river[1], sea[0], river[1]])])
+    assert to_engine == [EndChoices([("r", 1)])] and "r" in shard.requests
+    out, _ = shard.on_steps([step(["r", "r"], [0, 2], [river[2], river[2]], [Finished("r", 0, "length")])])
+    assert "r" in shard.requests and all(f.done is False for f in out.get("ipc://r", []))
+    out, _ = shard.on_steps([step(["r"], [2], [sea[0]], [Finished("r", 2, "length")])])
+    final = out["ipc://r"][-1]
+    assert final.done and final.status == 200 and shard.requests == {}
+    if stream:
+        events = [e for e in sse_events([f.data for f in out["ipc://r"]]) if e != "[DONE]"]
+        reasons = {c["index"]: c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]}
+        assert reasons == {2: "stop"}
+    else:
+        choices = {c["index"]: c for c in json.loads(final.data)["choices"]}
+        assert {i: c["finish_reason"] for i, c in choices.items()} == {0: "length", 1: "stop", 2: "stop"}
+        assert choices[1]["text"] == tok.decode(river[:1] + sea).removesuffix("sea")
+        assert choices[2]["text"] == tok.decode(river + sea).removesuffix("sea")
+
+
+def test_a_request_the_engine_failed_gets_an_error_and_nothing_else(shard):
+    started = start(shard, "r", stream=True)
+    shard.on_steps([step(["r"], [0], [50], started=[started])])
+    out, to_engine = shard.on_steps([step(["r"], [0], [51], failed=[Failed("r", "structured output: boom")])])
+    (frame,) = out["ipc://r"]
+    assert frame.done and frame.status == 500 and to_engine == [] and shard.requests == {}
+    assert json.loads(frame.data)["error"]["message"] == "structured output: boom"
+
+
+def test_a_request_that_fails_before_its_first_token_gets_an_error(shard):
+    out, _ = shard.on_steps([step([], [], [], started=[start(shard, "r")], failed=[Failed("r", "no grammar")])])
+    (frame,) = out["ipc://r"]
+    assert frame.done and frame.status == 500 and shard.requests == {}
 
 
 def test_a_failing_request_gets_an_error_and_the_others_go_on(shard, monkeypatch):
@@ -97,12 +147,12 @@ def test_a_failing_request_gets_an_error_and_the_others_go_on(shard, monkeypatch
         return real(self, *args)
 
     monkeypatch.setattr(RequestOutput, "feed", explode)
-    out, abort = shard.on_steps([StepOutputs([], ["bad", "good"], ids_to_bytes([0, 0]), ids_to_bytes([50, 51]),
-                                            [("good", 0, "length")])])
+    out, to_engine = shard.on_steps([StepOutputs([], ["bad", "good"], ids_to_bytes([0, 0]), ids_to_bytes([50, 51]),
+                                                [Finished("good", 0, "length")])])
     frames = {f.request_id: f for f in out["ipc://r"]}
     assert frames["bad"].status == 500 and json.loads(frames["bad"].data)["error"]["code"] == "internal_error"
     assert frames["good"].status == 200 and json.loads(frames["good"].data)["choices"][0]["finish_reason"] == "length"
-    assert abort.request_ids == ["bad"] and abort.choices == [-1] and shard.requests == {}
+    assert to_engine == [Abort(["bad"])] and shard.requests == {}
 
 
 @pytest.mark.parametrize("interval", [1, 3, 8])

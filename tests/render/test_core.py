@@ -21,7 +21,8 @@ CONVERSATION = [
     {"role": "user", "content": "Thanks"},
 ]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,16 @@ import json
 from datetime import date
 
 import pytest
-from openai_harmony import (Author, Conversation, DeveloperContent, Message, ReasoningEffort, Role, SystemContent,
-                            ToolDescription)
+from openai_harmony import (
+    Author,
+    Conversation,
+    DeveloperContent,
+    Message,
+    ReasoningEffort,
+    Role,
+    SystemContent,
+    ToolDescription,
+)
 
 from ipc.messages import RenderJob, bytes_to_ids
 from render.errors import RequestError
@@ -17,7 +25,8 @@ from sluice.config import ServerConfig
 from sluice.harmony_vocab import harmony_encoding
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Weather in Paris?"},
@@ -78,7 +87,8 @@ def test_named_tool_choice_forces_the_call(gpt_oss_dir):
     req = core.render(job(messages=CONVERSATION[:2], tools=TOOLS,
                           tool_choice={"type": "function", "function": {"name": "get_weather"}}))
     text = harmony_encoding().decode(bytes_to_ids(req.prompt_token_ids).tolist())
-    assert text.endswith("<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>")
+    assert text.endswith("<|start|>assistant<|channel|>commentary to=functions.get_weather "
+                         "<|constrain|>json<|message|>")
 
 
 @pytest.mark.parametrize("body, feature", [

@@ -1,0 +1,41 @@
+"""What every process Sluice starts does first: say what it is (to ps, top, py-spy) and die with its parent."""
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import signal
+
+try:
+    import setproctitle
+except ImportError:  # (a dependency; without it, processes keep the interpreter's command line)
+    setproctitle = None
+
+_PR_SET_PDEATHSIG = 1
+
+
+def titles_supported() -> bool:
+    return setproctitle is not None
+
+
+def set_title(title: str) -> None:
+    """The command line ps shows for this process, e.g. `sluice: render 0` (a no-op where it cannot be set)."""
+    if setproctitle is not None:
+        # Keep /proc/<pid>/environ readable (a title then fits in the original command line, which ours do).
+        os.environ.setdefault("SPT_NOENV", "1")
+        setproctitle.setproctitle(title)
+
+
+def die_with_parent(parent: int | None = None) -> None:
+    """Linux: SIGKILL this process when its parent dies, however it dies. `parent` is the pid that started
+    it (default: the multiprocessing parent): a parent already gone before the request took hold is caught
+    by comparing it with os.getppid(), which then names whoever adopted this process."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux / glibc
+        return
+    if parent is None:
+        spawner = multiprocessing.parent_process()
+        parent = spawner.pid if spawner is not None else os.getppid()
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,68 @@
+"""sluice/procs.py: a process names itself for ps, and dies with the process that started it, even one that
+died before it could ask."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sluice import procs
+from tests.e2e.procs import alive
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _python(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.mark.skipif(not procs.titles_supported(), reason="setproctitle is not installed")
+def test_a_title_is_what_ps_shows():
+    code = "from sluice import procs; procs.set_title('sluice: test'); print(open('/proc/self/cmdline').read())"
+    out, _ = _python("-c", code).communicate(timeout=30)
+    assert out.replace("\0", " ").strip() == "sluice: test"
+
+
+def test_a_process_whose_parent_is_already_gone_kills_itself():
+    """Its parent's death came before the request: os.getppid() names whoever adopted it, not its parent."""
+    child = _python("-c", "from sluice import procs; procs.die_with_parent(parent=1); print('still alive')")
+    out, _ = child.communicate(timeout=30)
+    assert child.returncode == -signal.SIGKILL and "still alive" not in out
+
+
+_PARENT = """import multiprocessing as mp, time
+from sluice import procs
+
+def child():
+    procs.die_with_parent()
+    time.sleep(60)
+
+if __name__ == "__main__":
+    p = mp.get_context("spawn").Process(target=child)
+    p.start()
+    print(p.pid, flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_spawned_process_dies_when_its_parent_is_killed(tmp_path):
+    (tmp_path / "parent.py").write_text(_PARENT)  # (spawn imports the target from the parent's main file)
+    parent = _python(str(tmp_path / "parent.py"))
+    try:
+        child = int(parent.stdout.readline())
+        time.sleep(1.0)  # (the child has started and asked by now)
+        assert alive(child)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 5
+        while alive(child):
+            assert time.monotonic() < deadline, "the child outlived its parent"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
