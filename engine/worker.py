@@ -26,23 +26,8 @@ from engine.replay import ReplayRunner, load_recordings
 from engine.sampler import TokenLogprobs
 from engine.scheduler import Scheduler, StepResult
 from engine.sequence import Sequence
-from ipc.messages import (
-    Abort,
-    EngineInput,
-    EngineRequest,
-    Failed,
-    Finished,
-    Logprobs,
-    PostprocInput,
-    PromptLogprobs,
-    Ready,
-    Started,
-    StepOutputs,
-    SupervisorInput,
-    Timings,
-    bytes_to_ids,
-    ids_to_bytes,
-)
+from ipc.messages import (Abort, EngineInput, EngineRequest, Failed, Finished, Logprobs, PostprocInput, PromptLogprobs,
+                          Ready, Started, StepOutputs, SupervisorInput, Timings, bytes_to_ids, ids_to_bytes)
 from ipc.stats import EngineStats
 from ipc.transport import PullChannel, PushChannel
 from sluice.config import ServerConfig

@@ -15,36 +15,14 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ingress.http import (
-    SSE,
-    BodyTimedOut,
-    BodyTooLarge,
-    authorized,
-    read_body,
-    respond,
-    respond_error,
-    validation_error,
-)
+from ingress.http import (SSE, BodyTimedOut, BodyTooLarge, authorized, read_body, respond, respond_error,
+                          validation_error)
 from ingress.metrics import render_metrics
 from ingress.openapi import openapi_document
 from ingress.server_options import raise_open_files_limit
 from ipc.addresses import shard_of
-from ipc.messages import (
-    Abort,
-    ControlInput,
-    Drain,
-    DrainTimedOut,
-    EngineDied,
-    EngineInput,
-    Frame,
-    Frames,
-    IngressInput,
-    IngressStatus,
-    RenderInput,
-    RenderJob,
-    StageDied,
-    SupervisorInput,
-)
+from ipc.messages import (Abort, ControlInput, Drain, DrainTimedOut, Endpoint, EngineDied, EngineInput, Frame, Frames,
+                          IngressInput, IngressStatus, RenderInput, RenderJob, StageDied, SupervisorInput)
 from ipc.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, error_body
 from ipc.stats import EngineStats
 from ipc.transport import AsyncPullChannel, PushChannel, SubChannel
@@ -58,7 +36,7 @@ _DISCONNECTED = object()
 _TIMED_OUT = object()
 _STALL_S = 1.0  # a stream over --max-stream-buffer whose client took nothing for this long is cut
 log = logging.getLogger("sluice.ingress")
-_ENDPOINTS = {
+_ENDPOINTS: dict[str, tuple[Endpoint, msgspec.json.Decoder, str]] = {
     "/v1/chat/completions": ("chat", msgspec.json.Decoder(ChatCompletionRequest), "chatcmpl-"),
     "/v1/completions": ("completions", msgspec.json.Decoder(CompletionRequest), "cmpl-"),
 }
@@ -208,7 +186,7 @@ class Ingress:
         if q.stalled():
             self._cut(rid, q)
 
-    def _submit(self, rid: str, endpoint: str, body: bytes) -> None:
+    def _submit(self, rid: str, endpoint: Endpoint, body: bytes) -> None:
         k = self._next_render = (self._next_render + 1) % len(self._renders)
         self._rendered_by[rid] = k
         self._renders[k].put(RenderJob(rid, endpoint, body, self.address, time.time()))
@@ -321,7 +299,9 @@ class Ingress:
             self._close(rid)
 
     def _open(self, rid: str) -> FrameQueue:
-        q = FrameQueue(asyncio.current_task())
+        owner = asyncio.current_task()
+        assert owner is not None, "opened from a request's handler task"
+        q = FrameQueue(owner)
         self.pending[rid] = q
         metrics.IN_FLIGHT.labels("ingress").set(len(self.pending))
         if self.cfg.request_timeout:
@@ -412,7 +392,7 @@ async def _respond_full(send) -> int:
 
 def _uncancel() -> None:
     task = asyncio.current_task()
-    if hasattr(task, "uncancel"):  # Python 3.11+ counts cancels: a handled one must be taken back
+    if task is not None and hasattr(task, "uncancel"):  # 3.11+ counts cancels: a handled one is taken back
         task.uncancel()
 
 

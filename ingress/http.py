@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import re
+from typing import Sequence
 
 import msgspec
 
@@ -56,7 +57,7 @@ async def respond(send, status: int, body: bytes, headers: list = JSON) -> int:
 
 
 async def respond_error(send, status: int, message: str, param: str | None = None, code=None,
-                        extra_headers: list = ()) -> int:
+                        extra_headers: Sequence[tuple[bytes, bytes]] = ()) -> int:
     return await respond(send, status, error_body(status, message, param, code), JSON + list(extra_headers))
 
 

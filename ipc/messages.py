@@ -244,6 +244,9 @@ ControlInput = Drain | DrainTimedOut | EngineDied | StageDied
 
 # ---- render -> postproc (carried opaquely by the engine) -------------------
 
+ParserName = Literal["harmony", "think", "hermes"]
+
+
 class PostprocSpec(msgspec.Struct, **_WIRE):
     request_id: str
     endpoint: Endpoint
@@ -263,7 +266,7 @@ class PostprocSpec(msgspec.Struct, **_WIRE):
     logprobs: bool = False  # report the sampled tokens' logprobs
     echo: str = ""  # text that starts each completion (completions' echo)
     prompt_token_ids_b64: str | None = None  # returned in the response when asked for
-    parsers: list[Literal["harmony", "think", "hermes"]] = []  # chat output parsers, in order
+    parsers: list[ParserName] = []  # chat output parsers, in order
     output_prefix: list[int] = []  # prompt tokens that begin the assistant's output (the parsers read them first)
     return_token_ids: bool = False
     prompt_token_ids: list[int] | None = None  # with return_token_ids

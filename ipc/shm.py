@@ -58,7 +58,7 @@ class ShmRingWriter:
         return offset, end
 
     def close(self) -> None:
-        self._read_cursor = None
+        del self._read_cursor  # (a view of the map: it must go before the map can close)
         self._map.close()
         try:
             os.unlink(self.path)
@@ -84,5 +84,5 @@ class ShmRingReader:
         return msg
 
     def close(self) -> None:
-        self._read_cursor = None
+        del self._read_cursor  # (a view of the map: it must go before the map can close)
         self._map.close()

@@ -25,5 +25,5 @@ class EngineStats:
         return dict(zip(FIELDS, self._values.tolist()))
 
     def close(self) -> None:
-        self._values = None
+        del self._values  # (a view of the map: it must go before the map can close)
         self._map.close()

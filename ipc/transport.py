@@ -6,7 +6,7 @@ from bench/transport.py (see bench/RESULTS.md).
 """
 from __future__ import annotations
 
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 import msgspec
 import zmq
@@ -69,7 +69,7 @@ class PushChannel(Generic[T]):
 
 
 class _Unpacker(Generic[T]):
-    def __init__(self, msg_type: type[T]) -> None:
+    def __init__(self, msg_type: Any) -> None:  # a Struct type, or a tagged union of them
         self._decoder = msgspec.msgpack.Decoder(msg_type)
         self._rings: dict[str, ShmRingReader] = {}
 
@@ -90,13 +90,19 @@ class _Unpacker(Generic[T]):
 class PullChannel(Generic[T]):
     """Blocking receiver, for the engine, render and postproc loops."""
 
-    def __init__(self, ctx: zmq.Context, address: str, msg_type: type[T], *, bind: bool = True) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, msg_type: Any, *, bind: bool = True) -> None:
         self._sock = ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, 0)
         (self._sock.bind if bind else self._sock.connect)(address)
-        self._unpack = _Unpacker(msg_type)
+        self._unpack: _Unpacker[T] = _Unpacker(msg_type)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
+
+    @overload
+    def get(self, timeout: None = None) -> T: ...
+
+    @overload
+    def get(self, timeout: float) -> T | None: ...
 
     def get(self, timeout: float | None = None) -> T | None:
         """The next message, or None after `timeout` seconds (None waits forever)."""
@@ -125,11 +131,11 @@ class PullChannel(Generic[T]):
 class AsyncPullChannel(Generic[T]):
     """asyncio receiver, for the ingress workers."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, msg_type: type[T], *, bind: bool = True) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, msg_type: Any, *, bind: bool = True) -> None:
         self._sock = ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, 0)
         (self._sock.bind if bind else self._sock.connect)(address)
-        self._unpack = _Unpacker(msg_type)
+        self._unpack: _Unpacker[T] = _Unpacker(msg_type)
 
     async def get(self) -> T:
         return self._unpack.decode(await self._sock.recv_multipart(copy=False))
@@ -142,7 +148,7 @@ class AsyncPullChannel(Generic[T]):
 class SubChannel(Generic[T]):
     """Receives the supervisor's broadcasts (asyncio)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, msg_type: type[T]) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, msg_type: Any) -> None:
         self._sock = ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._sock.connect(address)

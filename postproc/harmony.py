@@ -6,6 +6,8 @@ and name in the first delta, then its arguments as they stream.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 from openai_harmony import HarmonyError, Role, StreamableParser
 
 from ipc.openai import FunctionCallOut, ToolCallOut
@@ -16,7 +18,7 @@ _MESSAGE_ENDS = frozenset({200007, 200012, 200002})  # <|end|>, <|call|>, <|retu
 
 
 class HarmonyParser:
-    def __init__(self, encoding, prefix: list[int] = ()) -> None:
+    def __init__(self, encoding, prefix: Sequence[int] = ()) -> None:
         self._parser = StreamableParser(encoding, role=Role.ASSISTANT)
         self.num_calls = 0
         self.failed = False

@@ -1,32 +1,15 @@
 """OpenAI chat / completions output for one request: SSE frames or one body."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import msgspec
 import numpy as np
 
 from ipc.messages import Logprobs, PostprocSpec
-from ipc.openai import (
-    ChatChoice,
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatLogprobs,
-    ChunkChoice,
-    Completion,
-    CompletionChoice,
-    CompletionLogprobs,
-    Delta,
-    FunctionCallOut,
-    PerfMetrics,
-    PromptLogprob,
-    PromptTokensDetails,
-    ResponseMessage,
-    TokenLogprob,
-    ToolCallOut,
-    TopLogprob,
-    Usage,
-)
+from ipc.openai import (ChatChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs, ChunkChoice, Completion,
+                        CompletionChoice, CompletionLogprobs, Delta, FunctionCallOut, PerfMetrics, PromptLogprob,
+                        PromptTokensDetails, ResponseMessage, TokenLogprob, ToolCallOut, TopLogprob, Usage)
 from postproc.parsers import Piece
 
 _json = msgspec.json.Encoder()
@@ -87,6 +70,7 @@ class OpenAIFramer:
         if piece or finish_reason or logprobs or (opening and not self._chat):
             lp = self._format_logprobs(logprobs, offset=0) if logprobs else None
             ids = token_ids if self.spec.return_token_ids else None
+            choice: ChunkChoice | CompletionChoice
             if self._chat:
                 delta = Delta(content=piece.content or None, reasoning_content=piece.reasoning or None,
                               tool_calls=piece.tool_calls or None)
@@ -118,7 +102,8 @@ class OpenAIFramer:
 
     def body(self, completion_tokens: int, perf: PerfMetrics | None = None) -> bytes:
         s = self.spec
-        ids = self._token_ids if s.return_token_ids else [None] * s.n
+        ids: list[list[int]] | list[None] = self._token_ids if s.return_token_ids else [None] * s.n
+        choices: list[ChatChoice] | list[CompletionChoice]
         if self._chat:
             choices = [ChatChoice(i, _message(m), self._finish[i], self._lp(i, 0), ids[i])
                        for i, m in enumerate(self._messages)]
@@ -164,11 +149,12 @@ class OpenAIFramer:
                   perf: PerfMetrics | None = None, whole: bool = False):
         """A response (whole) or chunk; `first` carries the per-request extras, `perf` the timings."""
         s = self.spec
-        extra = {}
+        extra: dict[str, Any] = {}
         if first:
             extra = dict(prompt_token_ids_b64=s.prompt_token_ids_b64, prompt_token_ids=s.prompt_token_ids)
             if self._chat:
                 extra["prompt_logprobs"] = self.prompt_logprobs
+        cls: Any
         if self._chat:
             cls, kind = (ChatCompletion, "chat.completion") if whole else (ChatCompletionChunk, "chat.completion.chunk")
         else:
@@ -179,13 +165,12 @@ class OpenAIFramer:
 
 def _message(m: Piece) -> ResponseMessage:
     """The merged pieces of one choice as a response message (tool-call deltas joined by index)."""
-    calls: dict[int, ToolCallOut] = {}
+    calls: dict[int, tuple[str | None, str | None, list[str]]] = {}  # index -> (id, name, argument parts)
     for d in m.tool_calls:
-        call = calls.get(d.index)
-        if call is None:
-            calls[d.index] = ToolCallOut(id=d.id, type="function",
-                                         function=FunctionCallOut(d.function.name, d.function.arguments or ""))
-        else:
-            call.function.arguments += d.function.arguments or ""
+        fn = d.function or FunctionCallOut()
+        _, _, parts = calls.setdefault(d.index or 0, (d.id, fn.name, []))  # the call's first delta names it
+        parts.append(fn.arguments or "")
+    tool_calls = [ToolCallOut(id=call_id, type="function", function=FunctionCallOut(name, "".join(parts)))
+                  for call_id, name, parts in calls.values()]
     content = m.content if m.content or not calls else None
-    return ResponseMessage(content, "assistant", reasoning_content=m.reasoning or None, tool_calls=list(calls.values()))
+    return ResponseMessage(content, "assistant", reasoning_content=m.reasoning or None, tool_calls=tool_calls)

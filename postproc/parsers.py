@@ -51,8 +51,8 @@ class TagSplitter:
         self.inside = False
         self._held = ""
 
-    def feed(self, text: str) -> list[tuple[bool, str]]:
-        buf, out = self._held + text, []
+    def feed(self, text: str) -> list[tuple[bool, str | None]]:
+        buf, out = self._held + text, list[tuple[bool, str | None]]()
         while True:
             tag = self.tags[self.inside]
             i = buf.find(tag)
@@ -68,7 +68,7 @@ class TagSplitter:
             out.append((self.inside, None))  # the tag itself: (True, None) opens, (False, None) closes
             buf = buf[i + len(tag):]
 
-    def flush(self) -> list[tuple[bool, str]]:
+    def flush(self) -> list[tuple[bool, str | None]]:
         held, self._held = self._held, ""
         return [(self.inside, held)] if held else []
 
@@ -94,6 +94,12 @@ class ThinkParser:
 # A call in the usual order, up to the first character of its arguments object: from there they stream.
 _CALL_START = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=[^\s"])')
 _WRAPPER_END = re.compile(r"\s*\}?\s*\Z")  # what may yet be the closing brace of the call itself
+
+
+def _wrapper_start(call: str, pos: int) -> int:
+    """Where, from `pos`, what may yet be the call's own closing brace begins (the pattern always matches)."""
+    match = _WRAPPER_END.search(call, pos)
+    return match.start() if match is not None else len(call)
 
 
 class HermesParser:
@@ -149,7 +155,7 @@ class HermesParser:
                                               function=FunctionCallOut(name=name, arguments="")))
             self.num_calls += 1
             self._sent = start.end()
-        end = _WRAPPER_END.search(self._call, self._sent).start()
+        end = _wrapper_start(self._call, self._sent)
         if end > self._sent:
             out.tool_calls.append(ToolCallOut(index=self.num_calls - 1,
                                               function=FunctionCallOut(arguments=self._call[self._sent:end])))

@@ -13,21 +13,8 @@ import msgspec
 import zmq
 from tokenizers import Tokenizer
 
-from ipc.messages import (
-    Abort,
-    EndChoices,
-    EngineInput,
-    Frame,
-    Frames,
-    IngressGone,
-    IngressInput,
-    PostprocInput,
-    PostprocSpec,
-    Ready,
-    StepOutputs,
-    SupervisorInput,
-    bytes_to_ids,
-)
+from ipc.messages import (Abort, EndChoices, EngineInput, Frame, Frames, IngressGone, IngressInput, PostprocInput,
+                          PostprocSpec, Ready, StepOutputs, SupervisorInput, bytes_to_ids)
 from ipc.openai import error_body
 from ipc.transport import PullChannel, PushChannel, PushPool
 from postproc.openai_frames import unpack

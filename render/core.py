@@ -17,7 +17,7 @@ from render.extensions import ServingExtension, message_text
 from render.structured import GrammarCompiler
 from render.tokenizer import PromptBudget, TokenizerBundle, context_length_error
 
-_DECODERS = {
+_DECODERS: dict[str, msgspec.json.Decoder] = {
     "chat": msgspec.json.Decoder(ChatCompletionRequest),
     "completions": msgspec.json.Decoder(CompletionRequest),
 }
@@ -55,7 +55,7 @@ class ChatCore:
             raise RequestError(400, "the request nests too deeply to render") from None
 
     def _render(self, job: RenderJob, request: ChatCompletionRequest | CompletionRequest) -> EngineRequest:
-        if job.endpoint == "chat":
+        if isinstance(request, ChatCompletionRequest):
             prompt, prefix = self._chat_prompt(request)
             max_tokens = request.max_completion_tokens or request.max_tokens
             max_tokens_field = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
@@ -131,6 +131,8 @@ class ChatCore:
         fmt = request.response_format
         if fmt is None or fmt.type == "text":
             return "", []
+        if self.grammars is None:
+            raise RequestError(400, "this server does not take response_format", param="response_format")
         return self.grammars.compile(fmt), self.ext.structured_output_format(request)
 
     def _pretokenized(self, request) -> list[int] | None:

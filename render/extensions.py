@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Protocol
+from typing import Any, Callable, Literal, Protocol, cast
 
 import msgspec
 
+from ipc.messages import ParserName
 from ipc.openai import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from render.chat_template import ChatTemplateError, TemplateOutputTooLong, render_chat
 from render.errors import RequestError
@@ -59,7 +60,7 @@ class ServingExtension(Protocol):
         """Where a response_format constraint starts: once the output ends with these ids ([]: at once)."""
         ...
 
-    def parsers(self) -> list[str]:
+    def parsers(self) -> list[ParserName]:
         """The chat output parsers, in order (e.g. ["think", "hermes"] or ["harmony"])."""
         ...
 
@@ -154,7 +155,7 @@ def render_template(template: str, request: ChatCompletionRequest, bundle: Token
 class HfChatTemplateExtension:
     """Any model with a Hugging Face chat template; output parsed as text."""
 
-    output_mode = "text"
+    output_mode: Literal["text", "tokens"] = "text"
 
     def __init__(self, bundle: TokenizerBundle, options: ExtensionOptions) -> None:
         self.bundle = bundle
@@ -198,5 +199,6 @@ class HfChatTemplateExtension:
     def structured_output_format(self, request: ChatCompletionRequest) -> list[int]:
         return []
 
-    def parsers(self) -> list[str]:
-        return [p for p in (self.options.reasoning_parser, self.options.tool_parser) if p]
+    def parsers(self) -> list[ParserName]:
+        # (check_options admitted only names of TEXT_PARSERS)
+        return [cast(ParserName, p) for p in (self.options.reasoning_parser, self.options.tool_parser) if p]

@@ -4,29 +4,15 @@ from __future__ import annotations
 
 import json
 from datetime import date
+from typing import Literal
 
-from openai_harmony import (
-    Author,
-    Conversation,
-    DeveloperContent,
-    Message,
-    ReasoningEffort,
-    Role,
-    SystemContent,
-    ToolDescription,
-)
+from openai_harmony import (Author, Conversation, DeveloperContent, Message, ReasoningEffort, Role, SystemContent,
+                            ToolDescription)
 
+from ipc.messages import ParserName
 from ipc.openai import ChatCompletionRequest, NamedToolChoice
-from render.extensions import (
-    ExtensionOptions,
-    HfChatTemplateExtension,
-    Rendered,
-    Unsupported,
-    common_unsupported,
-    message_text,
-    register,
-    render_template,
-)
+from render.extensions import (ExtensionOptions, HfChatTemplateExtension, Rendered, Unsupported, common_unsupported,
+                               message_text, register, render_template)
 from render.tokenizer import PromptBudget, TokenizerBundle
 from sluice.harmony_vocab import harmony_encoding
 
@@ -85,7 +71,7 @@ def gpt_oss_extension(bundle: TokenizerBundle, options: ExtensionOptions):
 
 
 class HarmonyExtension:
-    output_mode = "tokens"
+    output_mode: Literal["text", "tokens"] = "tokens"
 
     def __init__(self, bundle: TokenizerBundle, options: ExtensionOptions) -> None:
         self.bundle = bundle
@@ -121,7 +107,7 @@ class HarmonyExtension:
         # The answer, not the reasoning, is what must follow the format: the final channel.
         return self.enc.encode("<|channel|>final<|message|>", allowed_special="all")
 
-    def parsers(self) -> list[str]:
+    def parsers(self) -> list[ParserName]:
         return ["harmony"]
 
     @staticmethod

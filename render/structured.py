@@ -45,10 +45,12 @@ class GrammarCompiler:
         """The serialized grammar for a response_format ("" for plain text)."""
         if fmt.type == "text":
             return ""
-        if fmt.type == "json_schema" and (fmt.json_schema is None or fmt.json_schema.schema is None):
-            raise RequestError(400, "response_format json_schema needs json_schema.schema", param="response_format")
-        # json_object means an object (OpenAI), not any JSON value
-        schema = fmt.json_schema.schema if fmt.type == "json_schema" else {"type": "object"}
+        schema: dict = {"type": "object"}  # json_object means an object (OpenAI), not any JSON value
+        if fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema is None:
+                raise RequestError(400, "response_format json_schema needs json_schema.schema",
+                                   param="response_format")
+            schema = fmt.json_schema.schema
         try:
             text = json.dumps(schema, sort_keys=True)
         except RecursionError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 
 def read_json(path: Path) -> dict:
@@ -51,7 +52,8 @@ class Background:
         self._build = build
         self._done = threading.Event()
         self._started = False
-        self._value = self._error = None
+        self._value: Any = None
+        self._error: Exception | None = None
         if not lazy:
             self.start()
 

@@ -5,7 +5,9 @@ import ctypes
 import multiprocessing
 import os
 import signal
+from types import ModuleType
 
+setproctitle: ModuleType | None
 try:
     import setproctitle
 except ImportError:  # (a dependency; without it, processes keep the interpreter's command line)

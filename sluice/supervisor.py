@@ -22,18 +22,8 @@ from pathlib import Path
 import zmq
 
 from ingress.server_options import granian_args
-from ipc.messages import (
-    ControlInput,
-    Drain,
-    DrainTimedOut,
-    EngineDied,
-    IngressGone,
-    IngressStatus,
-    PostprocInput,
-    Ready,
-    StageDied,
-    SupervisorInput,
-)
+from ipc.messages import (ControlInput, Drain, DrainTimedOut, EngineDied, IngressGone, IngressStatus, PostprocInput,
+                          Ready, StageDied, SupervisorInput)
 from ipc.stats import EngineStats
 from ipc.transport import PubChannel, PullChannel, PushChannel
 from sluice import envs, procs

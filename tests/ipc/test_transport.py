@@ -7,29 +7,9 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ipc.messages import (
-    Abort,
-    ControlInput,
-    Drain,
-    DrainTimedOut,
-    EndChoices,
-    EngineDied,
-    EngineInput,
-    EngineRequest,
-    Failed,
-    Finished,
-    Frame,
-    Frames,
-    IngressInput,
-    Logprobs,
-    Rendered,
-    SamplingParams,
-    StageDied,
-    Started,
-    StepOutputs,
-    bytes_to_ids,
-    ids_to_bytes,
-)
+from ipc.messages import (Abort, ControlInput, Drain, DrainTimedOut, EndChoices, EngineDied, EngineInput, EngineRequest,
+                          Failed, Finished, Frame, Frames, IngressInput, Logprobs, Rendered, SamplingParams, StageDied,
+                          Started, StepOutputs, bytes_to_ids, ids_to_bytes)
 from ipc.shm import ShmRingReader, ShmRingWriter
 from ipc.transport import PullChannel, PushChannel
 

@@ -5,16 +5,8 @@ import json
 from datetime import date
 
 import pytest
-from openai_harmony import (
-    Author,
-    Conversation,
-    DeveloperContent,
-    Message,
-    ReasoningEffort,
-    Role,
-    SystemContent,
-    ToolDescription,
-)
+from openai_harmony import (Author, Conversation, DeveloperContent, Message, ReasoningEffort, Role, SystemContent,
+                            ToolDescription)
 
 from ipc.messages import RenderJob, bytes_to_ids
 from render.errors import RequestError
