@@ -39,14 +39,15 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, *args: str, startup_timeout: float = 180.0, env: dict | None = None,
-                 headers: dict | None = None) -> None:
-        """Extra `sluice serve` flags in args; a 2048-block KV cache unless --kv-cache-memory is given."""
+                 headers: dict | None = None, launcher: tuple[str, ...] = ()) -> None:
+        """Extra `sluice serve` flags in args; a 2048-block KV cache unless --kv-cache-memory is given;
+        `launcher`: a command that runs it (e.g. setpriv with its options)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sluice-e2e-", suffix=".log", delete=False)
         if "--kv-cache-memory" not in args:
             args = ("--num-kv-blocks", "2048", *args)
-        cmd = [sys.executable, "-m", "sluice.cli", "serve", "--port", str(self.port), *args]
+        cmd = [*launcher, sys.executable, "-m", "sluice.cli", "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
         try:

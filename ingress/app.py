@@ -53,7 +53,7 @@ class FrameQueue(asyncio.Queue):
         super().__init__()
         self.owner = owner
         self.nbytes = 0
-        self.sending_since: float | None = None  # monotonic time the owner's current send began
+        self.sending_since: float | None = None  # when the owner's current send began (set around each send)
         self.cut = False  # the stream was cut for its slow client: drop its frames, the owner ends it
 
     def _put(self, item) -> None:
@@ -66,16 +66,6 @@ class FrameQueue(asyncio.Queue):
         if isinstance(item, Frame):
             self.nbytes -= len(item.data)
         return item
-
-    def watch(self, send):
-        """`send`, timed: while the owner waits in it, the client is taking nothing."""
-        async def timed(message) -> None:
-            self.sending_since = time.monotonic()
-            try:
-                await send(message)
-            finally:
-                self.sending_since = None
-        return timed
 
     def stalled(self) -> bool:
         """The owner has been stuck in a send for a while: its client takes nothing. (A full queue alone is
@@ -325,9 +315,9 @@ class Ingress:
         if frame is _TIMED_OUT:
             return False, await respond_error(send, 504, f"the request did not finish within "
                                               f"{self.cfg.request_timeout}s", code="timeout")
-        send = q.watch(send)
         try:
             if frame.status != 200 or not stream:
+                q.sending_since = time.monotonic()  # (a body its client does not read can stall too)
                 return True, await respond(send, frame.status, frame.data)
             await send({"type": "http.response.start", "status": 200, "headers": SSE})
             while True:
@@ -341,7 +331,9 @@ class Ingress:
                     frame, after = after, None
                     parts.append(frame.data)
                 body = parts[0] if len(parts) == 1 else b"".join(parts)
+                q.sending_since = time.monotonic()
                 await send({"type": "http.response.body", "body": body, "more_body": not frame.done})
+                q.sending_since = None
                 if frame.done:
                     return frame.status == 200, 200
                 frame = after if after is not None else await q.get()
