@@ -47,15 +47,18 @@ class SamplingParams(msgspec.Struct, frozen=True, **_WIRE):
 
 # ---- ingress -> render -------------------------------------------------------
 
-Endpoint = Literal["chat", "completions"]
+# What the client asked through: OpenAI chat / completions, Anthropic messages, OpenAI responses. Only the
+# ingress (its routes and errors), render's translation and postproc's framing look at it.
+Endpoint = Literal["chat", "completions", "messages", "responses"]
 
 
 class RenderJob(msgspec.Struct, tag=True, **_WIRE):
     request_id: str
     endpoint: Endpoint
     body: bytes  # the JSON body, already validated by the ingress
-    reply_to: str  # address of the ingress worker holding the connection
+    reply_to: str  # address of the ingress worker holding the connection (or of the background owner)
     arrival_time: float
+    priority: int | None = None  # instead of the request's own: background work runs behind interactive
 
 
 RenderInput = RenderJob
@@ -177,11 +180,21 @@ PostprocInput = StepOutputs | IngressGone
 
 # ---- render / postproc -> ingress ------------------------------------------
 
+class Failure(msgspec.Struct, **_WIRE):
+    """A request that ends in an error, before its response began or during it. The ingress renders it in
+    the request's dialect: an error body with this status, or an error event in a stream."""
+
+    status: int
+    message: str
+    code: str | None = None
+    param: str | None = None
+
+
 class Frame(msgspec.Struct, **_WIRE):
     request_id: str
     data: bytes  # SSE bytes for a stream; the whole body otherwise
     done: bool = False
-    status: int = 200  # a non-200 status on a request's first frame is an error response
+    error: Failure | None = None  # the request ends in this error instead (with done, and no data)
 
 
 class Frames(msgspec.Struct, tag=True, **_WIRE):
@@ -199,7 +212,7 @@ IngressInput = Frames | Rendered
 
 # ---- supervisor control ------------------------------------------------------
 
-Role = Literal["engine", "render", "postproc"]
+Role = Literal["engine", "render", "postproc", "background"]
 
 
 class Ready(msgspec.Struct, tag=True, **_WIRE):
@@ -266,6 +279,7 @@ class PostprocSpec(msgspec.Struct, **_WIRE):
     logprobs: bool = False  # report the sampled tokens' logprobs
     echo: str = ""  # text that starts each completion (completions' echo)
     prompt_token_ids_b64: str | None = None  # returned in the response when asked for
+    dialect: bytes = b""  # what a dialect's framer needs beyond the above (msgpack, its own Struct)
     parsers: list[ParserName] = []  # chat output parsers, in order
     output_prefix: list[int] = []  # prompt tokens that begin the assistant's output (the parsers read them first)
     return_token_ids: bool = False

@@ -9,7 +9,7 @@ from tokenizers.decoders import DecodeStream
 
 from ipc.messages import Frame, PostprocSpec, Started, Timings
 from ipc.openai import PerfMetrics
-from postproc.openai_frames import OpenAIFramer
+from postproc.framers import framer_for
 from postproc.parsers import TEXT_PARSERS, HermesParser, Piece
 from postproc.stop import StopStrings
 from sluice import metrics
@@ -91,7 +91,7 @@ class RequestOutput:
         self.spec = spec
         self.started = started
         self.choices = [Choice(spec, tokenizer) for _ in range(spec.n)]
-        self.framer = OpenAIFramer(spec, started.num_prompt_tokens, started.num_cached_tokens, text_of)
+        self.framer = framer_for(spec, started.num_prompt_tokens, started.num_cached_tokens, text_of)
         self.first_token_at = 0.0
         self.timings: list[Timings] = []  # the engine's, one per finished choice
         self.num_finished = 0  # choices with a finish reason

@@ -13,9 +13,8 @@ import msgspec
 import zmq
 from tokenizers import Tokenizer
 
-from ipc.messages import (Abort, EndChoices, EngineInput, Frame, Frames, IngressGone, IngressInput, PostprocInput,
-                          PostprocSpec, Ready, StepOutputs, SupervisorInput, bytes_to_ids)
-from ipc.openai import error_body
+from ipc.messages import (Abort, EndChoices, EngineInput, Failure, Frame, Frames, IngressGone, IngressInput,
+                          PostprocInput, PostprocSpec, Ready, StepOutputs, SupervisorInput, bytes_to_ids)
 from ipc.transport import PullChannel, PushChannel, PushPool
 from postproc.openai_frames import unpack
 from postproc.request import RequestOutput
@@ -65,7 +64,7 @@ class Shard:
         touched, fed = step.touched, step.fed
         out: dict[str, list[Frame]] = defaultdict(list)
         for rid, (req, message) in step.failed.items():
-            out[req.spec.reply_to].append(Frame(rid, error_body(500, message, code="internal_error"), True, 500))
+            out[req.spec.reply_to].append(Frame(rid, b"", True, Failure(500, message, "internal_error")))
         data: dict[str, bytes] = defaultdict(bytes)
         for rid, index in fed:
             if rid in touched:

@@ -12,6 +12,7 @@ import numpy as np
 from ipc.addresses import shard_of
 from ipc.messages import EngineRequest, PostprocSpec, RenderJob, SamplingParams, ids_to_bytes
 from ipc.openai import ChatCompletionRequest, CompletionRequest
+from render import dialects
 from render.errors import RequestError
 from render.extensions import ServingExtension, message_text
 from render.structured import GrammarCompiler
@@ -39,22 +40,30 @@ class ChatCore:
         self.max_model_len = max_model_len
         self.model_vocab_size = model_vocab_size
         self.num_shards = num_shards
+        self.translators = dialects.load()
 
     @property
     def budget(self) -> PromptBudget:
         return PromptBudget(self.max_model_len, self.bundle.max_token_chars)
 
     def render(self, job: RenderJob) -> EngineRequest:
+        dialect = b""
         try:
-            request = _DECODERS[job.endpoint].decode(job.body)
+            if (translate := self.translators.get(job.endpoint)) is not None:
+                translation = translate(job.body)
+                request, dialect = translation.request, translation.dialect
+            else:
+                request = _DECODERS[job.endpoint].decode(job.body)
         except RecursionError:
             raise RequestError(400, "the JSON body nests too deeply") from None
         try:
-            return self._render(job, request)
+            return self._render(job, request, dialect)
         except RecursionError:  # past the depth checks: still the request's nesting, not the server's fault
             raise RequestError(400, "the request nests too deeply to render") from None
 
-    def _render(self, job: RenderJob, request: ChatCompletionRequest | CompletionRequest) -> EngineRequest:
+    def _render(self, job: RenderJob, request: ChatCompletionRequest | CompletionRequest,
+                dialect: bytes = b"") -> EngineRequest:
+        chat = isinstance(request, ChatCompletionRequest)
         if isinstance(request, ChatCompletionRequest):
             prompt, prefix = self._chat_prompt(request)
             max_tokens = request.max_completion_tokens or request.max_tokens
@@ -82,8 +91,9 @@ class ChatCore:
             parallel_tool_calls=getattr(request, "parallel_tool_calls", None) is not False,
             user=request.user,
             stop=[request.stop] if isinstance(request.stop, str) else list(request.stop or []),
-            output_mode=self.ext.output_mode if job.endpoint == "chat" else "text",
-            parsers=self.ext.parsers() if job.endpoint == "chat" else [],
+            output_mode=self.ext.output_mode if chat else "text",
+            parsers=self.ext.parsers() if chat else [],
+            dialect=dialect,
             output_prefix=prefix,
             return_token_ids=request.return_token_ids,
             prompt_token_ids=prompt if request.return_token_ids else None,
@@ -105,7 +115,7 @@ class ChatCore:
             postproc_spec=_spec_encoder.encode(spec),
             arrival_time=job.arrival_time,
             n=request.n,
-            priority=request.priority,
+            priority=request.priority if job.priority is None else job.priority,
             cache_salt=request.cache_salt or "",
             grammar=grammar,
             grammar_trigger=trigger,

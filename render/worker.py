@@ -10,8 +10,8 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from ipc.messages import EngineInput, Frame, Frames, IngressInput, Ready, Rendered, RenderInput, SupervisorInput
-from ipc.openai import error_body
+from ipc.messages import (EngineInput, Failure, Frame, Frames, IngressInput, Ready, Rendered, RenderInput,
+                          SupervisorInput)
 from ipc.transport import PullChannel, PushChannel, PushPool
 from render.core import ChatCore
 from render.errors import RequestError
@@ -55,8 +55,8 @@ def run_render(cfg: ServerConfig, index: int) -> None:
             if error is None:
                 rendered[job.reply_to].append(job.request_id)
             else:
-                body = error_body(error.status, error.message, error.param, error.code)
-                replies.get(job.reply_to).put(Frames([Frame(job.request_id, body, done=True, status=error.status)]))
+                failure = Failure(error.status, error.message, error.code, error.param)
+                replies.get(job.reply_to).put(Frames([Frame(job.request_id, b"", done=True, error=failure)]))
         for address, rids in rendered.items():
             replies.get(address).put(Rendered(rids))
         metrics.IN_FLIGHT.labels("render").set(0)

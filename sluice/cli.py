@@ -77,6 +77,7 @@ def config_from_args(args: dict) -> ServerConfig:
         max_model_len=cfg.max_model_len or hf.get("max_position_embeddings") or 4096,
         replay_file=str(Path(cfg.replay_file).resolve()) if cfg.replay_file else None,
         kv_timing_output=str(Path(cfg.kv_timing_output).resolve()) if cfg.kv_timing_output else None,
+        state_dir=str(Path(cfg.state_dir or envs.state_dir()).resolve()),
     )
     if cfg.connection_limit <= cfg.max_pending:
         raise ValueError(f"--max-connections ({cfg.connection_limit}) must exceed --max-pending ({cfg.max_pending}): "

@@ -115,6 +115,12 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     grammar_max_bytes: Annotated[int, option(
         "largest compiled grammar a schema may give (the engine loads it); past it, 400", unit="bytes",
         ge=1)] = 64 << 20
+    state_dir: Annotated[str, option(
+        "where what users submit is kept (batches, stored responses: an SQLite database)",
+        default_text="$SLUICE_STATE_DIR, else ~/.local/state/sluice")] = ""
+    background_concurrency: Annotated[int, option(
+        "requests the background owner (batches, background responses) runs at once, behind interactive ones",
+        ge=1)] = 32
 
     @property
     def connection_limit(self) -> int:

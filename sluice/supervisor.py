@@ -60,6 +60,9 @@ def stage_main(role: str, index: int, config_path: str) -> None:
     elif role == "postproc":
         from postproc.worker import run_postproc
         run_postproc(cfg, index)
+    elif role == "background":
+        from sluice.background import run_background
+        run_background(cfg)
     else:
         raise ValueError(role)
 
@@ -99,7 +102,7 @@ class Supervisor:
 
     def start_stages(self) -> None:
         roles = [("engine", 0)] + [("render", i) for i in range(self.cfg.render_workers)] + \
-                [("postproc", k) for k in range(self.cfg.postproc_workers)]
+                [("postproc", k) for k in range(self.cfg.postproc_workers)] + [("background", 0)]
         for role, index in roles:
             self._spawn(role, index)
         waiting = set(roles)
@@ -178,11 +181,12 @@ class Supervisor:
                           self.stages[("engine", 0)].exitcode)
                 self._fail_in_flight()
                 return 1
-            for role, index in dead:  # render / postproc: fail what it held, start a new one
+            for role, index in dead:  # render / postproc: fail what it held; background: it resumes; restart it
                 p = self.stages[(role, index)]
                 log.error("%s[%d] (pid %d) died (exit code %s): restarting it", role, index, p.pid, p.exitcode)
                 _forget_process(p.pid)
-                self.control.put(StageDied(role, index))
+                if role in ("render", "postproc"):  # (the background owner's requests: as a dead ingress worker's)
+                    self.control.put(StageDied(role, index))
                 self._spawn(role, index)
             self._check_ingress_workers()
             if self.granian.poll() is not None:
@@ -221,10 +225,12 @@ class Supervisor:
         self.control.put(Drain())
         drain_started = time.monotonic()
         deadline = drain_started + self.cfg.shutdown_timeout
+        background = self.stages[("background", 0)].pid  # its work resumes after the restart: no wait for it
         while time.monotonic() < deadline:
             self._poll_inbox(0.1)
-            fresh = [n for t, n in self.ingress_status.values() if t > drain_started]
-            recent = [n for t, n in self.ingress_status.values() if t > time.monotonic() - 1.0]
+            status = [v for pid, v in self.ingress_status.items() if pid != background]
+            fresh = [n for t, n in status if t > drain_started]
+            recent = [n for t, n in status if t > time.monotonic() - 1.0]
             if fresh and recent and all(n == 0 for n in recent):
                 break
         else:
@@ -241,7 +247,7 @@ class Supervisor:
                 except subprocess.TimeoutExpired:
                     self.granian.kill()
             _kill_group(self.granian.pid)  # workers granian left behind (SO_REUSEPORT: they would share the port)
-        for role in ("render", "engine", "postproc"):
+        for role in ("background", "render", "engine", "postproc"):
             for p in (p for (r, _), p in self.stages.items() if r == role):
                 if p.is_alive():
                     p.terminate()

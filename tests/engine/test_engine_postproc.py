@@ -107,7 +107,7 @@ def test_n3_with_a_stop_string_finishes(engine, tokenizer, stream):
     pair.step([request("r", [5, 6, 7], n=3, stop=[stop], stream=stream, max_tokens=40, temperature=0.8, seed=1)])
     pair.run()
     (final,) = pair.finals("r")
-    assert final.status == 200
+    assert final.error is None
     if not stream:
         choices = json.loads(final.data)["choices"]
         assert len(choices) == 3 and choices[0]["finish_reason"] == "stop" and stop not in choices[0]["text"]
@@ -163,7 +163,7 @@ def test_a_grammar_that_finishes_ends_the_output_despite_min_tokens_and_ignore_e
     for rid in ("min", "no-eos"):
         (final,) = pair.finals(rid)
         choice = json.loads(final.data)["choices"][0]
-        assert final.status == 200 and choice["text"] == "1" and choice["finish_reason"] == "stop", choice
+        assert final.error is None and choice["text"] == "1" and choice["finish_reason"] == "stop", choice
     pair.assert_empty()
 
 
@@ -176,10 +176,10 @@ def test_a_step_that_raises_fails_its_requests_and_the_engine_goes_on(engine, to
     monkeypatch.setattr(engine.runner, "run", real)
     for rid in ("a", "b"):
         (final,) = pair.finals(rid)
-        assert final.status == 500
+        assert final.error is not None and final.error.status == 500
     pair.step([request("c", [5, 6, 7], max_tokens=4)])
     pair.run()
-    assert pair.finals("c")[0].status == 200
+    assert pair.finals("c")[0].error is None
     pair.assert_empty()
 
 
@@ -234,7 +234,7 @@ def test_every_request_ends_once_and_the_cache_empties(engine, tokenizer, worklo
     for _, _, r in workload:
         finals = pair.finals(r.request_id)
         assert len(finals) <= 1 if r.request_id in gone else len(finals) == 1, (r.request_id, finals)
-        assert all(f.status == 200 for f in finals)
+        assert all(f.error is None for f in finals)
     pair.assert_empty()
 
 
@@ -283,7 +283,7 @@ def test_constrained_output_that_stops_always_parses_whatever_the_sampling(engin
     pair.run()
     for which, r in reqs:
         (final,) = pair.finals(r.request_id)
-        assert final.status == 200, final.data
+        assert final.error is None, final.error
         for choice in json.loads(final.data)["choices"]:
             if which < len(SCHEMAS) and choice["finish_reason"] == "stop":
                 jsonschema.validate(json.loads(choice["text"]), SCHEMAS[which])

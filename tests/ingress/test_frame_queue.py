@@ -3,7 +3,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from ingress.app import FrameQueue
+from ingress.pipeline import FrameQueue
 from ipc.messages import Frame
 
 

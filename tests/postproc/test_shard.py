@@ -108,7 +108,7 @@ def test_one_choice_stopped_by_a_string_leaves_the_others_running(shard, stream)
     assert "r" in shard.requests and all(f.done is False for f in out.get("ipc://r", []))
     out, _ = shard.on_steps([step(["r"], [2], [sea[0]], [Finished("r", 2, "length")])])
     final = out["ipc://r"][-1]
-    assert final.done and final.status == 200 and shard.requests == {}
+    assert final.done and final.error is None and shard.requests == {}
     if stream:
         events = [e for e in sse_events([f.data for f in out["ipc://r"]]) if e != "[DONE]"]
         reasons = {c["index"]: c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]}
@@ -125,14 +125,14 @@ def test_a_request_the_engine_failed_gets_an_error_and_nothing_else(shard):
     shard.on_steps([step(["r"], [0], [50], started=[started])])
     out, to_engine = shard.on_steps([step(["r"], [0], [51], failed=[Failed("r", "structured output: boom")])])
     (frame,) = out["ipc://r"]
-    assert frame.done and frame.status == 500 and to_engine == [] and shard.requests == {}
-    assert json.loads(frame.data)["error"]["message"] == "structured output: boom"
+    assert frame.done and frame.error.status == 500 and to_engine == [] and shard.requests == {}
+    assert frame.error.message == "structured output: boom" and frame.data == b""
 
 
 def test_a_request_that_fails_before_its_first_token_gets_an_error(shard):
     out, _ = shard.on_steps([step([], [], [], started=[start(shard, "r")], failed=[Failed("r", "no grammar")])])
     (frame,) = out["ipc://r"]
-    assert frame.done and frame.status == 500 and shard.requests == {}
+    assert frame.done and frame.error.status == 500 and shard.requests == {}
 
 
 def test_a_failing_request_gets_an_error_and_the_others_go_on(shard, monkeypatch):
@@ -150,8 +150,9 @@ def test_a_failing_request_gets_an_error_and_the_others_go_on(shard, monkeypatch
     out, to_engine = shard.on_steps([StepOutputs([], ["bad", "good"], ids_to_bytes([0, 0]), ids_to_bytes([50, 51]),
                                                 [Finished("good", 0, "length")])])
     frames = {f.request_id: f for f in out["ipc://r"]}
-    assert frames["bad"].status == 500 and json.loads(frames["bad"].data)["error"]["code"] == "internal_error"
-    assert frames["good"].status == 200 and json.loads(frames["good"].data)["choices"][0]["finish_reason"] == "length"
+    assert frames["bad"].error.status == 500 and frames["bad"].error.code == "internal_error"
+    assert frames["good"].error is None
+    assert json.loads(frames["good"].data)["choices"][0]["finish_reason"] == "length"
     assert to_engine == [Abort(["bad"])] and shard.requests == {}
 
 

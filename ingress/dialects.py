@@ -1,0 +1,53 @@
+"""The API dialects the ingress speaks. A dialect names its generation route and request Struct (validated
+here: a bad body is a 400 in that dialect's shape), the id its responses carry, and how its errors look,
+as a whole body or as an event in a stream that already began. Everything after the request is the one
+chat core's (render translates, postproc frames)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgspec
+
+from ipc.messages import Endpoint, Failure
+from ipc.openai import ChatCompletionRequest, CompletionRequest, error_body
+
+
+@dataclass(frozen=True)
+class Dialect:
+    endpoint: Endpoint
+    path: str  # its POST route
+    request_type: type
+    id_prefix: str  # of the ids its responses carry
+    error_body: Callable[[Failure], bytes]
+    stream_error: Callable[[Failure], bytes]  # the event that ends a stream in an error
+    stream_headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # beyond the SSE ones
+    decoder: msgspec.json.Decoder = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "decoder", msgspec.json.Decoder(self.request_type))
+
+    def streams(self, request: Any) -> bool:
+        return bool(getattr(request, "stream", False))
+
+
+def openai_error(f: Failure) -> bytes:
+    return error_body(f.status, f.message, f.param, f.code)
+
+
+def openai_stream_error(f: Failure) -> bytes:
+    return b"data: " + openai_error(f) + b"\n\ndata: [DONE]\n\n"
+
+
+DIALECTS: dict[str, Dialect] = {}  # by route
+
+
+def register(dialect: Dialect) -> Dialect:
+    DIALECTS[dialect.path] = dialect
+    return dialect
+
+
+OPENAI_CHAT = register(Dialect("chat", "/v1/chat/completions", ChatCompletionRequest, "chatcmpl-", openai_error,
+                               openai_stream_error))
+OPENAI_COMPLETIONS = register(Dialect("completions", "/v1/completions", CompletionRequest, "cmpl-", openai_error,
+                                      openai_stream_error))

@@ -1,0 +1,201 @@
+"""The ingress's side of the pipeline, with no HTTP in it: submit a request to the render pool, get its
+frames back in a queue of its own, end it on a deadline, a failure or a stage's death. Ingress workers
+use it under their routes; a process that does work for nobody's open connection (a batch, a background
+response) uses it as they do."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import zmq
+import zmq.asyncio
+
+from ipc.addresses import shard_of
+from ipc.messages import (Abort, ControlInput, Drain, DrainTimedOut, EngineDied, EngineInput, Failure, Frame, Frames,
+                          IngressInput, IngressStatus, RenderInput, RenderJob, StageDied, SupervisorInput)
+from ipc.stats import EngineStats
+from ipc.transport import AsyncPullChannel, PushChannel, SubChannel
+from sluice import metrics
+from sluice.config import ServerConfig
+
+_STATUS_INTERVAL_S = 0.2
+STALL_S = 1.0  # a relay stuck this long in one send to its client is stalled (a stream past its bound is cut)
+DISCONNECTED = object()  # sentinels in a request's queue: its client left,
+TIMED_OUT = object()  # or its --request-timeout passed
+log = logging.getLogger("sluice.ingress")
+
+
+class FrameQueue(asyncio.Queue):
+    """One request's frames (and sentinels) on their way to its client, with the frame bytes waiting in it.
+
+    `owner` is the task writing them out. Stuck in a send to a client that does not read, it sees neither
+    the queue nor anything else: cancelling it is the one way to end that response."""
+
+    def __init__(self, owner: asyncio.Task) -> None:
+        super().__init__()
+        self.owner = owner
+        self.nbytes = 0
+        self.sending_since: float | None = None  # when the owner's current send began (set around each send)
+        self.cut = False  # the stream was cut for its slow client: drop its frames, the owner ends it
+
+    def _put(self, item) -> None:
+        if isinstance(item, Frame):
+            self.nbytes += len(item.data)
+        super()._put(item)
+
+    def _get(self):
+        item = super()._get()
+        if isinstance(item, Frame):
+            self.nbytes -= len(item.data)
+        return item
+
+    def stalled(self) -> bool:
+        """The owner has been stuck in a send for a while: its client takes nothing. (A full queue alone is
+        not enough: the frame reader does not yield while messages are ready, so a burst of them can fill a
+        queue before its relay gets to run.)"""
+        return self.sending_since is not None and time.monotonic() - self.sending_since > STALL_S
+
+
+class Pipeline:
+    def __init__(self, cfg: ServerConfig, share: int = 1) -> None:
+        """`share`: how many processes split --max-pending with this one (the ingress workers)."""
+        self.cfg = cfg
+        self.address = cfg.addresses.ingress(os.getpid())
+        self.pending: dict[str, FrameQueue] = {}
+        self.max_pending = -(-cfg.max_pending // share)
+        self.draining = False
+        self.engine_dead = False
+        self._deadlines: dict[str, asyncio.TimerHandle] = {}
+        self._actx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
+        addr = cfg.addresses
+        self._inbox: AsyncPullChannel[IngressInput] = AsyncPullChannel(self._actx, self.address, IngressInput)
+        self._control: SubChannel[ControlInput] = SubChannel(self._actx, addr.control, ControlInput)
+        # One channel per render worker, dealt round-robin, so a dead worker's requests are known.
+        self._renders: list[PushChannel[RenderInput]] = [PushChannel(self._ctx, addr.render(i))
+                                                         for i in range(cfg.render_workers)]
+        self._next_render = 0
+        self._rendered_by: dict[str, int] = {}  # request -> render worker, until it is in the engine
+        self._engine: PushChannel[EngineInput] = PushChannel(self._ctx, addr.engine)
+        self._supervisor: PushChannel[SupervisorInput] = PushChannel(self._ctx, addr.supervisor)
+        self.stats = EngineStats(addr.stats_path)
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(t()) for t in (self._read_frames, self._read_control, self._report)]
+
+    @property
+    def full(self) -> bool:
+        return len(self.pending) >= self.max_pending
+
+    def healthy(self) -> bool:
+        """The engine is alive and made progress (or idled, answering) within the stall timeout."""
+        s = self.stats.read()
+        return not self.engine_dead and s["alive"] == 1 and time.time() - s["heartbeat"] < self.cfg.stall_timeout
+
+    # ---- one request -----------------------------------------------------------
+
+    def open(self, rid: str) -> FrameQueue:
+        """The queue `rid`'s frames will come to, owned by the calling task (it writes them out)."""
+        owner = asyncio.current_task()
+        assert owner is not None, "opened from a request's own task"
+        q = FrameQueue(owner)
+        self.pending[rid] = q
+        metrics.IN_FLIGHT.labels("ingress").set(len(self.pending))
+        if self.cfg.request_timeout:
+            self._deadlines[rid] = asyncio.get_running_loop().call_later(self.cfg.request_timeout, self.end, rid, q,
+                                                                         TIMED_OUT)
+        return q
+
+    def submit(self, rid: str, job: RenderJob) -> None:
+        k = self._next_render = (self._next_render + 1) % len(self._renders)
+        self._rendered_by[rid] = k
+        self._renders[k].put(job)
+
+    def abort(self, rid: str) -> None:
+        """Nobody will read `rid`'s output: the engine drops it."""
+        self._engine.put(Abort([rid]))
+
+    def close(self, rid: str) -> None:
+        del self.pending[rid]
+        self._rendered_by.pop(rid, None)
+        metrics.IN_FLIGHT.labels("ingress").set(len(self.pending))
+        if (deadline := self._deadlines.pop(rid, None)) is not None:
+            deadline.cancel()
+
+    def end(self, rid: str, q: FrameQueue, last) -> None:
+        """Hands a request its last frame (an error) or the deadline's sentinel. A relay stuck in a send to a
+        client that reads nothing would never see it: that response is cut instead."""
+        if q.cut:
+            return
+        q.put_nowait(last)
+        if q.stalled():
+            self.cut(rid, q)
+
+    def cut(self, rid: str, q: FrameQueue) -> None:
+        """The client takes nothing of its response: end it (its relay aborts it in the engine) rather than hold
+        what the client has not read without bound."""
+        q.cut = True
+        q.owner.cancel()
+        log.warning("response cut: its client reads too slowly", extra={"fields": {
+            "request_id": rid, "queued_bytes": q.nbytes, "max_stream_buffer": self.cfg.max_stream_buffer}})
+
+    def fail(self, rids: list[str], failure: Failure) -> None:
+        for rid in rids:
+            self._rendered_by.pop(rid, None)
+            if (q := self.pending.get(rid)) is not None:
+                self.end(rid, q, Frame(rid, b"", done=True, error=failure))
+
+    # ---- the loops -------------------------------------------------------------
+
+    async def _read_frames(self) -> None:
+        while True:
+            msg = await self._inbox.get()
+            if not isinstance(msg, Frames):  # Rendered: these requests are in the engine's hands now
+                for rid in msg.request_ids:
+                    self._rendered_by.pop(rid, None)
+                continue
+            for frame in msg.frames:
+                q = self.pending.get(frame.request_id)
+                if q is None or q.cut:
+                    continue
+                self._rendered_by.pop(frame.request_id, None)
+                # A last frame always goes in: the request is done, nothing more can pile up behind it.
+                if not frame.done and q.nbytes > self.cfg.max_stream_buffer and q.stalled():
+                    self.cut(frame.request_id, q)
+                else:
+                    q.put_nowait(frame)
+
+    async def _read_control(self) -> None:
+        while True:
+            msg = await self._control.get()
+            if isinstance(msg, Drain):
+                self.draining = True
+            elif isinstance(msg, DrainTimedOut):
+                self.fail(list(self.pending), Failure(
+                    503, f"the server is shutting down and this request did not finish within its drain timeout "
+                    f"({msg.timeout:g}s); retry it", "shutting_down"))
+            elif isinstance(msg, EngineDied):
+                self.engine_dead = True
+                self.fail(list(self.pending), Failure(500, "the engine process died; the server is restarting",
+                                                      "engine_dead"))
+            elif isinstance(msg, StageDied):
+                self._stage_died(msg.role, msg.index)
+
+    def _stage_died(self, role: str, index: int) -> None:
+        """Fails the requests a dead render or postproc worker held (the supervisor restarts it)."""
+        if role == "render":  # requests it was given that have not reached the engine
+            rids = [rid for rid, k in self._rendered_by.items() if k == index]
+        else:
+            rids = [rid for rid in self.pending if shard_of(rid, self.cfg.postproc_workers) == index]
+        self.fail(rids, Failure(500, f"the {role} worker handling this request died; retry it", "worker_died"))
+        if rids:
+            self._engine.put(Abort(rids))
+
+    async def _report(self) -> None:
+        while True:
+            self._supervisor.put(IngressStatus(os.getpid(), len(self.pending)))
+            await asyncio.sleep(_STATUS_INTERVAL_S)

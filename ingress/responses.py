@@ -1,0 +1,1 @@
+"""The responses dialect's routes (registered with ingress.routes.route / ingress.dialects.register)."""

@@ -1,0 +1,1 @@
+"""The anthropic dialect's framer (registered in postproc.framers.FRAMERS)."""

@@ -1,0 +1,1 @@
+"""The responses dialect's framer (registered in postproc.framers.FRAMERS)."""

@@ -1,0 +1,1 @@
+"""The anthropic dialect's translation into the chat core's request (registered with render.dialects.translator)."""

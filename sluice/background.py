@@ -1,0 +1,72 @@
+"""The background owner: one process that does the work no open connection waits for (Message Batches,
+background responses). It reads that work from the state database, submits it to the render pool as an
+ingress worker would (its own reply address, its own queues), behind interactive requests, and writes
+the outcomes back. After a restart it picks up what was left: the database says what that is.
+
+Each kind of work is a module in TASKS with `async def run(owner: Owner) -> None`, a loop of its own."""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import time
+import uuid
+
+import zmq
+
+from ingress.pipeline import DISCONNECTED, TIMED_OUT, Pipeline
+from ipc.messages import Endpoint, Failure, Frame, Ready, RenderJob, SupervisorInput
+from ipc.transport import PushChannel
+from sluice.config import ServerConfig
+
+log = logging.getLogger("sluice.background")
+BACKGROUND_PRIORITY = 1 << 30  # behind any interactive request (lower is served first)
+TASKS = ("sluice.batches", "sluice.responses_store")  # modules with `async def run(owner)`
+
+
+class Owner:
+    """What a background task gets: the configuration, and a way to run one request to its end."""
+
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.pipeline = Pipeline(cfg)
+        self._slots = asyncio.Semaphore(cfg.background_concurrency)
+
+    async def complete(self, endpoint: Endpoint, body: bytes, id_prefix: str) -> tuple[str, Frame]:
+        """Runs one non-streaming request (a JSON body of `endpoint`'s dialect): its id and its last frame, a
+        whole body or an error. Waits for a slot first (--background-concurrency)."""
+        async with self._slots:
+            while self.pipeline.draining or self.pipeline.engine_dead:
+                await asyncio.sleep(1.0)  # (the server is going down: this work resumes after the restart)
+            rid = id_prefix + uuid.uuid4().hex
+            q = self.pipeline.open(rid)
+            try:
+                self.pipeline.submit(rid, RenderJob(rid, endpoint, body, self.pipeline.address, time.time(),
+                                                    priority=BACKGROUND_PRIORITY))
+                frame = await q.get()
+            finally:
+                self.pipeline.close(rid)
+            if frame is TIMED_OUT or frame is DISCONNECTED:
+                self.pipeline.abort(rid)
+                return rid, Frame(rid, b"", True, Failure(504, "the request did not finish in time", "timeout"))
+            return rid, frame
+
+
+async def _main(cfg: ServerConfig) -> None:
+    owner = Owner(cfg)
+    owner.pipeline.start()
+    tasks = [asyncio.create_task(importlib.import_module(name).run(owner), name=name) for name in TASKS]
+    PushChannel[SupervisorInput](zmq.Context.instance(), cfg.addresses.supervisor).put(
+        Ready("background", 0, os.getpid()))
+    if not tasks:
+        await asyncio.Event().wait()
+    done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    for task in done:
+        task.result()  # a task that fails takes the process down: the supervisor restarts it, it resumes
+
+
+def run_background(cfg: ServerConfig) -> None:
+    import uvloop
+
+    uvloop.run(_main(cfg))
