@@ -59,11 +59,9 @@ async def _main(cfg: ServerConfig) -> None:
     tasks = [asyncio.create_task(importlib.import_module(name).run(owner), name=name) for name in TASKS]
     PushChannel[SupervisorInput](zmq.Context.instance(), cfg.addresses.supervisor).put(
         Ready("background", 0, os.getpid()))
-    if not tasks:
-        await asyncio.Event().wait()
-    done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    for task in done:
-        task.result()  # a task that fails takes the process down: the supervisor restarts it, it resumes
+    for task in asyncio.as_completed(tasks):
+        await task  # a task that fails takes the process down: the supervisor restarts it, it resumes
+    await asyncio.Event().wait()  # (every task ended: the pipeline still answers the supervisor)
 
 
 def run_background(cfg: ServerConfig) -> None:
