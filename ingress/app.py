@@ -72,6 +72,7 @@ class Ingress(Pipeline):
         routes = find(path) if dialect is None else []
         label = path if dialect is not None else routes[0][0].template if routes else "other"
         shape = dialect or next((r.dialect for r, _ in routes if r.dialect is not None), OPENAI_CHAT)
+        send = shape.wrap_send(send)
         if not authorized(path, scope["headers"], self.api_keys, self.cfg.protect_metrics):
             return await self.respond_failure(send, shape, Failure(
                 401, "missing or invalid API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
@@ -167,7 +168,7 @@ class Ingress(Pipeline):
         watcher = asyncio.create_task(_watch_disconnect(receive, q))
         try:
             self.submit(rid, RenderJob(rid, dialect.endpoint, body, self.address, time.time()))
-            delivered, status = await self._relay(q, send, dialect, dialect.streams(request))
+            delivered, status = await self._relay(q, send, dialect, dialect.streams(request), rid)
             if not delivered:
                 self.abort(rid)
             return status
@@ -186,21 +187,28 @@ class Ingress(Pipeline):
     def _timeout(self) -> Failure:
         return Failure(504, f"the request did not finish within {self.cfg.request_timeout:g}s", "timeout")
 
-    async def _relay(self, q: FrameQueue, send, dialect: Dialect, stream: bool) -> tuple[bool, int]:
+    async def _relay(self, q: FrameQueue, send, dialect: Dialect, stream: bool, rid: str) -> tuple[bool, int]:
         """Writes the request's frames to the client. Returns whether it got its last frame (if not: client
         gone, deadline passed, so the engine must drop it) and the status sent."""
-        frame = await q.get()
+        began = False  # the stream began before its first frame (keepalives)
+        if stream and dialect.keepalive:
+            frame, began = await self._keep_alive(q, send, dialect, rid)
+        else:
+            frame = await q.get()
         if frame is DISCONNECTED:
-            return False, 0
-        if frame is TIMED_OUT:
+            return False, 200 if began else 0
+        if began:
+            frame = self._in_stream(frame, dialect)
+        elif frame is TIMED_OUT:
             return False, await self.respond_failure(send, dialect, self._timeout())
         try:
-            if frame.error is not None:
+            if frame.error is not None and not began:
                 return True, await self.respond_failure(send, dialect, frame.error)
             if not stream:
                 q.sending_since = time.monotonic()  # (a body its client does not read can stall too)
                 return True, await respond(send, 200, frame.data)
-            await send({"type": "http.response.start", "status": 200, "headers": SSE + dialect.stream_headers})
+            if not began:
+                await send({"type": "http.response.start", "status": 200, "headers": SSE + dialect.stream_headers})
             while True:
                 # Frames that queued up while this one was sent go out in one write: the same events, fewer
                 # sends (the ingress falls behind under load). A sentinel or an error stops the merge.
@@ -220,10 +228,7 @@ class Ingress(Pipeline):
                 frame = after if after is not None else await q.get()
                 if frame is DISCONNECTED:
                     return False, 200
-                if frame is TIMED_OUT:
-                    frame = Frame("", dialect.stream_error(self._timeout()), True, self._timeout())
-                elif frame.error is not None:  # an error after the stream began: say so in-band, then end
-                    frame = Frame(frame.request_id, dialect.stream_error(frame.error), True, frame.error)
+                frame = self._in_stream(frame, dialect)
         except OSError:
             return False, 200
         except asyncio.CancelledError:
@@ -231,6 +236,35 @@ class Ingress(Pipeline):
                 raise
             _uncancel()  # the cancel was ours (a cut): this request ends here, the response cut short
             return False, 200
+
+    def _in_stream(self, frame: Frame | object, dialect: Dialect) -> Frame:
+        """A frame (or the deadline) for a stream that began: an error is said in-band, and ends it."""
+        if frame is TIMED_OUT:
+            return Frame("", dialect.stream_error(self._timeout()), True, self._timeout())
+        assert isinstance(frame, Frame)
+        if frame.error is not None:
+            return Frame(frame.request_id, dialect.stream_error(frame.error), True, frame.error)
+        return frame
+
+    async def _keep_alive(self, q: FrameQueue, send, dialect: Dialect, rid: str) -> tuple[Any, bool]:
+        """A stream's first frame (or sentinel), and whether the stream began while it waited: once the request
+        is rendered (no 4xx can come any more), every keepalive_s without a frame sends the dialect's keepalive
+        event, the stream's start first."""
+        began = False
+        while True:
+            try:
+                return await asyncio.wait_for(q.get(), dialect.keepalive_s), began
+            except asyncio.TimeoutError:
+                if rid in self._rendered_by:
+                    continue
+            try:
+                if not began:
+                    await send({"type": "http.response.start", "status": 200,
+                                "headers": SSE + dialect.stream_headers})
+                    began = True
+                await send({"type": "http.response.body", "body": dialect.keepalive, "more_body": True})
+            except OSError:
+                return DISCONNECTED, began
 
     async def _health_generate(self, send) -> int:
         """One token through the whole pipeline: render, engine, postproc, back here."""

@@ -5,12 +5,14 @@ chat core's (render translates, postproc frames)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import msgspec
 
 from ipc.messages import Endpoint, Failure
 from ipc.openai import ChatCompletionRequest, CompletionRequest, error_body
+
+Send = Callable[[dict], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,14 @@ class Dialect:
     error_body: Callable[[Failure], bytes]
     stream_error: Callable[[Failure], bytes]  # the event that ends a stream in an error
     stream_headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # beyond the SSE ones
+    # Every response on the dialect's routes: statuses it answers instead of the core's (Anthropic's 529 for
+    # 503), and headers of its own, made fresh for each response (Anthropic's request-id).
+    statuses: dict[int, int] = field(default_factory=dict)
+    response_headers: Callable[[], list[tuple[bytes, bytes]]] | None = None
+    # An event a stream sends every keepalive_s while the engine is busy before the first token (the
+    # stream begins before it, once the request is rendered); empty: the response waits for the token.
+    keepalive: bytes = b""
+    keepalive_s: float = 1.0
     decoder: msgspec.json.Decoder = field(init=False)
 
     def __post_init__(self) -> None:
@@ -29,6 +39,20 @@ class Dialect:
 
     def streams(self, request: Any) -> bool:
         return bool(getattr(request, "stream", False))
+
+    def wrap_send(self, send: Send) -> Send:
+        """`send` with the dialect's statuses and headers (itself, for a dialect that has none)."""
+        if not self.statuses and self.response_headers is None:
+            return send
+        statuses, headers = self.statuses, self.response_headers
+
+        async def wrapped(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                extra = headers() if headers is not None else []
+                message = {**message, "status": statuses.get(message["status"], message["status"]),
+                           "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+        return wrapped
 
 
 def openai_error(f: Failure) -> bytes:

@@ -1,1 +1,279 @@
-"""The responses dialect's routes (registered with ingress.routes.route / ingress.dialects.register)."""
+"""The Responses API's routes: POST /v1/responses (served here, queued for the background owner, stored),
+GET / DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items, POST /v1/responses/{id}/cancel.
+
+A response's id is its engine request's. What is stored, and who writes it: sluice/responses_store.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import sqlite3
+import time
+import uuid
+from typing import Any, Callable, TypeVar
+
+import msgspec
+
+from ingress.dialects import Dialect, openai_error
+from ingress.http import SSE, respond
+from ingress.routes import Request, route
+from ipc.messages import Failure
+from ipc.responses import (CreateResponse, ErrorEvent, InputItem, Part, RenderBody, Response, ResponseError,
+                           ResponseEvent, event_head, final_response, new_response, split_events, sse)
+from sluice.config import ServerConfig
+from sluice.responses_store import POLL_S, Database, NotFound, NotReady, Store
+
+log = logging.getLogger("sluice.ingress")
+T = TypeVar("T")
+_json = msgspec.json.Encoder()
+_response = msgspec.json.Decoder(Response)
+_ID_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
+MAX_PAGE = 100
+
+
+def _stream_error(failure: Failure) -> bytes:
+    """(Each request's own stream_error knows where its stream stands: see Keeper.)"""
+    return sse(ErrorEvent(sequence_number=0, code=failure.code, message=failure.message, param=failure.param))
+
+
+RESPONSES = Dialect(endpoint="responses", path="/v1/responses", request_type=CreateResponse, id_prefix="resp_",
+                    error_body=openai_error, stream_error=_stream_error)
+_databases: dict[str, Database] = {}
+
+
+def database(cfg: ServerConfig) -> Database:
+    """This worker's (opened on first use: a server that never stores a response makes no database)."""
+    if cfg.state_dir not in _databases:
+        _databases[cfg.state_dir] = Database(cfg)
+    return _databases[cfg.state_dir]
+
+
+async def _state(ingress, fn: Callable[..., T], *args) -> T | Failure:
+    try:
+        return await database(ingress.cfg).run(fn, *args)
+    except (sqlite3.Error, OSError) as e:
+        log.error("the state database failed: %s", e)
+        return Failure(500, f"the state database (--state-dir {ingress.cfg.state_dir}) could not be used: {e}",
+                       "state_unavailable")
+
+
+def _missing(rid: str) -> Failure:
+    return Failure(404, f"no response with id {rid!r}", "not_found")
+
+
+# ---- POST /v1/responses --------------------------------------------------------
+
+@route("POST", "/v1/responses", dialect=RESPONSES)
+async def create(ingress, request: Request, receive, send) -> int:
+    got = await ingress.read_request(RESPONSES, receive, send)
+    if isinstance(got, int):
+        return got
+    r: CreateResponse = got[0]
+    if (refused := ingress.refusal(r.model)) is not None:
+        return await ingress.respond_failure(send, RESPONSES, refused)
+    history: list[InputItem] | Failure = []
+    if r.previous_response_id is not None:
+        history = await _conversation(ingress, r.previous_response_id)
+    if isinstance(history, Failure):
+        return await ingress.respond_failure(send, RESPONSES, history)
+    items = _json.encode([_stored(item) for item in r.items])
+    if r.background:
+        return await _queue(ingress, r, history, items, receive, send)
+    keeper = Keeper(ingress, bool(r.stream), items if r.store is not False else None)
+    dialect = dataclasses.replace(RESPONSES, stream_error=keeper.stream_error)
+    return await ingress.generate(dialect, receive, keeper.wrap(send), body=_json.encode(RenderBody(r, history)),
+                                  request=r)
+
+
+async def _conversation(ingress, rid: str) -> list[InputItem] | Failure:
+    try:
+        return await _state(ingress, Store.conversation, rid)
+    except NotFound:
+        return Failure(404, f"previous_response_id {rid!r} names no stored response", "not_found",
+                       "previous_response_id")
+    except NotReady as e:
+        return Failure(400, f"response {e} is not finished: chain from it once it is", param="previous_response_id")
+
+
+def _stored(item: InputItem) -> dict[str, Any]:
+    """An input item as input_items lists it: with its type, an id and a status, a message's text in parts."""
+    content = item.content
+    if item.type == "message" and isinstance(content, str):
+        content = [Part("output_text" if item.role == "assistant" else "input_text", content)]
+    stored = msgspec.structs.replace(item, id=item.id or _ID_PREFIX[item.type] + uuid.uuid4().hex, content=content,
+                                     status=item.status or "completed")
+    return {"type": item.type, **msgspec.to_builtins(stored)}
+
+
+async def _queue(ingress, r: CreateResponse, history: list[InputItem], items: bytes, receive, send) -> int:
+    """Stores a background response, queued for the owner; answers with it, or follows its stream."""
+    created_at = int(time.time())
+    response = new_response(r, RESPONSES.id_prefix + uuid.uuid4().hex, created_at, "queued")
+    job = _json.encode(RenderBody(r, history, created_at, background=True))
+    created = sse(ResponseEvent(type="response.created", sequence_number=0, response=response))
+    body = _json.encode(response)
+    if isinstance(saved := await _state(ingress, Store.save, body, items, job, created), Failure):
+        return await ingress.respond_failure(send, RESPONSES, saved)
+    if r.stream:
+        return await _follow(ingress, response.id, -1, receive, send)
+    return await respond(send, 200, body)
+
+
+class Keeper:
+    """Stands between a served response and its client: counts the stream's events (an error that ends the
+    stream is numbered after them), and stores the finished response (when asked to) before its last bytes
+    go out, so that a chained request sent the moment they arrive finds it."""
+
+    def __init__(self, ingress, stream: bool, input_items: bytes | None) -> None:
+        self.ingress = ingress
+        self.stream = stream
+        self.input_items = input_items  # None: not stored
+        self.ok = False
+        self.sent = 0  # stream events so far
+        self.first = b""  # the stream's first event (response.created)
+
+    def wrap(self, send):
+        async def forward(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                self.ok = message["status"] == 200
+            elif self.ok:
+                await self._see(message.get("body", b""), message.get("more_body", False))
+            await send(message)
+        return forward
+
+    async def _see(self, body: bytes, more: bool) -> None:
+        events = split_events(body) if self.stream else []
+        if events:
+            self.first = self.first or events[0]
+            self.sent += len(events)
+        if more or self.input_items is None:
+            return
+        response = (final_response(events[-1]) if events else None) if self.stream else body
+        if response is not None and isinstance(await _state(self.ingress, Store.save, response, self.input_items),
+                                               Failure):
+            log.error("a response was served but could not be stored")
+
+    def stream_error(self, failure: Failure) -> bytes:
+        """An error after the stream began: an error event, then response.failed."""
+        error = ErrorEvent(sequence_number=self.sent, code=failure.code, message=failure.message,
+                           param=failure.param)
+        if not self.first:
+            return sse(error)
+        started = _response.decode(event_head(self.first).response)
+        started.status, started.error = "failed", ResponseError(failure.code or "server_error", failure.message)
+        return sse(error) + sse(ResponseEvent(type="response.failed", sequence_number=self.sent + 1,
+                                              response=started))
+
+
+# ---- a stored response -----------------------------------------------------------
+
+@route("GET", "/v1/responses/{id}", dialect=RESPONSES)
+async def retrieve(ingress, request: Request, receive, send) -> int:
+    rid, query = request.params["id"], request.query
+    if query.get("include"):
+        return await ingress.respond_failure(send, RESPONSES, Failure(
+            400, f"include {query['include']!r} is not supported", param="include"))
+    row = await _state(ingress, Store.get, rid)
+    if isinstance(row, Failure) or row is None:
+        return await ingress.respond_failure(send, RESPONSES, row or _missing(rid))
+    if query.get("stream", "false").lower() != "true":
+        return await respond(send, 200, row["response"])
+    if not row["background"]:
+        return await ingress.respond_failure(send, RESPONSES, Failure(
+            400, "only a background response can be streamed again", param="stream"))
+    after = query.get("starting_after", "-1")
+    if not after.lstrip("-").isdigit() or int(after) < -1:
+        return await ingress.respond_failure(send, RESPONSES, Failure(
+            400, "starting_after is a sequence number (an integer, -1 or more)", param="starting_after"))
+    return await _follow(ingress, rid, int(after), receive, send)
+
+
+async def _follow(ingress, rid: str, after: int, receive, send) -> int:
+    """A background response's stream from the event after `after`, as the owner stores it, to its end (or
+    until the client leaves, or the response is deleted)."""
+    left = asyncio.create_task(_disconnected(receive))
+    await send({"type": "http.response.start", "status": 200, "headers": SSE})
+    try:
+        while True:
+            got = await _state(ingress, Store.events_after, rid, after)
+            if isinstance(got, Failure) or got is None:
+                break
+            events, last = got
+            if events:
+                after = events[-1][0]
+                await send({"type": "http.response.body", "body": b"".join(e for _, e in events), "more_body": True})
+            if last:
+                break
+            done, _ = await asyncio.wait([left], timeout=POLL_S)
+            if done:
+                return 200
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except OSError:
+        pass
+    finally:
+        left.cancel()
+    return 200
+
+
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+@route("DELETE", "/v1/responses/{id}", dialect=RESPONSES)
+async def delete(ingress, request: Request, receive, send) -> int:
+    rid = request.params["id"]
+    cancelled = await _state(ingress, Store.cancel, rid)  # (a running one stops first)
+    if isinstance(cancelled, Failure) or cancelled is None:
+        return await ingress.respond_failure(send, RESPONSES, cancelled or _missing(rid))
+    ingress.abort(rid)
+    if isinstance(deleted := await _state(ingress, Store.delete, rid), Failure):
+        return await ingress.respond_failure(send, RESPONSES, deleted)
+    return await respond(send, 200, _json.encode({"id": rid, "object": "response.deleted", "deleted": True}))
+
+
+@route("POST", "/v1/responses/{id}/cancel", dialect=RESPONSES)
+async def cancel(ingress, request: Request, receive, send) -> int:
+    """Stops a background response; cancelling a cancelled one again answers the same."""
+    rid = request.params["id"]
+    row = await _state(ingress, Store.cancel, rid)
+    if isinstance(row, Failure) or row is None:
+        return await ingress.respond_failure(send, RESPONSES, row or _missing(rid))
+    if not row["background"]:
+        return await ingress.respond_failure(send, RESPONSES, Failure(
+            400, "only a background response can be cancelled", param="response_id"))
+    if row["status"] != "cancelled":
+        return await ingress.respond_failure(send, RESPONSES, Failure(
+            400, f"the response is {row['status']}: it can no longer be cancelled", param="response_id"))
+    ingress.abort(rid)  # (the owner sees the cancel too, and closes its request)
+    return await respond(send, 200, row["response"])
+
+
+@route("GET", "/v1/responses/{id}/input_items", dialect=RESPONSES)
+async def input_items(ingress, request: Request, receive, send) -> int:
+    rid, query = request.params["id"], request.query
+    limit, order = query.get("limit", "20"), query.get("order", "desc")
+    if not limit.isdigit() or not 1 <= int(limit) <= MAX_PAGE:
+        return await ingress.respond_failure(send, RESPONSES, Failure(
+            400, f"limit is an integer from 1 to {MAX_PAGE}", param="limit"))
+    if order not in ("asc", "desc"):
+        return await ingress.respond_failure(send, RESPONSES, Failure(400, "order is asc or desc", param="order"))
+    row = await _state(ingress, Store.get, rid)
+    if isinstance(row, Failure) or row is None:
+        return await ingress.respond_failure(send, RESPONSES, row or _missing(rid))
+    items: list[dict[str, Any]] = msgspec.json.decode(row["input_items"])
+    if order == "desc":
+        items.reverse()
+    start = 0
+    if after := query.get("after"):
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            return await ingress.respond_failure(send, RESPONSES, Failure(
+                400, f"no input item {after!r} in this response", param="after"))
+        start = ids.index(after) + 1
+    page = items[start:start + int(limit)]
+    return await respond(send, 200, _json.encode({
+        "object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < len(items)}))
+

@@ -59,6 +59,7 @@ class RenderJob(msgspec.Struct, tag=True, **_WIRE):
     reply_to: str  # address of the ingress worker holding the connection (or of the background owner)
     arrival_time: float
     priority: int | None = None  # instead of the request's own: background work runs behind interactive
+    count_only: bool = False  # render and tokenize, then answer the prompt's size ({"input_tokens": N}), no engine
 
 
 RenderInput = RenderJob

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from typing import Protocol, runtime_checkable
 
 import msgspec
 from tokenizers import Tokenizer
@@ -25,6 +26,8 @@ class Choice:
         self.num_tokens = 0
         self.last_token_at = 0.0
         self.has_tool_calls = False
+        self.reasoning_tokens = 0  # a token that shows no text counts with the text before it
+        self._reasoning = False  # the last text shown was reasoning only
         self.pending_logprobs: list = []  # streaming: what the next frame carries
         self.pending_ids: list[int] = []
         self.pending = Piece()
@@ -75,6 +78,9 @@ class Choice:
             if finish_reason is None and self._calls_done:
                 finish_reason = "stop"
         self.has_tool_calls |= bool(piece.tool_calls)
+        if piece:
+            self._reasoning = bool(piece.reasoning) and not (piece.content or piece.tool_calls)
+        self.reasoning_tokens += self._reasoning
         if finish_reason == "stop" and self.has_tool_calls:
             finish_reason = "tool_calls"
         self.finish_reason = finish_reason
@@ -86,12 +92,36 @@ class Choice:
         return piece
 
 
+@runtime_checkable
+class CountsReasoning(Protocol):
+    """A framer that reports how many output tokens were reasoning: told before end / body (its pieces
+    cannot say, as a stream merges several tokens' pieces into one)."""
+
+    reasoning_tokens: int
+
+
+@runtime_checkable
+class TakesEachPiece(Protocol):
+    """A framer that streams from each token's piece, given to `add` as it comes (streaming too): `chunk` gets
+    the pieces since the last frame merged, which keeps each kind's text but not the order between kinds."""
+
+    takes_each_piece: bool
+
+
+@runtime_checkable
+class StopSequenceAware(Protocol):
+    """A framer that reports which stop string ended a choice (Anthropic's stop_sequence)."""
+
+    def stopped_by(self, index: int, stop: str) -> None: ...
+
+
 class RequestOutput:
     def __init__(self, spec: PostprocSpec, tokenizer: Tokenizer, started: Started, text_of) -> None:
         self.spec = spec
         self.started = started
         self.choices = [Choice(spec, tokenizer) for _ in range(spec.n)]
         self.framer = framer_for(spec, started.num_prompt_tokens, started.num_cached_tokens, text_of)
+        self._each_piece = isinstance(self.framer, TakesEachPiece)
         self.first_token_at = 0.0
         self.timings: list[Timings] = []  # the engine's, one per finished choice
         self.num_finished = 0  # choices with a finish reason
@@ -126,9 +156,12 @@ class RequestOutput:
         choice.last_token_at = now
         piece = choice.on_token(token, finish_reason)
         self.num_finished += choice.finish_reason is not None
+        if choice.stops.matched is not None and choice.finish_reason and isinstance(self.framer, StopSequenceAware):
+            self.framer.stopped_by(index, choice.stops.matched)
         entries = [(token, logprobs)] if logprobs is not None and self.spec.logprobs else []
-        if not self.spec.stream:
+        if not self.spec.stream or self._each_piece:
             self.framer.add(index, piece, entries, [token], choice.finish_reason)
+        if not self.spec.stream:
             return
         if entries:
             choice.pending_logprobs += entries
@@ -155,6 +188,8 @@ class RequestOutput:
 
     def final(self) -> Frame:
         perf = self.perf() if self.spec.perf_metrics else None
+        if isinstance(self.framer, CountsReasoning):
+            self.framer.reasoning_tokens = sum(c.reasoning_tokens for c in self.choices)
         if self.spec.stream:
             return Frame(self.spec.request_id, self.framer.end(self.completion_tokens, perf), True)
         return Frame(self.spec.request_id, self.framer.body(self.completion_tokens, perf), True)

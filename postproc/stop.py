@@ -12,6 +12,7 @@ class StopStrings:
         self.include = include_in_output
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, text: str) -> str:
         """Returns the text that is safe to emit now; sets `stopped` when a stop string appears."""
@@ -24,6 +25,7 @@ class StopStrings:
             end, _, i = hit
             s = buf[i:end]
             self.stopped = True
+            self.matched = s
             self._held = ""
             return buf[: i + len(s)] if self.include else buf[:i]
         keep = self._partial_suffix(buf)

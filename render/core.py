@@ -4,7 +4,7 @@ from __future__ import annotations
 import base64
 import binascii
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import msgspec
 import numpy as np
@@ -13,6 +13,7 @@ from ipc.addresses import shard_of
 from ipc.messages import EngineRequest, PostprocSpec, RenderJob, SamplingParams, ids_to_bytes
 from ipc.openai import ChatCompletionRequest, CompletionRequest
 from render import dialects
+from render.dialects import Shorter
 from render.errors import RequestError
 from render.extensions import ServingExtension, message_text
 from render.structured import GrammarCompiler
@@ -23,6 +24,7 @@ _DECODERS: dict[str, msgspec.json.Decoder] = {
     "completions": msgspec.json.Decoder(CompletionRequest),
 }
 _spec_encoder = msgspec.msgpack.Encoder()
+T = TypeVar("T")
 # How deeply a free-form JSON field (a tool's parameters, a schema) may nest: past it, json.dumps, templates
 # and harmony's renderer fail on the recursion. Real schemas nest a few dozen levels at most.
 MAX_JSON_DEPTH = 100
@@ -47,19 +49,40 @@ class ChatCore:
         return PromptBudget(self.max_model_len, self.bundle.max_token_chars)
 
     def render(self, job: RenderJob) -> EngineRequest:
-        dialect = b""
+        request, dialect, shorter = self._translate(job)
+        return self._fitting(request, shorter, lambda r: self._render(job, r, dialect))
+
+    def count(self, job: RenderJob) -> int:
+        """The number of prompt tokens `job` renders to, rendered as `render` does, without generating."""
+        request, _, shorter = self._translate(job)
+        if not isinstance(request, ChatCompletionRequest):
+            raise RequestError(400, "only chat requests are counted")
+        return self._fitting(request, shorter, lambda r: len(self._chat_prompt(r)[0]))
+
+    @staticmethod
+    def _fitting(request, shorter: Shorter | None, attempt: Callable[[Any], T]) -> T:
+        """attempt(request); while its prompt does not fit and the dialect can shorten it (the Responses API's
+        truncation 'auto'), again without the oldest turn."""
+        while True:
+            try:
+                return attempt(request)
+            except RecursionError:  # past the depth checks: still the request's nesting, not the server's fault
+                raise RequestError(400, "the request nests too deeply to render") from None
+            except RequestError as e:
+                fewer = shorter(request) if shorter is not None and e.code == "context_length_exceeded" else None
+                if fewer is None:
+                    raise
+                request = fewer
+
+    def _translate(self, job: RenderJob) -> tuple[ChatCompletionRequest | CompletionRequest, bytes, Shorter | None]:
+        """The core's request for the job, what its dialect's framer needs, and how it may be made shorter."""
         try:
             if (translate := self.translators.get(job.endpoint)) is not None:
                 translation = translate(job.body)
-                request, dialect = translation.request, translation.dialect
-            else:
-                request = _DECODERS[job.endpoint].decode(job.body)
+                return translation.request, translation.dialect, translation.shorter
+            return _DECODERS[job.endpoint].decode(job.body), b"", None
         except RecursionError:
             raise RequestError(400, "the JSON body nests too deeply") from None
-        try:
-            return self._render(job, request, dialect)
-        except RecursionError:  # past the depth checks: still the request's nesting, not the server's fault
-            raise RequestError(400, "the request nests too deeply to render") from None
 
     def _render(self, job: RenderJob, request: ChatCompletionRequest | CompletionRequest,
                 dialect: bytes = b"") -> EngineRequest:

@@ -10,11 +10,16 @@ from typing import Callable
 
 from ipc.openai import ChatCompletionRequest
 
+Shorter = Callable[[ChatCompletionRequest], ChatCompletionRequest | None]
+
 
 @dataclass(frozen=True)
 class Translation:
     request: ChatCompletionRequest
     dialect: bytes = b""  # for the dialect's framer (opaque to the core)
+    # A prompt that does not fit may be made shorter (the Responses API's truncation 'auto'): the request
+    # without its oldest turn, None when nothing more can go.
+    shorter: Shorter | None = None
 
 
 Translator = Callable[[bytes], Translation]  # the request body (JSON, validated by the ingress) -> the core's

@@ -6,11 +6,12 @@ import logging
 import os
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import msgspec
 import zmq
 
-from ipc.messages import (EngineInput, Failure, Frame, Frames, IngressInput, Ready, Rendered, RenderInput,
+from ipc.messages import (EngineInput, Failure, Frame, Frames, IngressInput, Ready, Rendered, RenderInput, RenderJob,
                           SupervisorInput)
 from ipc.transport import PullChannel, PushChannel, PushPool
 from render.core import ChatCore
@@ -22,6 +23,7 @@ from sluice import metrics
 from sluice.config import ServerConfig
 
 log = logging.getLogger("sluice.render")
+T = TypeVar("T")
 
 
 def build_core(cfg: ServerConfig) -> ChatCore:
@@ -51,12 +53,14 @@ def run_render(cfg: ServerConfig, index: int) -> None:
         rendered: dict[str, list[str]] = defaultdict(list)  # ingress address -> requests now in the engine
         for i, job in enumerate(backlog):
             metrics.IN_FLIGHT.labels("render").set(len(backlog) - i)
+            if job.count_only:
+                replies.get(job.reply_to).put(Frames([_count_one(core, job)]))
+                continue
             error = _render_one(core, job, engine)
             if error is None:
                 rendered[job.reply_to].append(job.request_id)
             else:
-                failure = Failure(error.status, error.message, error.code, error.param)
-                replies.get(job.reply_to).put(Frames([Frame(job.request_id, b"", done=True, error=failure)]))
+                replies.get(job.reply_to).put(Frames([_failed(job, error)]))
         for address, rids in rendered.items():
             replies.get(address).put(Rendered(rids))
         metrics.IN_FLIGHT.labels("render").set(0)
@@ -64,9 +68,25 @@ def run_render(cfg: ServerConfig, index: int) -> None:
 
 def _render_one(core: ChatCore, job, engine) -> RequestError | None:
     """Renders one job and sends it to the engine; the error to answer with, if it cannot be served."""
+    return _guarded(job, lambda: engine.put(core.render(job)))
+
+
+def _count_one(core: ChatCore, job: RenderJob) -> Frame:
+    """A count_only job's answer: its prompt's size, or why it cannot be rendered."""
+    count = _guarded(job, lambda: core.count(job))
+    if isinstance(count, RequestError):
+        return _failed(job, count)
+    return Frame(job.request_id, b'{"input_tokens":%d}' % count, done=True)
+
+
+def _failed(job: RenderJob, error: RequestError) -> Frame:
+    return Frame(job.request_id, b"", done=True, error=Failure(error.status, error.message, error.code, error.param))
+
+
+def _guarded(job: RenderJob, fn: Callable[[], T]) -> T | RequestError:
+    """fn's result, or the error to answer the job with."""
     try:
-        engine.put(core.render(job))
-        return None
+        return fn()
     except RequestError as e:
         return e
     except (msgspec.ValidationError, msgspec.DecodeError) as e:  # the ingress validated it; be safe anyway

@@ -7,11 +7,13 @@ Each kind of work is a module in TASKS with `async def run(owner: Owner) -> None
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import os
 import time
 import uuid
+from typing import AsyncIterator
 
 import zmq
 
@@ -36,21 +38,35 @@ class Owner:
     async def complete(self, endpoint: Endpoint, body: bytes, id_prefix: str) -> tuple[str, Frame]:
         """Runs one non-streaming request (a JSON body of `endpoint`'s dialect): its id and its last frame, a
         whole body or an error. Waits for a slot first (--background-concurrency)."""
+        rid = id_prefix + uuid.uuid4().hex
+        async with contextlib.aclosing(self.frames(endpoint, body, rid)) as frames:
+            async for frame in frames:
+                last = frame
+        return rid, last
+
+    async def frames(self, endpoint: Endpoint, body: bytes, rid: str) -> AsyncIterator[Frame]:
+        """Runs one request as `rid`, after waiting for a slot: its frames as they come (a streaming body's
+        events, else one whole body), the last one done or an error. A caller that stops early closes the
+        generator (contextlib.aclosing): the engine drops the request."""
         async with self._slots:
             while self.pipeline.draining or self.pipeline.engine_dead:
                 await asyncio.sleep(1.0)  # (the server is going down: this work resumes after the restart)
-            rid = id_prefix + uuid.uuid4().hex
             q = self.pipeline.open(rid)
+            ended = False
             try:
                 self.pipeline.submit(rid, RenderJob(rid, endpoint, body, self.pipeline.address, time.time(),
                                                     priority=BACKGROUND_PRIORITY))
-                frame = await q.get()
+                while not ended:
+                    frame = await q.get()
+                    if frame is TIMED_OUT or frame is DISCONNECTED:
+                        yield Frame(rid, b"", True, Failure(504, "the request did not finish in time", "timeout"))
+                        return
+                    ended = frame.done
+                    yield frame
             finally:
                 self.pipeline.close(rid)
-            if frame is TIMED_OUT or frame is DISCONNECTED:
-                self.pipeline.abort(rid)
-                return rid, Frame(rid, b"", True, Failure(504, "the request did not finish in time", "timeout"))
-            return rid, frame
+                if not ended:
+                    self.pipeline.abort(rid)
 
 
 async def _main(cfg: ServerConfig) -> None:

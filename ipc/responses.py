@@ -1,0 +1,382 @@
+"""The OpenAI Responses API: the request (validated by the ingress, translated by render), the response with
+its output items and stream events (built by the postproc framer, kept by the ingress and the background
+owner), and what the responses endpoint's render job carries.
+
+The request's top level is strict (an unknown field is a 400 naming it). Items and tools are lenient, since
+clients send back the items they were given (with annotations, logprobs...); what this server cannot honour
+(a hosted tool, an image, encrypted reasoning) is refused as the body is decoded, with a message naming it.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from ipc.openai import PositiveInt, Temperature, TopP
+
+_STRICT = dict(forbid_unknown_fields=True, omit_defaults=True)
+TEXT_PARTS = frozenset({"input_text", "output_text", "text", "reasoning_text", "summary_text"})
+Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
+TERMINAL: frozenset[str] = frozenset({"completed", "incomplete", "failed", "cancelled"})
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+MAX_METADATA_KEYS = 16
+
+
+# ---- the request -------------------------------------------------------------
+
+class Part(msgspec.Struct, omit_defaults=True):
+    """A text part of an item's content."""
+
+    type: str
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if self.type not in TEXT_PARTS:
+            raise ValueError(f"content parts of type {self.type!r} are not supported: this server takes text "
+                             "(input_text) only")
+
+
+Content = str | list[Part]
+_NEEDS = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments"),
+          "function_call_output": ("call_id", "output"), "reasoning": ()}
+
+
+class InputItem(msgspec.Struct, omit_defaults=True):
+    """An item of a conversation: a message (an easy one has no type), a function call and its output, or
+    the reasoning of an earlier response."""
+
+    type: str = "message"
+    id: str | None = None
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: Content | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: Content | None = None
+    summary: list[Part] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+    def __post_init__(self) -> None:
+        need = _NEEDS.get(self.type)
+        if need is None:
+            raise ValueError(f"input items of type {self.type!r} are not supported: send message, function_call, "
+                             "function_call_output or reasoning items")
+        for field in need:
+            if getattr(self, field) is None:
+                raise ValueError(f"a {self.type} item needs {field}")
+        if self.encrypted_content is not None and not self.content:
+            raise ValueError("encrypted reasoning is not supported: send the reasoning item's content "
+                             "(reasoning_text), as this server returns it")
+
+
+def text_of(content: Content | None) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content or [])
+
+
+class FunctionTool(msgspec.Struct, kw_only=True, omit_defaults=True):
+    type: str
+    name: str = ""
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.type != "function":
+            raise ValueError(f"tools of type {self.type!r} are not supported: this server runs function tools only")
+        if not self.name:
+            raise ValueError("a function tool needs a name")
+
+
+class ToolChoiceFunction(msgspec.Struct, omit_defaults=True):
+    type: str
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.type != "function" or not self.name:
+            raise ValueError("tool_choice names a function ({'type': 'function', 'name': ...}) or is 'auto', "
+                             "'none' or 'required'")
+
+
+class TextFormat(msgspec.Struct, **_STRICT):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.type == "json_schema" and (self.name is None or self.schema is None):
+            raise ValueError("a json_schema format needs name and schema")
+
+
+class TextConfig(msgspec.Struct, **_STRICT):
+    format: TextFormat | None = None
+
+
+class ReasoningConfig(msgspec.Struct, **_STRICT):
+    effort: Literal["low", "medium", "high"] | None = None
+    # The reasoning item carries the whole reasoning text (content); there is no summarizer to run.
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class StreamOptions(msgspec.Struct, **_STRICT):
+    include_obfuscation: bool | None = None  # (padding against length side channels: never added here)
+
+
+class CreateResponse(msgspec.Struct, **_STRICT):
+    model: str
+    input: str | list[InputItem] = ""
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    reasoning: ReasoningConfig | None = None
+    text: TextConfig | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    background: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    include: list[str] | None = None
+    prompt_cache_key: str | None = None  # a routing hint: one engine's prefix cache needs none
+
+    def __post_init__(self) -> None:
+        for value in self.include or []:
+            raise ValueError(f"include {value!r} is not supported: this server returns no encrypted reasoning, "
+                             "logprobs or tool sources")
+        if self.background and self.store is False:
+            raise ValueError("a background response is stored: drop store: false")
+        if not self.input and self.previous_response_id is None:
+            raise ValueError("input is empty")
+        metadata = self.metadata or {}
+        if len(metadata) > MAX_METADATA_KEYS or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
+            raise ValueError(f"metadata holds at most {MAX_METADATA_KEYS} keys of up to 64 characters, with values "
+                             "of up to 512")
+
+    @property
+    def items(self) -> list[InputItem]:
+        if isinstance(self.input, str):
+            return [InputItem(role="user", content=self.input)] if self.input else []
+        return self.input
+
+
+class RenderBody(msgspec.Struct, omit_defaults=True):
+    """The responses endpoint's render job: the request, the stored conversation its previous_response_id
+    names (read by whoever submits it, oldest item first), and for background work its creation time."""
+
+    request: CreateResponse
+    history: list[InputItem] = []
+    created_at: int | None = None
+    background: bool = False  # run by the background owner: its stream goes on from the stored response.created
+
+
+# ---- the response ------------------------------------------------------------
+
+class OutputText(msgspec.Struct, kw_only=True):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = []
+    logprobs: list[Any] = []
+
+
+class ReasoningText(msgspec.Struct, kw_only=True):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class MessageItem(msgspec.Struct, tag_field="type", tag="message", kw_only=True):
+    id: str
+    status: ItemStatus
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText] = []
+
+
+class ReasoningItem(msgspec.Struct, tag_field="type", tag="reasoning", kw_only=True):
+    id: str
+    status: ItemStatus
+    summary: list[Any] = []
+    content: list[ReasoningText] = []
+
+
+class FunctionCallItem(msgspec.Struct, tag_field="type", tag="function_call", kw_only=True):
+    id: str
+    status: ItemStatus
+    call_id: str
+    name: str
+    arguments: str = ""
+
+
+OutputItem = MessageItem | ReasoningItem | FunctionCallItem
+
+
+class InputTokensDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class OutputTokensDetails(msgspec.Struct):
+    reasoning_tokens: int
+
+
+class Usage(msgspec.Struct):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class ResponseError(msgspec.Struct):
+    code: str
+    message: str
+
+
+class IncompleteDetails(msgspec.Struct):
+    reason: Literal["max_output_tokens"]
+
+
+class Response(msgspec.Struct, kw_only=True):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Status
+    model: str
+    output: list[OutputItem] = []
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    usage: Usage | None = None
+    # The request, as OpenAI echoes it:
+    instructions: str | None = None
+    tools: list[FunctionTool] = []
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction = "auto"
+    parallel_tool_calls: bool = True
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    reasoning: ReasoningConfig = msgspec.field(default_factory=ReasoningConfig)
+    text: TextConfig = msgspec.field(default_factory=lambda: TextConfig(TextFormat("text")))
+    truncation: Literal["auto", "disabled"] = "disabled"
+    previous_response_id: str | None = None
+    metadata: dict[str, str] = {}
+    user: str | None = None
+    store: bool = True
+    background: bool = False
+
+
+def new_response(request: CreateResponse, response_id: str, created_at: int, status: Status) -> Response:
+    """The response to `request` before it has any output."""
+    r = request
+    return Response(
+        id=response_id, created_at=created_at, status=status, model=r.model, instructions=r.instructions,
+        tools=r.tools or [], tool_choice=r.tool_choice or "auto",
+        parallel_tool_calls=r.parallel_tool_calls is not False, max_output_tokens=r.max_output_tokens,
+        temperature=r.temperature, top_p=r.top_p,
+        reasoning=r.reasoning or ReasoningConfig(), text=r.text or TextConfig(TextFormat("text")),
+        truncation=r.truncation or "disabled", previous_response_id=r.previous_response_id,
+        metadata=r.metadata or {}, user=r.user, store=r.store is not False, background=bool(r.background))
+
+
+class FramerSpec(msgspec.Struct, omit_defaults=True):
+    """What the framer needs beyond the core's PostprocSpec (its `dialect` bytes, msgpack)."""
+
+    response: Response  # the response before output (its id is the request's id)
+    first_sequence_number: int = 0  # background: the stored response.created is event 0
+
+
+# ---- stream events -----------------------------------------------------------
+
+class ResponseEvent(msgspec.Struct, kw_only=True):
+    """response.created / in_progress / completed / incomplete / failed."""
+
+    type: str
+    sequence_number: int
+    response: Response
+
+
+class ItemEvent(msgspec.Struct, kw_only=True):
+    type: Literal["response.output_item.added", "response.output_item.done"]
+    sequence_number: int
+    output_index: int
+    item: OutputItem
+
+
+class PartEvent(msgspec.Struct, kw_only=True):
+    type: Literal["response.content_part.added", "response.content_part.done"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText | ReasoningText
+
+
+class TextEvent(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A text's delta or its whole (done) in an output_text / reasoning_text part, or a call's arguments."""
+
+    type: str
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int | msgspec.UnsetType = msgspec.UNSET  # (none for a call's arguments)
+    delta: str | msgspec.UnsetType = msgspec.UNSET
+    text: str | msgspec.UnsetType = msgspec.UNSET
+    arguments: str | msgspec.UnsetType = msgspec.UNSET
+    logprobs: list[Any] | msgspec.UnsetType = msgspec.UNSET  # (output_text events carry an empty list)
+
+
+class ErrorEvent(msgspec.Struct, kw_only=True):
+    type: Literal["error"] = "error"
+    sequence_number: int
+    code: str | None
+    message: str
+    param: str | None = None
+
+
+Event = ResponseEvent | ItemEvent | PartEvent | TextEvent | ErrorEvent
+_json = msgspec.json.Encoder()
+
+
+def sse(event: Event) -> bytes:
+    return b"event: " + event.type.encode() + b"\ndata: " + _json.encode(event) + b"\n\n"
+
+
+# ---- reading events and responses back (the rest of each is skipped as it is decoded) -------------------
+
+class EventHead(msgspec.Struct):
+    type: str
+    sequence_number: int
+    response: msgspec.Raw = msgspec.Raw()  # (response.* events; empty in others)
+
+
+class ResponseHead(msgspec.Struct):
+    """What the state database keeps beside a response's JSON."""
+
+    id: str
+    status: Status
+    created_at: int
+    previous_response_id: str | None = None
+    background: bool = False
+
+
+_heads = msgspec.json.Decoder(EventHead)
+FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+def split_events(data: bytes) -> list[bytes]:
+    """An SSE body's events, each with its blank line (JSON escapes newlines: only a blank line ends an event)."""
+    return [event + b"\n\n" for event in data.split(b"\n\n") if event]
+
+
+def event_head(event: bytes) -> EventHead:
+    return _heads.decode(event[event.index(b"data: ") + 6:])
+
+
+def final_response(event: bytes) -> bytes | None:
+    """The response a stream's last event ends with (response.completed / incomplete / failed), as JSON."""
+    head = event_head(event)
+    return bytes(head.response) if head.type in FINAL_EVENTS and head.response else None
