@@ -209,12 +209,59 @@ def coverage(engine: Engine, vocab: int, decode: Callable[[list[int]], str], sam
     return out
 
 
+def batch_cost(backend: str, temperature: float, batch: int = 16, steps: int = 30) -> tuple[float, float]:
+    """Mean ms of a decode step of `batch` sequences on the o200k-vocabulary tiny Llama: all free,
+    then one of them held to a schema (the engine's own runner, scheduler and grammar path)."""
+    from bench.checkpoints import tiny_llama_o200k
+    from bench.step_parts import _engine
+    from engine.grammar import Grammars
+    from engine.loader import load_model
+    from engine.sequence import Sequence
+    from ipc.messages import SamplingParams
+    from render.structured import GrammarCompiler, json_schema
+
+    path = tiny_llama_o200k()
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    grammar = GrammarCompiler(str(path), vocab, backend=backend).compile(json_schema(WEATHER, "response_format"))
+    grammars = Grammars(str(path), vocab, backend)
+    loaded = grammars.load(grammar).result()
+    weights = load_model(path, torch.bfloat16, torch.device("cpu"))
+    out = []
+    for held in (0, 1):
+        runner, sched, rng = _engine(weights, torch.bfloat16)
+        for i in range(batch):
+            seq = Sequence(f"r{i}", rng.integers(0, vocab - 1000, 64).tolist(),
+                           SamplingParams(max_tokens=steps + 20, temperature=temperature, stop_token_ids=(2,)),
+                           seed=i)
+            if i < held:
+                seq.grammar = grammars.state(loaded, [], [])  # (no stop ids: it runs to its length)
+            sched.add(seq)
+        for _ in range(5):
+            b = sched.schedule()
+            sched.update(b, runner.run(b).tokens)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            b = sched.schedule()
+            sched.update(b, runner.run(b).tokens)
+        out.append((time.perf_counter() - t0) / steps * 1000)
+    return out[0], out[1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="builtin:tiny-gpt-oss", help="for setup, compile and step costs")
     ap.add_argument("--coverage-model", default="builtin:tiny-chat", help="for feature coverage (random walks)")
     ap.add_argument("--samples", type=int, default=20)
+    ap.add_argument("--batch-cost", action="store_true",
+                    help="only: what one held sequence costs a batch of 16 (tiny Llama, o200k vocabulary)")
     args = ap.parse_args()
+    if args.batch_cost:
+        print("| engine | temperature | step ms, 16 free | 15 free + 1 held |")
+        for backend in ("llguidance", "xgrammar"):
+            for temperature in (0.0, 1.0):
+                free, held = batch_cost(backend, temperature)
+                print(f"| {backend} | {temperature:g} | {free:.2f} | {held:.2f} |", flush=True)
+        return
     from tokenizers import Tokenizer
 
     for label, model in (("timing", args.model), ("coverage", args.coverage_model)):

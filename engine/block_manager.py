@@ -15,10 +15,19 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from engine.sequence import Sequence
+
+
+@dataclass
+class CacheEvents:
+    """Hashes the prefix cache stored and dropped since they were last taken (for a KV-aware router)."""
+
+    stored: list[bytes] = field(default_factory=list)
+    removed: list[bytes] = field(default_factory=list)
 
 
 class BlockManager:
@@ -36,6 +45,7 @@ class BlockManager:
         self.ref_count = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # hash -> block
+        self.events: CacheEvents | None = None  # set to record them (the primary pool's, published by the engine)
         # Free blocks in the order they are handed out: uncached first, then cached ones, least recent first.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
@@ -91,6 +101,8 @@ class BlockManager:
             if block >= 0 and self.block_hash[block] is None and h not in self.cached:
                 self.block_hash[block] = h
                 self.cached[h] = block
+                if self.events is not None:
+                    self.events.stored.append(h)
         setattr(seq, self.registered, max(getattr(seq, self.registered), full))
 
     def cached_blocks(self, seq: Sequence, first: int, end: int) -> list[int] | None:
@@ -140,6 +152,8 @@ class BlockManager:
             if (h := self.block_hash[block]) is not None:  # evict the least recently used cached block
                 del self.cached[h]
                 self.block_hash[block] = None
+                if self.events is not None:
+                    self.events.removed.append(h)
             self.ref_count[block] = 1
             table.append(block)
 

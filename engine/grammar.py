@@ -1,20 +1,39 @@
-"""Structured output in the engine: an xgrammar matcher per sequence, applied as
-a token bitmask once the output reaches the serving extension's trigger."""
+"""Structured output in the engine: a grammar matcher per sequence, applied as a token bitmask once the
+output reaches the serving extension's trigger. Two grammar engines behind one small matcher interface
+(`accept`, `fill`, `done`): llguidance (the default) and xgrammar (--grammar-backend)."""
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Literal, Protocol
 
+import numpy as np
 import torch
 
 from sluice.checkpoint import Background
 
-_CACHE_BYTES = 512 << 20  # deserialized grammars kept for requests that repeat a schema
+_CACHE_BYTES = 512 << 20  # loaded grammars kept for requests that repeat a constraint
+Backend = Literal["llguidance", "xgrammar"]
+
+
+class Matcher(Protocol):
+    def accept(self, token: int) -> bool:
+        """Takes a sampled token; False if the grammar does not allow it."""
+        ...
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """The tokens allowed next, as bits of `bitmask`'s row (raises when the grammar cannot go on)."""
+        ...
+
+    @property
+    def done(self) -> bool:
+        """The grammar has accepted a whole output (and, where the request has them, its stop token)."""
+        ...
 
 
 class GrammarState:
-    def __init__(self, matcher, trigger: list[int]) -> None:
+    def __init__(self, matcher: Matcher, trigger: list[int]) -> None:
         self.matcher = matcher
         self.trigger = trigger
         self.active = not trigger
@@ -22,73 +41,141 @@ class GrammarState:
 
     @property
     def terminated(self) -> bool:
-        """The grammar has accepted a whole output (and its stop token): the output ends here."""
-        return self.active and self.matcher.is_terminated()
+        """The grammar has accepted a whole output: the output ends here."""
+        return self.active and self.matcher.done
 
     def observe(self, token_ids: list[int], token: int) -> None:
         """Takes the token just sampled after `token_ids`."""
         if self.active:
-            if self.error is None and not self.matcher.accept_token(token):
+            if self.error is None and not self.matcher.accept(token):
                 self.error = f"structured output: the sampled token {token} does not fit the grammar"
         elif token == self.trigger[-1] and token_ids[len(token_ids) - len(self.trigger) + 1:] == self.trigger[:-1]:
             self.active = True
 
-    def fill(self, bitmask, row: int) -> None:
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the tokens allowed next into `bitmask`'s row (on failure, the error; the row stays open)."""
         try:
-            self.matcher.fill_next_token_bitmask(bitmask, row)
-        except RuntimeError as e:  # xgrammar's own errors, e.g. a matcher that has terminated
+            self.matcher.fill(bitmask, row)
+        except (RuntimeError, ValueError) as e:  # either engine's own errors
             self.error = f"structured output: {e}"
 
 
+def _set_bits(row: torch.Tensor, ids) -> None:
+    words = row.numpy().view(np.uint32)
+    for t in ids:
+        words[t >> 5] |= np.uint32(1 << (t & 31))
+
+
+class _Guidance:
+    """An llguidance matcher. llguidance ends a grammar with the model's EOS; a request ends with its own stop
+    ids (harmony's <|return|>, none with ignore_eos), so those are what the grammar's end allows here."""
+
+    def __init__(self, matcher, stop_ids: list[int]) -> None:
+        self._m = matcher
+        self._stops = set(stop_ids)
+        self._ended = False
+
+    def accept(self, token: int) -> bool:
+        if token in self._stops and (self._m.is_accepting() or self._m.is_stopped()):
+            self._ended = True
+            return True
+        return bool(self._m.consume_token(token))
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._m.is_stopped():
+            bitmask[row] = 0
+        else:
+            self._m.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), bitmask.shape[1] * 4)
+            if self._m.is_error():
+                raise RuntimeError(self._m.get_error())
+        if self._m.is_accepting() or self._m.is_stopped():
+            _set_bits(bitmask[row], self._stops)
+
+    @property
+    def done(self) -> bool:
+        return self._ended or (self._m.is_stopped() and not self._stops)
+
+
+class _XGrammar:
+    def __init__(self, matcher) -> None:
+        self._m = matcher
+
+    def accept(self, token: int) -> bool:
+        return bool(self._m.accept_token(token))
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    @property
+    def done(self) -> bool:
+        return bool(self._m.is_terminated())
+
+
 class Grammars:
-    """Compiled grammars from their serialized form, loaded on a thread: xgrammar and the tokenizer info when
-    the first constrained request arrives (the engine spends nothing on structured output until someone
-    uses it), then each grammar, cached by digest within a byte budget. xgrammar releases the GIL while it
-    deserializes, so a large grammar never stalls the engine's steps; its request waits instead."""
+    """Grammars loaded on a thread: the grammar engine and its view of the vocabulary when the first
+    constrained request arrives (the engine spends nothing on structured output until someone uses it), then
+    each grammar, cached by digest within a byte budget. Both engines release the GIL while they build a
+    grammar, so a large one never stalls the engine's steps; its request waits instead."""
 
-    def __init__(self, model_path: str, vocab_size: int, cache_bytes: int = _CACHE_BYTES) -> None:
-        from sluice.checkpoint import tokenizer_info
+    def __init__(self, model_path: str, vocab_size: int, backend: Backend = "llguidance",
+                 cache_bytes: int = _CACHE_BYTES) -> None:
+        from sluice.checkpoint import guidance_tokenizer, tokenizer_info
 
-        self._info = Background(lambda: tokenizer_info(model_path, vocab_size), lazy=True)
+        self.backend = backend
+        vocabulary = guidance_tokenizer if backend == "llguidance" else tokenizer_info
+        self._vocabulary = Background(lambda: vocabulary(model_path, vocab_size), lazy=True)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="grammar-load")
-        self._cache: OrderedDict[bytes, tuple[object, int]] = OrderedDict()  # touched by the loader only
+        self._cache: OrderedDict[bytes, tuple[Any, int]] = OrderedDict()  # touched by the loader only
         self._cache_bytes = 0
         self._limit = cache_bytes
 
     def load(self, grammar: str) -> Future:
-        """The compiled grammar, soon (its exception, if it cannot be loaded)."""
+        """The loaded grammar, soon (its exception, if it cannot be loaded)."""
         return self._loader.submit(self._load, grammar)
 
     def _load(self, grammar: str):
-        import xgrammar as xgr
-
         key = hashlib.blake2b(grammar.encode(), digest_size=16).digest()
         if (hit := self._cache.get(key)) is not None:
             self._cache.move_to_end(key)
             return hit[0]
-        compiled = xgr.CompiledGrammar.deserialize_json(grammar, self._info.get())
-        size = compiled.memory_size_bytes + len(grammar)
-        self._cache[key] = (compiled, size)
+        loaded, size = self._build(grammar)
+        self._cache[key] = (loaded, size)
         self._cache_bytes += size
         while self._cache_bytes > self._limit and len(self._cache) > 1:
             self._cache_bytes -= self._cache.popitem(last=False)[1][1]
-        return compiled
+        return loaded
 
-    @staticmethod
-    def state(compiled, trigger: list[int], stop_token_ids) -> GrammarState:
-        """A matcher that ends the output on one of `stop_token_ids` (none, e.g. with ignore_eos: the
-        checkpoint's EOS ids: a finished grammar ends the output whatever ignore_eos says)."""
+    def _build(self, grammar: str) -> tuple[Any, int]:
+        if self.backend == "llguidance":
+            import llguidance
+
+            prototype = llguidance.LLMatcher(self._vocabulary.get(), grammar, log_level=0)
+            if prototype.is_error():
+                raise ValueError(prototype.get_error())
+            return prototype, 4 * len(grammar)  # (its lexer grows as it goes: a rough share)
         import xgrammar as xgr
 
-        return GrammarState(xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids) or None), trigger)
+        compiled = xgr.CompiledGrammar.deserialize_json(grammar, self._vocabulary.get())
+        return compiled, compiled.memory_size_bytes + len(grammar)
+
+    def state(self, loaded, trigger: list[int], stop_token_ids) -> GrammarState:
+        """A matcher for one sequence that ends the output on one of `stop_token_ids` (none, e.g. with
+        ignore_eos: the grammar's own end ends it, whatever ignore_eos says)."""
+        if self.backend == "llguidance":
+            return GrammarState(_Guidance(loaded.deep_copy(), list(stop_token_ids)), trigger)
+        import xgrammar as xgr
+
+        matcher = xgr.GrammarMatcher(loaded, override_stop_tokens=list(stop_token_ids) or None)
+        return GrammarState(_XGrammar(matcher), trigger)
 
 
 def apply_grammars(logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
     """Masks, in place, every token the grammar does not allow next in the given rows."""
-    import xgrammar as xgr
-
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
-    for row, state in zip(rows, states):
-        state.fill(bitmask, row)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+    vocab = logits.shape[1]
+    bitmask = torch.zeros(len(rows), -(-vocab // 32), dtype=torch.int32)  # [R, V/32]
+    for i, state in enumerate(states):
+        state.fill(bitmask, i)
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(rows), -1)[:, :vocab]  # [R, V]
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))

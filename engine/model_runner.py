@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import Callable
 
 import numpy as np
 import torch
@@ -53,8 +54,10 @@ _SPLIT_GREEDY_MIN = 4
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, num_window_blocks: int = 0) -> None:
-        """`num_window_blocks`: the size of the sliding-window layers' own pool, when they have one."""
+                 device: torch.device, num_window_blocks: int = 0,
+                 kv_alloc: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> None:
+        """`num_window_blocks`: the size of the sliding-window layers' own pool, when they have one. `kv_alloc`:
+        where the cache tensors go (zeroed), when a KV transport reads them (engine/kv_transfer.py)."""
         self.model = model
         self.lm_head = LMHead(model.lm_weight())
         self.block_size = block_size
@@ -71,10 +74,10 @@ class ModelRunner:
         _, heads, dim = model.kv_shape
         # One (K, V) pair per layer: [blocks in its pool * block_size, Hkv, D]
         self.kv_caches = []
+        alloc = kv_alloc or (lambda shape: torch.zeros(shape, dtype=dtype, device=device))
         for w in model.layer_windows:
             slots = (num_window_blocks if self.tables[w] == "window_table" else num_blocks) * block_size
-            self.kv_caches.append((torch.zeros(slots, heads, dim, dtype=dtype, device=device),
-                                   torch.zeros(slots, heads, dim, dtype=dtype, device=device)))
+            self.kv_caches.append((alloc((slots, heads, dim)), alloc((slots, heads, dim))))
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:

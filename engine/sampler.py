@@ -340,7 +340,8 @@ def _pick(u: torch.Tensor, sums: torch.Tensor, block_values) -> torch.Tensor:
     target = u.unsqueeze(1) * cdf[:, -1:]  # [B, 1]
     # A u that rounds to 1 puts the target at the total, past every block: take the last block with mass
     # (the first to reach the total), never a masked tail.
-    block = torch.minimum(torch.searchsorted(cdf, target, right=True), torch.searchsorted(cdf, cdf[:, -1:]))
+    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous())
+    block = torch.minimum(torch.searchsorted(cdf, target, right=True), last)
     before = torch.where(block > 0, cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
     values, cols = block_values(block.squeeze(1))
     pos = torch.searchsorted(values.cumsum(dim=-1), target - before, right=True)  # [B, 1]

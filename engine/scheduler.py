@@ -34,6 +34,7 @@ class ScheduledBatch:
 class StepResult:
     new_tokens: list[tuple[Sequence, int]] = field(default_factory=list)
     finished: list[tuple[Sequence, FinishReason]] = field(default_factory=list)
+    exported: list[tuple[Sequence, int]] = field(default_factory=list)  # parked on their first token, blocks kept
 
 
 @dataclass
@@ -183,6 +184,10 @@ class Scheduler:
             seq.last_token_time = now
             if not seq.first_token_time:
                 seq.first_token_time = now
+            if seq.export:  # its KV goes to a generation worker: out of the batch, its blocks kept
+                self._finish(seq, keep_blocks=True)
+                result.exported.append((seq, token))
+                continue
             result.new_tokens.append((seq, token))
             reason = self._finish_reason(seq, token)
             if reason is not None:
@@ -193,19 +198,31 @@ class Scheduler:
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         sp = seq.sampling
         if token in sp.stop_token_ids and seq.num_output_tokens > sp.min_tokens:
-            return "stop"
+            return "stop_token"
         if seq.grammar is not None and seq.grammar.terminated:  # ends the output whatever min_tokens says
-            return "stop"
+            return "stop_token" if token in sp.stop_token_ids else "grammar"
         if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
-    def _finish(self, seq: Sequence) -> None:
+    def add_running(self, seq: Sequence) -> None:
+        """Adds a sequence whose blocks are allocated and whose prompt is computed (its KV imported from a
+        context worker): it decodes from the next step."""
+        self._by_id.setdefault(seq.request_id, []).append(seq)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """Frees the blocks of a sequence that is not (or no longer) scheduled: a parked one, an import's."""
+        self._deallocate(seq)
+
+    def _finish(self, seq: Sequence, keep_blocks: bool = False) -> None:
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
-        self._deallocate(seq)
+        if not keep_blocks:
+            self._deallocate(seq)
         seq.status = Status.FINISHED
         group = self._by_id[seq.request_id]
         group.remove(seq)

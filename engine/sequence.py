@@ -20,7 +20,8 @@ class Sequence:
                  "postproc_spec", "arrival_time", "seed", "priority", "cache_salt", "order", "status", "block_table",
                  "window_table", "num_registered_window_blocks",
                  "block_hashes", "num_registered_blocks", "num_computed_tokens", "num_cached_tokens", "started",
-                 "grammar", "render_done_time", "first_scheduled_time", "first_token_time", "last_token_time")
+                 "grammar", "render_done_time", "first_scheduled_time", "first_token_time", "last_token_time",
+                 "export")
 
     def __init__(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, *, seed: int,
                  shard: int = 0, postproc_spec: bytes = b"", arrival_time: float = 0.0, priority: int = 0,
@@ -52,6 +53,7 @@ class Sequence:
         self.first_scheduled_time = 0.0
         self.first_token_time = 0.0
         self.last_token_time = 0.0
+        self.export = False  # a context_only choice: after its first token its KV leaves for a generation worker
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,8 @@ import zmq
 
 from engine.block_manager import BlockManager
 from engine.grammar import Grammars
+from engine.kv_events import KvEventPublisher
+from engine.kv_handoff import KvHandOff, exporter_for, importer_for
 from engine.loader import load_model
 from engine.model_runner import ModelRunner, StepSamples, kv_block_bytes, kv_pools
 from engine.replay import ReplayRunner, load_recordings
@@ -31,6 +33,7 @@ from ipc.messages import (Abort, EngineInput, EngineRequest, Failed, Finished, L
 from ipc.stats import EngineStats
 from ipc.transport import PullChannel, PushChannel
 from sluice.config import ServerConfig
+from sluice.disagg import endpoint
 from sluice.metrics import observe_finished
 
 log = logging.getLogger("sluice.engine")
@@ -187,6 +190,7 @@ class Engine:
         hf = cfg.hf_config()
         device = pick_device(cfg.device)
         dtype = pick_dtype(cfg.dtype, hf, device)
+        exporter = exporter_for(cfg, dtype, device)  # a context worker's cache where its KV transport reads it
         if cfg.runner == "replay":
             blocks, window_blocks = cfg.num_kv_blocks or _REPLAY_KV_BLOCKS, 0
             recordings = load_recordings(cfg.replay_file) if cfg.replay_file else None
@@ -194,7 +198,8 @@ class Engine:
         else:
             model = load_model(Path(cfg.model_path), dtype, device)
             blocks, window_blocks = num_kv_blocks(cfg, model, dtype, device)
-            self.runner = ModelRunner(model, blocks, cfg.block_size, dtype, device, window_blocks)
+            self.runner = ModelRunner(model, blocks, cfg.block_size, dtype, device, window_blocks,
+                                      getattr(exporter, "alloc", None))
             log.info("engine: the LM head runs on %s", self.runner.lm_head.path)
             warm = self.runner.warm_up(max(cfg.max_num_batched_tokens, 1), cfg.max_num_seqs, cfg.max_model_len)
             log.info("engine: warmed up in %.2f s", warm)
@@ -214,7 +219,11 @@ class Engine:
                                    window_pool=BlockManager(window_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                                             "window_table")
                                    if hybrid else None)
-        self.grammars = Grammars(cfg.model_path, hf["vocab_size"])
+        self.grammars = Grammars(cfg.model_path, hf["vocab_size"], cfg.grammar_backend)
+        self.kv = KvHandOff(cfg, self.scheduler, self.runner, exporter, importer_for(cfg, self.runner),
+                            lambda seq, message: self._ended.failed.append((seq, message)))
+        self.kv_events = KvEventPublisher(zmq.Context.instance(), endpoint(cfg, cfg.kv_events_port, bind=True),
+                                          self.scheduler.bm) if cfg.kv_events_port else None
         # Constrained requests, in arrival order, while their grammar loads.
         self._held: list[tuple[EngineRequest, Future]] = []
         # Aborts that overtook their request (a client gone while it was rendering).
@@ -262,6 +271,8 @@ class Engine:
                 log.exception("structured output could not start for %s", msg.request_id)
                 self._ended.failed.append((seqs[0], f"structured output could not start: {e}"))
                 return
+        if msg.kv is not None:
+            return self.kv.start(msg, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -270,6 +281,7 @@ class Engine:
         held = [m.request_id for m, _ in self._held if m.request_id in ids]
         self._held = [(m, f) for m, f in self._held if m.request_id not in ids]
         for rid in ids.difference(held):
+            self.kv.forget(rid)
             seqs = self.scheduler.abort(rid)
             if seqs:
                 self._ended.aborted += seqs
@@ -280,6 +292,7 @@ class Engine:
 
     def fail(self, request_id: str, message: str) -> None:
         """Ends every choice of a request that cannot go on; its client gets an error, the others go on."""
+        self.kv.forget(request_id)
         seqs = self.scheduler.abort(request_id)
         if seqs:
             self._ended.failed.append((seqs[0], message))
@@ -304,6 +317,16 @@ class Engine:
                 self._held.append((msg, grammar))
 
     def step(self) -> tuple[StepResult, StepSamples | None]:
+        """One step, with disaggregated serving's part: imported requests start (their first tokens go out
+        before the step's own), exported ones park under a lease; and the prefix cache's events go out."""
+        imported = self.kv.admit()
+        result, samples = self._run_step()
+        self.kv.park(result.exported)
+        if self.kv_events is not None:
+            self.kv_events.publish()
+        return self.kv.merged(imported, result, samples)
+
+    def _run_step(self) -> tuple[StepResult, StepSamples | None]:
         batch = self.scheduler.schedule()
         if batch is None:
             return StepResult(), None

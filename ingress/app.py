@@ -16,6 +16,7 @@ import msgspec
 
 import ingress.anthropic  # noqa: F401  (registers its dialect and routes)
 import ingress.responses  # noqa: F401  (registers its dialect and routes)
+import ingress.worker_info  # noqa: F401  (registers its route)
 from ingress.dialects import DIALECTS, OPENAI_CHAT, OPENAI_COMPLETIONS, Dialect
 from ingress.http import (JSON, SSE, BodyTimedOut, BodyTooLarge, authorized, read_body, respond, respond_error,
                           validation_error)
@@ -28,6 +29,7 @@ from ipc.messages import Failure, Frame, RenderJob
 from ipc.openai import ModelCard, ModelList, error_body
 from sluice import __version__, envs, metrics, procs
 from sluice.config import ServerConfig
+from sluice.disagg import accepted as accepted_disagg
 from sluice.logs import setup_logging
 
 _HEALTH_GENERATE_TIMEOUT_S = 30.0
@@ -80,7 +82,7 @@ class Ingress(Pipeline):
         if dialect is not None:
             if method != "POST":
                 return await self.respond_failure(send, dialect, Failure(405, f"use POST for {path}")), label
-            return await self.generate(dialect, receive, send), label
+            return await self.generate(dialect, receive, send, headers=scope["headers"]), label
         for r, params in routes:
             if r.method == method:
                 return await r.handler(self, Request(scope, params), receive, send), label
@@ -153,9 +155,10 @@ class Ingress(Pipeline):
             return Failure(503, "the server is at capacity; retry shortly")
         return None
 
-    async def generate(self, dialect: Dialect, receive, send, body: bytes | None = None, request: Any = None) -> int:
+    async def generate(self, dialect: Dialect, receive, send, body: bytes | None = None, request: Any = None,
+                       headers: list[tuple[bytes, bytes]] | None = None) -> int:
         """One generation request from its HTTP body to its last frame (a route that read and checked the
-        body itself passes it on)."""
+        body itself passes it on). `headers`: the request's, where disaggregated_params may come from."""
         if body is None:
             got = await self.read_request(dialect, receive, send)
             if isinstance(got, int):
@@ -163,12 +166,17 @@ class Ingress(Pipeline):
             request, body = got
         if (refused := self.refusal(request.model)) is not None:
             return await self.respond_failure(send, dialect, refused)
+        disagg = accepted_disagg(request, headers or [], self.cfg)
+        if isinstance(disagg, Failure):
+            return await self.respond_failure(send, dialect, disagg)
         rid = dialect.id_prefix + uuid.uuid4().hex
         q = self.open(rid)
         watcher = asyncio.create_task(_watch_disconnect(receive, q))
         try:
-            self.submit(rid, RenderJob(rid, dialect.endpoint, body, self.address, time.time()))
-            delivered, status = await self._relay(q, send, dialect, dialect.streams(request), rid)
+            self.submit(rid, RenderJob(rid, dialect.endpoint, body, self.address, time.time(), disagg=disagg))
+            # a context_only answer is one body, whatever the client's request asked: the orchestrator reads it
+            stream = dialect.streams(request) and (disagg is None or disagg.request_type != "context_only")
+            delivered, status = await self._relay(q, send, dialect, stream, rid)
             if not delivered:
                 self.abort(rid)
             return status

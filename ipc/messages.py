@@ -9,6 +9,8 @@ from typing import Literal
 import msgspec
 import numpy as np
 
+from ipc.openai import DisaggregatedParams
+
 _WIRE = dict(array_like=True, omit_defaults=True, gc=False)
 
 
@@ -60,6 +62,7 @@ class RenderJob(msgspec.Struct, tag=True, **_WIRE):
     arrival_time: float
     priority: int | None = None  # instead of the request's own: background work runs behind interactive
     count_only: bool = False  # render and tokenize, then answer the prompt's size ({"input_tokens": N}), no engine
+    disagg: DisaggregatedParams | None = None  # from the orchestrator (the ingress checked its secret)
 
 
 RenderInput = RenderJob
@@ -80,6 +83,24 @@ class EngineRequest(msgspec.Struct, tag=True, **_WIRE):
     render_done_time: float = 0.0
     grammar: str = ""  # a compiled xgrammar grammar (serialized) that constrains the output
     grammar_trigger: list[int] = []  # the constraint applies once the output ends with these ids ([]: at once)
+    kv: KvExport | KvImport | None = None  # disaggregated serving: this request's KV leaves or arrives
+
+
+class KvExport(msgspec.Struct, tag=True, **_WIRE):
+    """context_only: compute the prompt's KV and each choice's first token, keep the blocks under a lease for a
+    generation worker, and answer `reply_to` with the transfer handle (the postproc pool never sees it)."""
+
+    reply_to: str
+    output_prefix_len: int = 0  # told back to the orchestrator with the prompt ids
+
+
+class KvImport(msgspec.Struct, tag=True, **_WIRE):
+    """generation_only: the prompt's KV is where `handle` (ipc/kv.py KvHandle, encoded) says; each choice
+    decodes on from its first token, sampled by the context worker."""
+
+    handle: bytes
+    first_tokens: bytes  # int32, one per choice
+    num_cached_tokens: int = 0  # the context worker's prefix-cache hits (the usage reports them)
 
 
 class Abort(msgspec.Struct, tag=True, **_WIRE):
@@ -137,7 +158,9 @@ class Timings(msgspec.Struct, **_WIRE):
     last_token: float
 
 
-FinishReason = Literal["stop", "length"]  # a stop token (or a finished grammar); max_tokens or the context
+# stop_token: the token is one of the request's stop ids (not part of the output); grammar: the output is
+# whole by its grammar, this token included; length: max_tokens or the context.
+FinishReason = Literal["stop_token", "grammar", "length"]
 
 
 class Finished(msgspec.Struct, **_WIRE):

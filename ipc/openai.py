@@ -99,6 +99,31 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 
 
+class StructuredOutputs(msgspec.Struct, **_STRICT):
+    """vLLM's structured_outputs: what the output must match, one of these."""
+
+    json: dict[str, Any] | str | None = None  # a JSON schema (or its JSON text)
+    regex: str | None = None
+    choice: Annotated[list[str], Meta(min_length=1)] | None = None
+    grammar: str | None = None  # EBNF (GBNF) or Lark
+    json_object: bool | None = None
+
+
+class DisaggregatedParams(msgspec.Struct, **_STRICT):
+    """Disaggregated serving (trtllm-serve's shape): a context_only request computes the prompt's KV and answers
+    these with the first token(s), the transfer handle and the prompt ids; a generation_only request sends them
+    back to a generation worker, which imports the KV and decodes. Accepted only from the orchestrator (its
+    shared secret), never from clients."""
+
+    request_type: Literal["context_only", "generation_only"]
+    opaque_state: str | None = None  # the KV transfer handle (base64), opaque to everyone but the engines
+    first_gen_tokens: list[TokenId] | None = None  # one per choice
+    ctx_request_id: str | None = None
+    prompt_token_ids_b64: str | None = None  # the prompt the context worker rendered: not rendered again
+    output_prefix_len: Count = 0  # the prompt's last ids that begin the output (a forced tool call)
+    num_cached_tokens: Count = 0  # prompt tokens the context worker found in its prefix cache
+
+
 class _Sampling(msgspec.Struct, **_STRICT):
     """Fields shared by chat and completions."""
 
@@ -130,6 +155,8 @@ class _Sampling(msgspec.Struct, **_STRICT):
     prompt_token_ids_b64: str | None = None
     return_prompt_token_ids_b64: bool = False
     return_token_ids: bool = False
+    structured_outputs: StructuredOutputs | None = None
+    disaggregated_params: DisaggregatedParams | None = None
 
 
 class ChatCompletionRequest(_Sampling, **_STRICT):
@@ -321,7 +348,8 @@ class ErrorResponse(msgspec.Struct):
     error: ErrorInfo
 
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "invalid_request_error",
                 413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 
 

@@ -57,16 +57,17 @@ class Choice:
     def _calls_done(self) -> bool:
         return any(getattr(parser, "done", False) for parser in self.parsers) if self.harmony is None else False
 
-    def on_token(self, token: int, finish_reason: str | None) -> Piece:
-        """Feeds one token with the engine's verdict on it; returns what it adds to the message."""
+    def on_token(self, token: int, verdict: str | None) -> Piece:
+        """Feeds one token with the engine's verdict on it (FinishReason); returns what it adds to the message."""
         self.num_tokens += 1
+        finish_reason = "stop" if verdict in ("stop_token", "grammar") else verdict
         if self.harmony is not None:
             piece = self.harmony.feed(token)  # harmony's stop tokens end its messages: it reads them too
             if self.harmony.failed and finish_reason is None:
                 finish_reason = "error"
         else:
-            # An engine "stop" means this token is a stop token: it is not shown.
-            piece = Piece(content="" if finish_reason == "stop" else self.decode.step(self.tokenizer, token) or "")
+            # A stop token is not part of the output.
+            piece = Piece(content="" if verdict == "stop_token" else self.decode.step(self.tokenizer, token) or "")
         if self.stops.stops:
             piece.content = self.stops.feed(piece.content)
             if self.stops.stopped:

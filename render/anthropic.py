@@ -169,10 +169,7 @@ def _tool(i: int, t: ToolParam) -> Tool:
                            code="unsupported_feature")
     if t.input_schema is None:
         raise RequestError(400, f"tools[{i}].input_schema is required", param=f"tools[{i}].input_schema")
-    if t.strict:
-        raise RequestError(400, "strict tool use (constrained tool input) is not supported yet",
-                           param=f"tools[{i}].strict", code="unsupported_feature")
-    return Tool(function=FunctionDef(t.name, t.description, t.input_schema))
+    return Tool(function=FunctionDef(t.name, t.description, t.input_schema, t.strict))
 
 
 def _tool_choice(r: MessagesRequest, tools: list[Tool]) -> tuple[ToolChoiceOut, bool | None]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import time
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -10,13 +11,13 @@ import msgspec
 import numpy as np
 
 from ipc.addresses import shard_of
-from ipc.messages import EngineRequest, PostprocSpec, RenderJob, SamplingParams, ids_to_bytes
-from ipc.openai import ChatCompletionRequest, CompletionRequest
+from ipc.messages import EngineRequest, KvExport, KvImport, PostprocSpec, RenderJob, SamplingParams, ids_to_bytes
+from ipc.openai import ChatCompletionRequest, CompletionRequest, DisaggregatedParams, NamedToolChoice
 from render import dialects
 from render.dialects import Shorter
 from render.errors import RequestError
 from render.extensions import ServingExtension, message_text
-from render.structured import GrammarCompiler
+from render.structured import Constraint, GrammarCompiler, json_schema, response_format
 from render.tokenizer import PromptBudget, TokenizerBundle, context_length_error
 
 _DECODERS: dict[str, msgspec.json.Decoder] = {
@@ -87,18 +88,21 @@ class ChatCore:
     def _render(self, job: RenderJob, request: ChatCompletionRequest | CompletionRequest,
                 dialect: bytes = b"") -> EngineRequest:
         chat = isinstance(request, ChatCompletionRequest)
+        imported = self._imported_prompt(job.disagg)  # a generation_only request's: rendered by its context worker
         if isinstance(request, ChatCompletionRequest):
-            prompt, prefix = self._chat_prompt(request)
+            prompt, prefix = imported or self._chat_prompt(request)
             max_tokens = request.max_completion_tokens or request.max_tokens
             max_tokens_field = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
-            grammar, trigger = self._grammar(request)
+            grammar, trigger = self._grammar(request, self._chat_constraint(request))
             if request.top_logprobs is not None and not request.logprobs:
                 raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
             top_logprobs = request.top_logprobs if request.logprobs else None
             echo = ""
         else:
-            (prompt, echo), prefix = self._completion_prompt(request), []
-            max_tokens, top_logprobs, grammar, trigger = request.max_tokens, request.logprobs, "", []
+            (prompt, echo), prefix = self._completion_prompt(request) if imported is None else \
+                (imported[0], _imported_echo(request, imported[0], self._decode)), []
+            max_tokens, top_logprobs = request.max_tokens, request.logprobs
+            grammar, trigger = self._grammar(request, _requested(request))
             max_tokens_field = "max_tokens"
         max_tokens = self._check_length(len(prompt), max_tokens, max_tokens_field)
         spec = PostprocSpec(
@@ -143,7 +147,41 @@ class ChatCore:
             grammar=grammar,
             grammar_trigger=trigger,
             render_done_time=time.time(),
+            kv=self._kv(job, request.n, len(prefix), top_logprobs is not None or request.prompt_logprobs is not None),
         )
+
+    def _imported_prompt(self, disagg: DisaggregatedParams | None) -> tuple[list[int], list[int]] | None:
+        """A generation_only request's prompt ids and output prefix, as its context worker rendered them."""
+        if disagg is None or disagg.request_type != "generation_only" or disagg.prompt_token_ids_b64 is None:
+            return None
+        ids = _from_b64(disagg.prompt_token_ids_b64)
+        if not ids or disagg.output_prefix_len > len(ids):
+            raise RequestError(400, "disaggregated_params.prompt_token_ids_b64 is empty or shorter than its "
+                               "output prefix", param="disaggregated_params")
+        self._check_ids(ids, "disaggregated_params.prompt_token_ids_b64")
+        return ids, ids[len(ids) - disagg.output_prefix_len:]
+
+    def _kv(self, job: RenderJob, n: int, prefix_len: int, scores: bool) -> KvExport | KvImport | None:
+        """Where a disaggregated request's KV goes (context_only) or comes from (generation_only)."""
+        d = job.disagg
+        if d is None:
+            return None
+        if scores:
+            raise RequestError(400, "logprobs and prompt_logprobs are not served disaggregated: send the request "
+                               "to one worker", param="disaggregated_params")
+        if d.request_type == "context_only":
+            return KvExport(job.reply_to, prefix_len)
+        first = d.first_gen_tokens or []
+        if len(first) != n:
+            raise RequestError(400, f"disaggregated_params.first_gen_tokens has {len(first)} tokens for {n} choices",
+                               param="disaggregated_params.first_gen_tokens")
+        self._check_ids(first, "disaggregated_params.first_gen_tokens")
+        try:
+            handle = base64.b64decode(d.opaque_state or "", validate=True)
+        except (binascii.Error, ValueError):
+            raise RequestError(400, "disaggregated_params.opaque_state is not valid base64",
+                               param="disaggregated_params.opaque_state") from None
+        return KvImport(handle, ids_to_bytes(first), d.num_cached_tokens)
 
     def _chat_prompt(self, request: ChatCompletionRequest) -> tuple[list[int], list[int]]:
         """The prompt's ids, and those of its end that begin the output (a forced tool call)."""
@@ -151,22 +189,43 @@ class ChatCore:
             raise RequestError(400, f"{item.feature} is not supported by this model: {item.message}",
                                param=item.param, code="unsupported_feature")
         _check_nesting(request)
+        _check_tool_choice(request)
         ids = self._pretokenized(request)
         if ids is not None:
+            if request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice):
+                raise RequestError(400, "a tool_choice that forces a call needs the server to render the prompt: "
+                                   "send messages instead of prompt token ids", param="tool_choice")
             return ids, []
         # Text that every template renders: past the budget, the prompt cannot fit however it renders.
         self.budget.check_chars(sum(len(message_text(m)) for m in request.messages if m.role != "assistant"))
         rendered = self.ext.render_prompt(request, self.budget)
         return rendered.prompt_ids, rendered.output_prefix
 
-    def _grammar(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
-        """The response_format's compiled grammar, and the ids after which it applies."""
-        fmt = request.response_format
-        if fmt is None or fmt.type == "text":
+    def _chat_constraint(self, request: ChatCompletionRequest) -> tuple[Constraint | None, bool]:
+        """What a chat output must match (and whether it is the whole output, or the answer the serving
+        extension says where to find): the client's format, or the serving extension's grammar for tool calls
+        that must be made or held to their schemas."""
+        own = _requested(request)
+        if request.response_format is not None and (fmt := response_format(request.response_format)) is not None:
+            if own[0] is not None:
+                raise RequestError(400, "send response_format or structured_outputs, not both",
+                                   param="structured_outputs")
+            own = fmt, False
+        tools = self.ext.tool_constraint(request)
+        if tools is not None and own[0] is not None:
+            raise RequestError(400, f"{own[0].param} cannot be combined with tool calls that are forced or strict "
+                               "(tool_choice required or a named function, or strict tools)", param=own[0].param)
+        return (tools, True) if tools is not None else own
+
+    def _grammar(self, request, constraint: tuple[Constraint | None, bool]) -> tuple[str, list[int]]:
+        """The constraint's compiled grammar, and the ids after which it applies."""
+        c, whole = constraint
+        if c is None:
             return "", []
         if self.grammars is None:
-            raise RequestError(400, "this server does not take response_format", param="response_format")
-        return self.grammars.compile(fmt), self.ext.structured_output_format(request)
+            raise RequestError(400, "this server does not constrain outputs", param=c.param)
+        chat = isinstance(request, ChatCompletionRequest)
+        return self.grammars.compile(c), [] if whole or not chat else self.ext.structured_output_format(request)
 
     def _pretokenized(self, request) -> list[int] | None:
         """Prompt ids the client sent itself (`prompt_token_ids`, `prompt_token_ids_b64`), if any."""
@@ -281,6 +340,14 @@ class ChatCore:
         return out
 
 
+def _imported_echo(request: CompletionRequest, ids: list[int], decode: Callable[[list[int]], str]) -> str:
+    """What a completion with echo starts with, for a prompt its context worker tokenized."""
+    if not request.echo:
+        return ""
+    prompt = request.prompt[0] if isinstance(request.prompt, list) and len(request.prompt) == 1 else request.prompt
+    return prompt if isinstance(prompt, str) and prompt else decode(ids)
+
+
 def _b64(ids: list[int]) -> str:
     return base64.b64encode(np.asarray(ids, dtype="<i4").tobytes()).decode()
 
@@ -321,3 +388,44 @@ def _depth(value: Any) -> int:
             deepest = max(deepest, depth)
             stack.extend((child, depth + 1) for child in children)
     return deepest
+
+
+def _requested(request: ChatCompletionRequest | CompletionRequest) -> tuple[Constraint | None, bool]:
+    """The client's structured_outputs, as a constraint (None without one); never the whole output on a
+    model that reasons first (the serving extension says where the answer starts)."""
+    so = request.structured_outputs
+    if so is None:
+        return None, False
+    given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+             if getattr(so, name) not in (None, False)]
+    if len(given) != 1:
+        raise RequestError(400, f"structured_outputs takes exactly one of json, regex, choice, grammar, json_object; "
+                           f"got {given or 'none'}", param="structured_outputs")
+    param = f"structured_outputs.{given[0]}"
+    if so.json is not None:
+        try:
+            schema = json.loads(so.json) if isinstance(so.json, str) else so.json
+        except ValueError:
+            raise RequestError(400, "structured_outputs.json is not a JSON schema", param=param) from None
+        return json_schema(schema, param), False
+    if so.json_object:
+        return json_schema({"type": "object"}, param), False
+    if so.regex is not None:
+        return Constraint("regex", so.regex, param), False
+    if so.choice is not None:
+        return Constraint("choice", json.dumps(so.choice), param), False
+    return Constraint("grammar", so.grammar or "", param), False
+
+
+def _check_tool_choice(request: ChatCompletionRequest) -> None:
+    """A forced call needs tools, and a named one a tool of that name."""
+    choice = request.tool_choice
+    if choice != "required" and not isinstance(choice, NamedToolChoice):
+        return
+    names = [t.function.name for t in request.tools or []]
+    if not names:
+        raise RequestError(400, "tool_choice forces a call, but the request has no tools", param="tool_choice")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise RequestError(400, f"tool_choice names {choice.function.name!r}, which is not in tools {names}",
+                           param="tool_choice")
+

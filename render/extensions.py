@@ -13,9 +13,11 @@ from typing import Any, Callable, Literal, Protocol, cast
 import msgspec
 
 from ipc.messages import ParserName
-from ipc.openai import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from ipc.openai import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
+from render import tool_grammars
 from render.chat_template import ChatTemplateError, TemplateOutputTooLong, render_chat
 from render.errors import RequestError
+from render.structured import Constraint
 from render.tokenizer import PromptBudget, TokenizerBundle
 
 TOOL_PARSERS = {"hermes"}
@@ -58,6 +60,11 @@ class ServingExtension(Protocol):
 
     def structured_output_format(self, request: ChatCompletionRequest) -> list[int]:
         """Where a response_format constraint starts: once the output ends with these ids ([]: at once)."""
+        ...
+
+    def tool_constraint(self, request: ChatCompletionRequest) -> Constraint | None:
+        """The grammar, in this model's call format, for tool calls that must be made (tool_choice required or a
+        named function) or held to their schemas (strict tools); None when neither applies."""
         ...
 
     def parsers(self) -> list[ParserName]:
@@ -124,11 +131,22 @@ def common_unsupported(request: ChatCompletionRequest, options: ExtensionOptions
     if request.chat_template is not None and not options.trust_request_chat_template:
         out.append(Unsupported("request_chat_template", "start the server with --trust-request-chat-template to "
                                                         "allow a chat_template in requests", "chat_template"))
-    if request.tool_choice == "required":
-        out.append(Unsupported("tool_choice_required", "tool_choice 'required' needs constrained decoding, which "
-                                                       "this server does not have yet; name the function instead",
-                               "tool_choice"))
     return out
+
+
+def forced_tool(request: ChatCompletionRequest) -> Tool | None:
+    """The tool a named tool_choice forces (the core has checked that `tools` has it)."""
+    choice = request.tool_choice
+    if not isinstance(choice, NamedToolChoice):
+        return None
+    return next(t for t in request.tools or [] if t.function.name == choice.function.name)
+
+
+def holds_tools(request: ChatCompletionRequest) -> bool:
+    """Whether the request's tool calls are forced (required, a named function) or held to strict schemas."""
+    forced = request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice)
+    return bool(request.tools) and (forced or (request.tool_choice != "none"
+                                               and any(t.function.strict for t in request.tools or [])))
 
 
 def render_template(template: str, request: ChatCompletionRequest, bundle: TokenizerBundle, tools: list | None,
@@ -177,8 +195,8 @@ class HfChatTemplateExtension:
         tools = request.tools if request.tool_choice != "none" else None
         text = render_template(template, request, self.bundle, tools, budget)
         prefix = ""
-        if isinstance(request.tool_choice, NamedToolChoice):  # hermes: start the turn with that call
-            prefix = '<tool_call>\n{"name": "%s", "arguments": ' % request.tool_choice.function.name
+        if (tool := forced_tool(request)) is not None:  # hermes: start the turn with that call
+            prefix = "<tool_call>" + tool_grammars.hermes_call_opening(tool.function.name)
         tokenizer = self.bundle.tokenizer
         prefix_ids = tokenizer.encode(prefix, add_special_tokens=False).ids if prefix else []
         return Rendered(budget.encode(tokenizer, text, add_special_tokens=False) + prefix_ids, prefix_ids)
@@ -191,13 +209,33 @@ class HfChatTemplateExtension:
         if request.thinking_token_budget is not None:
             out.append(Unsupported("thinking_token_budget", "this server does not enforce a thinking budget; "
                                                             "use max_tokens", "thinking_token_budget"))
-        if isinstance(request.tool_choice, NamedToolChoice) and self.options.tool_parser != "hermes":
-            out.append(Unsupported("named_tool_choice", "forcing a function needs --tool-parser hermes on this model",
-                                   "tool_choice"))
+        if holds_tools(request) and self.options.tool_parser != "hermes":
+            out.append(Unsupported("forced_or_strict_tools", "forcing a call (tool_choice required or a named "
+                                   "function) or strict tools need --tool-parser hermes on this model", "tool_choice"))
         return out
 
     def structured_output_format(self, request: ChatCompletionRequest) -> list[int]:
         return []
+
+    def tool_constraint(self, request: ChatCompletionRequest) -> Constraint | None:
+        if not holds_tools(request):
+            return None
+        tools, lit = request.tools or [], self._literal
+        if (tool := forced_tool(request)) is not None:
+            return Constraint("lark", tool_grammars.hermes_named(tool, lit), "tool_choice")
+        if request.tool_choice == "required":
+            think = self.options.reasoning_parser == "think"
+            lark = tool_grammars.hermes_required(tools, lit, request.parallel_tool_calls is not False, think)
+            return Constraint("lark", lark, "tool_choice")
+        return Constraint("lark", tool_grammars.hermes_strict(tools, lit), "tools")
+
+    def _literal(self, text: str) -> str:
+        """Call syntax as a grammar terminal: a token of the vocabulary's own (`<tool_call>` in Qwen's) by its
+        id, which no text can spell; anything else as text."""
+        ids = self.bundle.tokenizer.encode(text, add_special_tokens=False).ids
+        if len(ids) == 1 and ids[0] in self.bundle.tokenizer.get_added_tokens_decoder():
+            return f"<[{ids[0]}]>"
+        return json.dumps(text)
 
     def parsers(self) -> list[ParserName]:
         # (check_options admitted only names of TEXT_PARSERS)

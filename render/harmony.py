@@ -10,9 +10,11 @@ from openai_harmony import (Author, Conversation, DeveloperContent, Message, Rea
                             ToolDescription)
 
 from ipc.messages import ParserName
-from ipc.openai import ChatCompletionRequest, NamedToolChoice
+from ipc.openai import ChatCompletionRequest
+from render import tool_grammars
 from render.extensions import (ExtensionOptions, HfChatTemplateExtension, Rendered, Unsupported, common_unsupported,
-                               message_text, register, render_template)
+                               forced_tool, holds_tools, message_text, register, render_template)
+from render.structured import Constraint
 from render.tokenizer import PromptBudget, TokenizerBundle
 from sluice.harmony_vocab import harmony_encoding
 
@@ -86,8 +88,8 @@ class HarmonyExtension:
             convo = Conversation.from_messages(harmony_messages(request))
             ids = self.enc.render_conversation_for_completion(convo, Role.ASSISTANT)
         prefix: list[int] = []
-        if isinstance(request.tool_choice, NamedToolChoice):  # the turn starts with the call to that function
-            name = request.tool_choice.function.name
+        if (tool := forced_tool(request)) is not None:  # the turn starts with the call to that function
+            name = tool.function.name
             prefix = self.enc.encode(f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>",
                                      allowed_special="all")
         return Rendered(list(ids) + prefix, prefix)
@@ -106,6 +108,16 @@ class HarmonyExtension:
     def structured_output_format(self, request: ChatCompletionRequest) -> list[int]:
         # The answer, not the reasoning, is what must follow the format: the final channel.
         return self.enc.encode("<|channel|>final<|message|>", allowed_special="all")
+
+    def tool_constraint(self, request: ChatCompletionRequest) -> Constraint | None:
+        # Reasoning (the analysis channel) stays free; calls go through the commentary channel.
+        if not holds_tools(request):
+            return None
+        if (tool := forced_tool(request)) is not None:
+            return Constraint("lark", tool_grammars.harmony_named(tool), "tool_choice")
+        if request.tool_choice == "required":
+            return Constraint("lark", tool_grammars.harmony_required(request.tools or []), "tool_choice")
+        return Constraint("lark", tool_grammars.harmony_strict(request.tools or []), "tools")
 
     def parsers(self) -> list[ParserName]:
         return ["harmony"]

@@ -1,9 +1,10 @@
-"""Structured output: a request's response_format compiled to an xgrammar grammar.
+"""Structured output: what a request constrains (a JSON schema, a regex, a choice, a grammar, the model's
+tool-call format) compiled to a grammar engine's grammar.
 
-Compiled in the render pool, in a child process of the render worker with a
-time and a memory limit (a hostile schema can take minutes and gigabytes), and
-shipped serialized to the engine, which applies it as a token bitmask
-(engine/grammar.py).
+Compiled in the render pool, in a child process of the render worker with a time and a memory limit (a
+hostile schema can take minutes and gigabytes), and shipped to the engine, which applies it as a token
+bitmask (engine/grammar.py). Two engines, chosen by --grammar-backend (bench/RESULTS.md compares them):
+llguidance (the default: it compiles lazily, and refuses what it cannot enforce) and xgrammar.
 """
 from __future__ import annotations
 
@@ -14,95 +15,123 @@ import resource
 from collections import OrderedDict
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Any, Literal, cast
 
 from ipc.openai import ResponseFormat
 from render.errors import RequestError
 
 log = logging.getLogger("sluice.render")
-_START_TIMEOUT_S = 120.0  # loading the tokenizer info for a 200k vocabulary takes seconds
+_START_TIMEOUT_S = 120.0  # loading the tokenizer for a 200k vocabulary takes seconds
+Backend = Literal["llguidance", "xgrammar"]
+Kind = Literal["json_schema", "regex", "choice", "grammar", "lark"]
+NO_WHITESPACE = {"whitespace_flexible": False}  # compact JSON, as OpenAI's strict mode writes it
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What an output must match, as the request (or the serving extension) says it."""
+
+    kind: Kind  # json_schema: `source` is the schema's JSON; regex; choice: a JSON list of strings;
+    #             grammar: EBNF (GBNF) or Lark, as a client sends it; lark: a Lark grammar of Sluice's own
+    source: str
+    param: str  # the request field it comes from, for the errors
+
+
+def json_schema(schema: Any, param: str) -> Constraint:
+    try:
+        return Constraint("json_schema", json.dumps(schema, sort_keys=True), param)
+    except RecursionError:
+        raise RequestError(400, f"{param}: the JSON schema is nested too deeply", param=param) from None
+
+
+def response_format(fmt: ResponseFormat) -> Constraint | None:
+    """A response_format's constraint (None for plain text)."""
+    if fmt.type == "text":
+        return None
+    if fmt.type == "json_object":  # an object (OpenAI), not any JSON value
+        return json_schema({"type": "object"}, "response_format")
+    if fmt.json_schema is None or fmt.json_schema.schema is None:
+        raise RequestError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+    return json_schema(fmt.json_schema.schema, "response_format")
 
 
 @dataclass(frozen=True)
 class GrammarLimits:
-    compile_timeout: float = 10.0  # seconds for one schema: past it, 408
+    compile_timeout: float = 10.0  # seconds for one constraint: past it, 408
     memory: int = 4 << 30  # bytes the compiling process may grow by: past it, 400
     max_grammar_bytes: int = 64 << 20  # a compiled grammar larger than this is refused (400): the engine loads it
-    cache_bytes: int = 256 << 20  # compiled grammars kept for schemas that come again
+    cache_bytes: int = 256 << 20  # compiled grammars kept for constraints that come again
 
 
 class GrammarCompiler:
-    def __init__(self, model_path: str, vocab_size: int, limits: GrammarLimits = GrammarLimits()) -> None:
+    def __init__(self, model_path: str, vocab_size: int, limits: GrammarLimits = GrammarLimits(),
+                 backend: Backend = "llguidance") -> None:
         self._model_path = model_path
         self._vocab_size = vocab_size
         self.limits = limits
-        # Started when the first response_format arrives (that request waits for it, as in vLLM), so a
-        # server that never sees one spends nothing on xgrammar.
+        self.backend = backend
+        # Started when the first constrained request arrives (that request waits for it, as in vLLM), so a
+        # server that never sees one spends nothing on a grammar engine.
         self._worker: _CompileWorker | None = None
-        self._cache: OrderedDict[str, str] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._cache_bytes = 0
 
-    def compile(self, fmt: ResponseFormat) -> str:
-        """The serialized grammar for a response_format ("" for plain text)."""
-        if fmt.type == "text":
-            return ""
-        schema: dict = {"type": "object"}  # json_object means an object (OpenAI), not any JSON value
-        if fmt.type == "json_schema":
-            if fmt.json_schema is None or fmt.json_schema.schema is None:
-                raise RequestError(400, "response_format json_schema needs json_schema.schema",
-                                   param="response_format")
-            schema = fmt.json_schema.schema
-        try:
-            text = json.dumps(schema, sort_keys=True)
-        except RecursionError:
-            raise RequestError(400, "response_format: the JSON schema is nested too deeply",
-                               param="response_format") from None
-        if (hit := self._cache.get(text)) is not None:
-            self._cache.move_to_end(text)
+    def compile(self, constraint: Constraint | ResponseFormat) -> str:
+        """The grammar for a constraint, in the backend's form ("" for a plain-text response_format)."""
+        if isinstance(constraint, ResponseFormat):
+            if (c := response_format(constraint)) is None:
+                return ""
+            constraint = c
+        if constraint.kind == "lark" and self.backend != "llguidance":
+            raise RequestError(400, f"{constraint.param} needs --grammar-backend llguidance (this server runs "
+                               f"{self.backend})", param=constraint.param)
+        key = (constraint.kind, constraint.source)
+        if (hit := self._cache.get(key)) is not None:
+            self._cache.move_to_end(key)
             return hit
-        grammar = self._compile(text)
-        self._remember(text, grammar)
+        grammar = self._compile(constraint)
+        self._remember(key, grammar)
         return grammar
 
-    def _compile(self, schema: str) -> str:
+    def _compile(self, c: Constraint) -> str:
         if self._worker is None or not self._worker.alive:
-            self._worker = _CompileWorker(self._model_path, self._vocab_size, self.limits.memory)
-        kind, value = self._worker.compile(schema, self.limits.compile_timeout)
+            self._worker = _CompileWorker(self.backend, self._model_path, self._vocab_size, self.limits.memory)
+        kind, value = self._worker.compile(c.kind, c.source, self.limits.compile_timeout)
+        what = "the JSON schema" if c.kind == "json_schema" else f"the {c.kind}"
         if kind == "timeout":
             self._worker = None
-            raise RequestError(408, f"response_format: compiling the JSON schema took longer than "
-                               f"{self.limits.compile_timeout:g}s; simplify it", param="response_format",
-                               code="grammar_compile_timeout")
+            raise RequestError(408, f"{c.param}: compiling {what} took longer than {self.limits.compile_timeout:g}s;"
+                               " simplify it", param=c.param, code="grammar_compile_timeout")
         if kind == "memory":
             self._worker = None
-            raise RequestError(400, f"response_format: the JSON schema is too complex (compiling it needed more "
-                               f"than {self.limits.memory >> 20} MiB); simplify it", param="response_format",
+            raise RequestError(400, f"{c.param}: {what} is too complex (compiling it needed more than "
+                               f"{self.limits.memory >> 20} MiB); simplify it", param=c.param,
                                code="grammar_too_complex")
-        if kind == "error":  # xgrammar reports a bad schema with several exception types
-            raise RequestError(400, f"response_format: cannot compile the JSON schema: {value}",
-                               param="response_format")
+        if kind == "error":  # both engines report a bad or unsupported constraint this way
+            raise RequestError(400, f"{c.param}: cannot compile {what}: {value}", param=c.param)
         if len(value) > self.limits.max_grammar_bytes:
-            raise RequestError(400, f"response_format: the JSON schema is too complex (its grammar takes "
-                               f"{len(value) >> 20} MiB, more than {self.limits.max_grammar_bytes >> 20}); simplify it",
-                               param="response_format", code="grammar_too_complex")
+            raise RequestError(400, f"{c.param}: {what} is too complex (its grammar takes {len(value) >> 20} MiB, "
+                               f"more than {self.limits.max_grammar_bytes >> 20}); simplify it", param=c.param,
+                               code="grammar_too_complex")
         return value
 
-    def _remember(self, schema: str, grammar: str) -> None:
-        self._cache[schema] = grammar
-        self._cache_bytes += len(schema) + len(grammar)
+    def _remember(self, key: tuple[str, str], grammar: str) -> None:
+        self._cache[key] = grammar
+        self._cache_bytes += len(key[1]) + len(grammar)
         while self._cache_bytes > self.limits.cache_bytes and len(self._cache) > 1:
-            old_schema, old = self._cache.popitem(last=False)
-            self._cache_bytes -= len(old_schema) + len(old)
+            (_, old_source), old = self._cache.popitem(last=False)
+            self._cache_bytes -= len(old_source) + len(old)
 
 
 class _CompileWorker:
     """xgrammar in a child process of the render worker: a compile that runs past its time is killed with
     the process, one that grows past its memory fails there, and neither touches the render worker."""
 
-    def __init__(self, model_path: str, vocab_size: int, memory: int) -> None:
+    def __init__(self, backend: Backend, model_path: str, vocab_size: int, memory: int) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, model_path, vocab_size, memory, mp.current_process().pid),
-                                 name="sluice-grammar", daemon=True)
+        self._proc = ctx.Process(target=_serve, name="sluice-grammar", daemon=True,
+                                 args=(child, backend, model_path, vocab_size, memory, mp.current_process().pid))
         self._proc.start()
         child.close()
         if not self._conn.poll(_START_TIMEOUT_S) or self._recv()[0] != "ready":
@@ -113,11 +142,11 @@ class _CompileWorker:
     def alive(self) -> bool:
         return self._proc.is_alive()
 
-    def compile(self, schema: str, timeout: float) -> tuple[str, str]:
+    def compile(self, kind: Kind, source: str, timeout: float) -> tuple[str, str]:
         """("ok", grammar) | ("error", why) | ("memory", "") | ("timeout", "")."""
-        self._conn.send(schema)
+        self._conn.send((kind, source))
         if not self._conn.poll(timeout):
-            log.warning("a JSON schema compile took longer than %gs: stopping it", timeout)
+            log.warning("a %s compile took longer than %gs: stopping it", kind, timeout)
             self.kill()
             return "timeout", ""
         return self._recv()
@@ -135,30 +164,71 @@ class _CompileWorker:
         self._conn.close()
 
 
-def _serve(conn: Connection, model_path: str, vocab_size: int, memory: int, parent: int) -> None:
+def _serve(conn: Connection, backend: Backend, model_path: str, vocab_size: int, memory: int, parent: int) -> None:
     from sluice import procs
 
     procs.die_with_parent(parent)
     procs.set_title("sluice: grammar compiler")
+    compile_ = _llguidance(model_path, vocab_size) if backend == "llguidance" else _xgrammar(model_path, vocab_size)
+    _limit_growth(memory)
+    conn.send(("ready", ""))
+    while True:
+        try:
+            kind, source = conn.recv()
+        except EOFError:  # the render worker is gone
+            return
+        try:
+            reply = ("ok", compile_(kind, source))
+        except MemoryError:
+            reply = ("memory", "")
+        except Exception as e:  # noqa: BLE001  (a bad constraint: every kind goes back to the client)
+            reply = ("memory", "") if "bad_alloc" in str(e) else ("error", str(e))
+        conn.send(reply)
+
+
+def _llguidance(model_path: str, vocab_size: int):
+    """kind, source -> an llguidance grammar, checked against the vocabulary (ValueError if it cannot be)."""
+    import llguidance
+
+    from sluice.checkpoint import guidance_tokenizer
+
+    tokenizer = guidance_tokenizer(model_path, vocab_size)
+
+    def compile_(kind: Kind, source: str) -> str:
+        if kind == "json_schema":
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=cast(Any, NO_WHITESPACE))
+        else:  # (grammar: GBNF or Lark, whichever the text is)
+            grammar = llguidance.grammar_from(cast(Any, kind), source)
+        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+        if error:
+            raise ValueError(error)
+        return grammar
+
+    return compile_
+
+
+def _xgrammar(model_path: str, vocab_size: int):
+    """kind, source -> a serialized xgrammar grammar."""
     import xgrammar as xgr
 
     from sluice.checkpoint import tokenizer_info
 
     compiler = xgr.GrammarCompiler(tokenizer_info(model_path, vocab_size), cache_enabled=False)
-    _limit_growth(memory)
-    conn.send(("ready", ""))
-    while True:
-        try:
-            schema = conn.recv()
-        except EOFError:  # the render worker is gone
-            return
-        try:
-            reply = ("ok", compiler.compile_json_schema(schema, any_whitespace=False).serialize_json())
-        except MemoryError:
-            reply = ("memory", "")
-        except Exception as e:  # noqa: BLE001  (a bad schema: every kind goes back to the client)
-            reply = ("memory", "") if "bad_alloc" in str(e) else ("error", str(e))
-        conn.send(reply)
+
+    def compile_(kind: Kind, source: str) -> str:
+        if kind == "json_schema":
+            return compiler.compile_json_schema(source, any_whitespace=False).serialize_json()
+        if kind == "regex":
+            return compiler.compile_regex(source).serialize_json()
+        if kind == "choice":
+            return compiler.compile_regex("|".join(_regex_literal(c) for c in json.loads(source))).serialize_json()
+        return compiler.compile_grammar(source).serialize_json()  # EBNF (a Lark grammar fails here: 400)
+
+    return compile_
+
+
+def _regex_literal(text: str) -> str:
+    return "".join("\\" + ch if ch in r".^$*+?()[]{}|\/" else ch for ch in text)
 
 
 def _limit_growth(memory: int) -> None:

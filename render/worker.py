@@ -31,7 +31,8 @@ def build_core(cfg: ServerConfig) -> ChatCore:
     hf = cfg.hf_config()
     return ChatCore(extension_for(hf, bundle, options_of(cfg)), bundle, max_model_len=cfg.max_model_len,
                     model_vocab_size=hf["vocab_size"], num_shards=cfg.postproc_workers,
-                    grammars=GrammarCompiler(cfg.model_path, hf["vocab_size"], grammar_limits(cfg)),
+                    grammars=GrammarCompiler(cfg.model_path, hf["vocab_size"], grammar_limits(cfg),
+                                             cfg.grammar_backend),
                     perf_metrics=cfg.perf_metrics, stream_interval=cfg.stream_interval)
 
 

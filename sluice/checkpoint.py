@@ -43,6 +43,16 @@ def tokenizer_info(model_path: str, vocab_size: int):
                              stop_token_ids=eos_token_ids(Path(model_path)) or None, add_prefix_space=prefix_space)
 
 
+def guidance_tokenizer(model_path: str, vocab_size: int):
+    """llguidance's view of the checkpoint's tokenizer, from tokenizer.json (its end tokens: the model's EOS
+    ids; each request's own stop ids are added where a grammar may end)."""
+    import llguidance
+
+    path = Path(model_path)
+    return llguidance.LLTokenizer((path / "tokenizer.json").read_text(), n_vocab=vocab_size,
+                                  eos_token=eos_token_ids(path) or None)
+
+
 class Background:
     """A value built on a thread, so building it does not stall a stage's loop.
 

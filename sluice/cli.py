@@ -12,6 +12,7 @@ from render.extensions import ExtensionOptions, check_parsers
 from sluice import envs
 from sluice.builtin_models import resolve_model
 from sluice.config import ServerConfig
+from sluice.disagg import with_ports
 from sluice.logs import setup_logging
 from sluice.options import add_flags, config_file_values, flag_table, validated
 from sluice.supervisor import Supervisor, make_runtime_dir
@@ -82,6 +83,7 @@ def config_from_args(args: dict) -> ServerConfig:
     if cfg.connection_limit <= cfg.max_pending:
         raise ValueError(f"--max-connections ({cfg.connection_limit}) must exceed --max-pending ({cfg.max_pending}): "
                          f"each pending request holds a connection, and a full server needs more to answer 503")
+    cfg = with_ports(cfg)
     return msgspec.structs.replace(cfg, runtime_dir=make_runtime_dir())
 
 

@@ -107,6 +107,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_stream_buffer: Annotated[int, option(
         "a stream's events waiting for a client that reads slower than they come; past it the request is "
         "aborted and the stream cut", unit="bytes", ge=1)] = 4 << 20
+    grammar_backend: Annotated[Literal["llguidance", "xgrammar"], option(
+        "the grammar engine for structured output and tool calls (bench/RESULTS.md compares them; forced and "
+        "strict tool calls need llguidance)")] = "llguidance"
     grammar_compile_timeout: Annotated[float, option(
         "time to compile one response_format schema; past it, 408", unit="s", gt=0)] = 10.0
     grammar_memory: Annotated[int, option(
@@ -121,6 +124,29 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     background_concurrency: Annotated[int, option(
         "requests the background owner (batches, background responses) runs at once, behind interactive ones",
         ge=1)] = 32
+    role: Annotated[Literal["both", "context", "generation"], option(
+        "disaggregated serving: context (computes prompts' KV and hands it over), generation (takes it over and "
+        "decodes), both (neither hand-off); every role serves ordinary requests too")] = "both"
+    disagg_secret: Annotated[str | None, option(
+        "the orchestrator's shared secret: disaggregated_params are taken only with it in the "
+        "x-sluice-disagg-secret header (required with a context or generation --role)")] = None
+    kv_transfer: Annotated[Literal["shm", "nixl"], option(
+        "how a generation worker reads a context worker's KV blocks: shm (one host), nixl (NIXL's UCX "
+        "backend: across hosts)")] = "shm"
+    kv_lease_timeout: Annotated[float, option(
+        "how long a context worker keeps a prompt's KV blocks for a generation worker to read", unit="s",
+        gt=0)] = 30.0
+    kv_load_failure: Annotated[Literal["recompute", "fail"], option(
+        "when a generation worker cannot read the KV (a lease expired, a context worker gone): compute the "
+        "prompt itself, or fail the request")] = "recompute"
+    kv_transfer_port: Annotated[int, option("the context engine's KV control port (releases, NIXL metadata)",
+                                            ge=0, le=65535, default_text="a free port")] = 0
+    kv_events: Annotated[bool, option("do not publish the prefix cache's block events for a KV-aware router",
+                                      flag="--no-kv-events")] = True
+    kv_events_port: Annotated[int, option("port of the prefix cache's block events (ZeroMQ PUB)", ge=0,
+                                          le=65535, default_text="a free port")] = 0
+    advertise_host: Annotated[str | None, option(
+        "the address other hosts reach this server's KV ports at", default_text="--host")] = None
 
     @property
     def connection_limit(self) -> int:

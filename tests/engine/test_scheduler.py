@@ -76,7 +76,7 @@ def test_stop_tokens_min_tokens_and_length():
     finished = {}
     run(sched, on_step=lambda i, r: finished.update({s.request_id: (why, s.num_output_tokens)
                                                      for s, why in r.finished}))
-    assert finished == {"stops": ("stop", 1), "min": ("stop", 5), "len": ("length", 5)}
+    assert finished == {"stops": ("stop_token", 1), "min": ("stop_token", 5), "len": ("length", 5)}
 
 
 def test_max_model_len_ends_with_length():

@@ -23,11 +23,12 @@ def test_a_json_schema_constrains_the_whole_output(tiny_chat_dir):
     runner, sched = make_engine(tiny_chat_dir)
     tok = Tokenizer.from_file(str(tiny_chat_dir / "tokenizer.json"))
     eos = tok.token_to_id("<|im_end|>")
-    compiled = Grammars(str(tiny_chat_dir), 704).load(grammar).result()
+    grammars = Grammars(str(tiny_chat_dir), 704)
+    compiled = grammars.load(grammar).result()
     seqs = []
     for i in range(4):
         s = seq(f"r{i}", [5, 6, 7, 8 + i], max_tokens=60, temperature=1.0, seed=i, stop_token_ids=(eos,))
-        s.grammar = Grammars.state(compiled, [], [eos])
+        s.grammar = grammars.state(compiled, [], [eos])
         seqs.append(s)
     out = generate(runner, sched, seqs)
     for ids in out.values():
@@ -45,7 +46,8 @@ def test_gpt_oss_constrains_only_the_final_channel(gpt_oss_dir):
     enc = harmony_encoding()
     trigger = enc.encode("<|channel|>final<|message|>", allowed_special="all")
     grammar = GrammarCompiler(str(gpt_oss_dir), 201088).compile(FORMAT)
-    compiled = Grammars(str(gpt_oss_dir), 201088).load(grammar).result()
+    grammars = Grammars(str(gpt_oss_dir), 201088)
+    compiled = grammars.load(grammar).result()
     runner, sched = make_engine(gpt_oss_dir, block_size=4)
     prompt = enc.encode("<|start|>user<|message|>hi<|end|><|start|>assistant", allowed_special="all")
     force_message = {200008: 100.0}  # the next token is <|message|>, which completes the header
@@ -53,7 +55,7 @@ def test_gpt_oss_constrains_only_the_final_channel(gpt_oss_dir):
     analysis = seq("analysis", prompt + enc.encode("<|channel|>analysis", allowed_special="all"), max_tokens=3,
                    logit_bias=force_message, stop_token_ids=(200002,))
     for s in (final, analysis):
-        s.grammar = Grammars.state(compiled, trigger, [200002])
+        s.grammar = grammars.state(compiled, trigger, [200002])
     out = generate(runner, sched, [final, analysis])
     assert final.grammar.active and not analysis.grammar.active
     assert out["final"][0] == 200008 and out["final"][-1] == 200002

@@ -29,7 +29,8 @@ step_outputs = st.builds(
     request_ids=st.lists(st.text(max_size=10), max_size=5),
     indices=ids.map(ids_to_bytes),
     token_ids=ids.map(ids_to_bytes),
-    finished=st.lists(st.builds(Finished, st.text(max_size=10), st.integers(0, 8), st.sampled_from(["stop", "length"])),
+    finished=st.lists(st.builds(Finished, st.text(max_size=10), st.integers(0, 8),
+                                st.sampled_from(["stop_token", "grammar", "length"])),
                       max_size=3),
     aborted=st.lists(st.text(max_size=10), max_size=3),
     failed=st.lists(st.builds(Failed, st.text(max_size=10), st.text(max_size=30)), max_size=2),
@@ -61,8 +62,8 @@ def test_ingress_messages_round_trip(msg):
 def test_a_finish_reason_outside_the_protocol_is_a_decode_error():
     """The old protocol's "abort" verdict with choice -1 meant 'the whole request': a peer still speaking
     it must fail loudly, not be read as something else."""
-    old = StepOutputs([], [], b"", b"", [Finished("r", 0, "stop")])
-    raw = msgspec.msgpack.encode(old).replace(b"\xa4stop", b"\xa5abort")
+    old = StepOutputs([], [], b"", b"", [Finished("r", 0, "length")])
+    raw = msgspec.msgpack.encode(old).replace(b"\xa6length", b"\xa5abort")
     with pytest.raises(msgspec.ValidationError, match="abort"):
         msgspec.msgpack.decode(raw, type=StepOutputs)
 

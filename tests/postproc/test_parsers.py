@@ -142,7 +142,7 @@ def _feed(stream: bool, tokens: list[int]) -> bytes:
     req = RequestOutput(_spec(stream), None, Started("r", b"", 3), str)
     data = b""
     for i, tok in enumerate(tokens):
-        verdict = "stop" if i == len(tokens) - 1 else None
+        verdict = "stop_token" if i == len(tokens) - 1 else None
         data += req.on_token(0, tok, verdict, None)
     return data + req.final().data
 
@@ -191,7 +191,7 @@ def test_forced_tool_call_prefix_is_parsed_not_shown():
     req = RequestOutput(spec, None, Started("r", b"", 3), str)
     tokens = enc.encode('{"a": 1}', allowed_special="all") + [200012]
     for i, tok in enumerate(tokens):
-        req.on_token(0, tok, "stop" if i == len(tokens) - 1 else None, None)
+        req.on_token(0, tok, "stop_token" if i == len(tokens) - 1 else None, None)
     choice = json.loads(req.final().data)["choices"][0]
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1}'}
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None

@@ -30,7 +30,7 @@ def feed(shard, text, rid="r1", started=None, final="length", eos=None, groups=N
     (default: one at a time); returns every frame's data in order."""
     ids = shard.tokenizer.encode(text, add_special_tokens=False).ids + ([eos] if eos is not None else [])
     steps = [StepOutputs([started] if (i == 0 and started) else [], [rid], ids_to_bytes([0]), ids_to_bytes([tok]),
-                         [Finished(rid, 0, "stop" if eos is not None else final)] if i == len(ids) - 1 else [])
+                         [Finished(rid, 0, "stop_token" if eos is not None else final)] if i == len(ids) - 1 else [])
              for i, tok in enumerate(ids)]
     data, stopped = [], []
     for size in itertools.chain(groups or [], itertools.repeat(1)):

@@ -86,7 +86,6 @@ def test_named_tool_choice_forces_the_call(gpt_oss_dir):
 @pytest.mark.parametrize("body, feature", [
     ({"thinking_token_budget": 100}, "thinking_token_budget"),
     ({"chat_template": "{{ messages }}"}, "request_chat_template"),
-    ({"tool_choice": "required", "tools": TOOLS}, "tool_choice_required"),
 ])
 def test_what_gpt_oss_rejects_and_why(gpt_oss_dir, body, feature):
     core = make_core(gpt_oss_dir)
@@ -126,3 +125,10 @@ def test_parser_flags_are_checked_at_startup(model_type, options, ok):
     else:
         with pytest.raises(ValueError, match="cannot apply"):
             check_parsers({"model_type": model_type}, ExtensionOptions(**options))
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_gpt_oss_forced_calls_are_held_by_a_grammar_over_the_whole_output(gpt_oss_dir, choice):
+    req = make_core(gpt_oss_dir).render(job(messages=CONVERSATION[:2], tools=TOOLS, tool_choice=choice))
+    assert req.grammar and req.grammar_trigger == []  # (reasoning stays free inside the grammar)
+

@@ -1,0 +1,54 @@
+"""The prefix cache's block events, published for a KV-aware router (ipc/kv.py KvEvents).
+
+An XPUB socket: every subscription (a router that connects, or one that lost a message and subscribes
+again) is answered with a snapshot of every cached hash; after it, each step's stored and removed hashes.
+"""
+from __future__ import annotations
+
+import msgspec
+import zmq
+
+from engine.block_manager import BlockManager, CacheEvents
+from ipc.kv import KvEvents
+
+_MAX_QUEUED = 10_000  # messages per subscriber before ZeroMQ drops (the subscriber then sees a gap)
+
+
+class KvEventPublisher:
+    def __init__(self, ctx: zmq.Context, address: str, bm: BlockManager) -> None:
+        self.bm = bm
+        self.events = bm.events = CacheEvents()
+        self._sock = ctx.socket(zmq.XPUB)
+        self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, repeated ones too, asks for a snapshot
+        self._sock.setsockopt(zmq.SNDHWM, _MAX_QUEUED)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(address)
+        self._seq = 0
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def publish(self) -> None:
+        """Answers new subscriptions with a snapshot, or sends what changed since the last call."""
+        snapshot = False
+        while True:
+            try:
+                msg = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            snapshot |= msg[:1] == b"\x01"
+        if snapshot:
+            self._send(KvEvents(self._seq, list(self.bm.cached), snapshot=True))
+        elif self.events.stored or self.events.removed:
+            self._send(KvEvents(self._seq, self.events.stored, self.events.removed))
+        else:
+            return
+        self.events.stored, self.events.removed = [], []
+
+    def _send(self, msg: KvEvents) -> None:
+        self._seq += 1
+        try:
+            self._sock.send(self._encoder.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def close(self) -> None:
+        self._sock.close()

@@ -1,0 +1,69 @@
+"""Disaggregated serving by hand (what `sluice router` does): a context_only request to a context worker,
+then its answer's disaggregated_params in a generation_only request to a generation worker."""
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from bench.server import Server
+
+SECRET = "test-secret"
+HEADERS = {"x-sluice-disagg-secret": SECRET}
+
+
+class Trio:
+    def __init__(self, ctx_args: tuple = (), gen_args: tuple = (), common: tuple = ()) -> None:
+        self.ctx = Server("--role", "context", "--disagg-secret", SECRET, *common, *ctx_args)
+        self.gen = Server("--role", "generation", "--disagg-secret", SECRET, *common, *gen_args)
+        self.agg = Server(*common)
+
+    def stop(self) -> None:
+        for s in (self.ctx, self.gen, self.agg):
+            assert s.stop() == 0, s.output()
+
+
+def context(url: str, path: str, body: dict) -> dict:
+    r = httpx.post(url + path, json={**body, "disaggregated_params": {"request_type": "context_only"}},
+                   headers=HEADERS, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["disaggregated_params"]
+
+
+def generation(url: str, path: str, body: dict, params: dict) -> httpx.Response:
+    return httpx.post(url + path, json={**body, "disaggregated_params": {**params, "request_type": "generation_only"}},
+                      headers=HEADERS, timeout=60)
+
+
+def two_hop(ctx: Server, gen: Server, path: str, body: dict) -> httpx.Response:
+    return generation(gen.url, path, body, context(ctx.url, path, body))
+
+
+def comparable(r: httpx.Response, stream: bool) -> list:
+    """What must be equal between two servers' answers: each choice's text, tool calls, finish reason and
+    token ids (ids, created and timings differ)."""
+    assert r.status_code == 200, r.text
+    if not stream:
+        return [_choice(c) for c in r.json()["choices"]]
+    merged: dict[int, dict] = {}
+    for line in r.text.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        for c in json.loads(line[6:]).get("choices", []):
+            m = merged.setdefault(c["index"], {"text": "", "finish": None, "ids": []})
+            d = c.get("delta", c)
+            m["text"] += d.get("content") or d.get("text") or ""
+            m["finish"] = c.get("finish_reason") or m["finish"]
+            m["ids"] += c.get("token_ids") or []
+    return [merged[i] for i in sorted(merged)]
+
+
+def _choice(c: dict) -> dict:
+    m = c.get("message") or {}
+    calls = [(t["function"]["name"], t["function"]["arguments"]) for t in m.get("tool_calls") or []]
+    return {"text": c.get("text", m.get("content")), "reasoning": m.get("reasoning_content"), "calls": calls,
+            "finish": c["finish_reason"], "ids": c.get("token_ids")}
+
+
+def kv_used(server: Server) -> float:
+    return server.metrics()["sluice:kv_cache_used_blocks"]
