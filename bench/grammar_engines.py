@@ -209,7 +209,8 @@ def coverage(engine: Engine, vocab: int, decode: Callable[[list[int]], str], sam
     return out
 
 
-def batch_cost(backend: str, temperature: float, batch: int = 16, steps: int = 30) -> tuple[float, float]:
+def batch_cost(backend: str, temperature: float, dtype: torch.dtype, batch: int = 16,
+               steps: int = 30) -> tuple[float, float]:
     """Mean ms of a decode step of `batch` sequences on the o200k-vocabulary tiny Llama: all free,
     then one of them held to a schema (the engine's own runner, scheduler and grammar path)."""
     from bench.checkpoints import tiny_llama_o200k
@@ -225,10 +226,10 @@ def batch_cost(backend: str, temperature: float, batch: int = 16, steps: int = 3
     grammar = GrammarCompiler(str(path), vocab, backend=backend).compile(json_schema(WEATHER, "response_format"))
     grammars = Grammars(str(path), vocab, backend)
     loaded = grammars.load(grammar).result()
-    weights = load_model(path, torch.bfloat16, torch.device("cpu"))
+    weights = load_model(path, dtype, torch.device("cpu"))
     out = []
     for held in (0, 1):
-        runner, sched, rng = _engine(weights, torch.bfloat16)
+        runner, sched, rng = _engine(weights, dtype)
         for i in range(batch):
             seq = Sequence(f"r{i}", rng.integers(0, vocab - 1000, 64).tolist(),
                            SamplingParams(max_tokens=steps + 20, temperature=temperature, stop_token_ids=(2,)),
@@ -256,11 +257,12 @@ def main() -> None:
                     help="only: what one held sequence costs a batch of 16 (tiny Llama, o200k vocabulary)")
     args = ap.parse_args()
     if args.batch_cost:
-        print("| engine | temperature | step ms, 16 free | 15 free + 1 held |")
+        print("| engine | dtype | temperature | step ms, 16 free | 15 free + 1 held |")
         for backend in ("llguidance", "xgrammar"):
-            for temperature in (0.0, 1.0):
-                free, held = batch_cost(backend, temperature)
-                print(f"| {backend} | {temperature:g} | {free:.2f} | {held:.2f} |", flush=True)
+            for dtype in (torch.float32, torch.bfloat16):
+                for temperature in (0.0, 1.0):
+                    free, held = batch_cost(backend, temperature, dtype)
+                    print(f"| {backend} | {str(dtype)[6:]} | {temperature:g} | {free:.2f} | {held:.2f} |", flush=True)
         return
     from tokenizers import Tokenizer
 

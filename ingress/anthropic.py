@@ -153,15 +153,17 @@ async def list_batches(ingress: Any, request: Request, receive, send) -> int:
 
 @route("GET", "/v1/messages/batches/{id}", dialect=MESSAGES)
 async def get_batch(ingress: Any, request: Request, receive, send) -> int:
-    batch = await asyncio.to_thread(_store(ingress).get, request.params["id"])
-    if batch is None:
-        return await _not_found(ingress, send, request)
-    return await respond(send, 200, _json.encode(batch))
+    return await _batch_reply(ingress, request, send, "get")
 
 
 @route("POST", "/v1/messages/batches/{id}/cancel", dialect=MESSAGES)
 async def cancel_batch(ingress: Any, request: Request, receive, send) -> int:
-    batch = await asyncio.to_thread(_store(ingress).cancel, request.params["id"])
+    return await _batch_reply(ingress, request, send, "cancel")
+
+
+async def _batch_reply(ingress: Any, request: Request, send, operation: str) -> int:
+    """The batch after the store's `operation` on it (get, cancel), or a 404."""
+    batch = await asyncio.to_thread(getattr(_store(ingress), operation), request.params["id"])
     if batch is None:
         return await _not_found(ingress, send, request)
     return await respond(send, 200, _json.encode(batch))

@@ -4,6 +4,7 @@ as a whole body or as an event in a stream that already began. Everything after 
 chat core's (render translates, postproc frames)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -34,8 +35,8 @@ class Dialect:
     keepalive_s: float = 1.0
     decoder: msgspec.json.Decoder = field(init=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "decoder", msgspec.json.Decoder(self.request_type))
+    def __post_init__(self) -> None:  # (one decoder a type: a per-request copy of a dialect builds none)
+        object.__setattr__(self, "decoder", _decoder(self.request_type))
 
     def streams(self, request: Any) -> bool:
         return bool(getattr(request, "stream", False))
@@ -53,6 +54,11 @@ class Dialect:
                            "headers": [*message.get("headers", []), *extra]}
             await send(message)
         return wrapped
+
+
+@functools.cache
+def _decoder(request_type: type) -> msgspec.json.Decoder:
+    return msgspec.json.Decoder(request_type)
 
 
 def openai_error(f: Failure) -> bytes:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import time
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -14,10 +13,11 @@ from ipc.addresses import shard_of
 from ipc.messages import EngineRequest, KvExport, KvImport, PostprocSpec, RenderJob, SamplingParams, ids_to_bytes
 from ipc.openai import ChatCompletionRequest, CompletionRequest, DisaggregatedParams, NamedToolChoice
 from render import dialects
+from render.constraints import check_tool_choice, requested
 from render.dialects import Shorter
 from render.errors import RequestError
 from render.extensions import ServingExtension, message_text
-from render.structured import Constraint, GrammarCompiler, json_schema, response_format
+from render.structured import Constraint, GrammarCompiler, response_format
 from render.tokenizer import PromptBudget, TokenizerBundle, context_length_error
 
 _DECODERS: dict[str, msgspec.json.Decoder] = {
@@ -102,7 +102,7 @@ class ChatCore:
             (prompt, echo), prefix = self._completion_prompt(request) if imported is None else \
                 (imported[0], _imported_echo(request, imported[0], self._decode)), []
             max_tokens, top_logprobs = request.max_tokens, request.logprobs
-            grammar, trigger = self._grammar(request, _requested(request))
+            grammar, trigger = self._grammar(request, requested(request))
             max_tokens_field = "max_tokens"
         max_tokens = self._check_length(len(prompt), max_tokens, max_tokens_field)
         spec = PostprocSpec(
@@ -189,7 +189,7 @@ class ChatCore:
             raise RequestError(400, f"{item.feature} is not supported by this model: {item.message}",
                                param=item.param, code="unsupported_feature")
         _check_nesting(request)
-        _check_tool_choice(request)
+        check_tool_choice(request)
         ids = self._pretokenized(request)
         if ids is not None:
             if request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice):
@@ -205,7 +205,7 @@ class ChatCore:
         """What a chat output must match (and whether it is the whole output, or the answer the serving
         extension says where to find): the client's format, or the serving extension's grammar for tool calls
         that must be made or held to their schemas."""
-        own = _requested(request)
+        own = requested(request)
         if request.response_format is not None and (fmt := response_format(request.response_format)) is not None:
             if own[0] is not None:
                 raise RequestError(400, "send response_format or structured_outputs, not both",
@@ -388,44 +388,3 @@ def _depth(value: Any) -> int:
             deepest = max(deepest, depth)
             stack.extend((child, depth + 1) for child in children)
     return deepest
-
-
-def _requested(request: ChatCompletionRequest | CompletionRequest) -> tuple[Constraint | None, bool]:
-    """The client's structured_outputs, as a constraint (None without one); never the whole output on a
-    model that reasons first (the serving extension says where the answer starts)."""
-    so = request.structured_outputs
-    if so is None:
-        return None, False
-    given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
-             if getattr(so, name) not in (None, False)]
-    if len(given) != 1:
-        raise RequestError(400, f"structured_outputs takes exactly one of json, regex, choice, grammar, json_object; "
-                           f"got {given or 'none'}", param="structured_outputs")
-    param = f"structured_outputs.{given[0]}"
-    if so.json is not None:
-        try:
-            schema = json.loads(so.json) if isinstance(so.json, str) else so.json
-        except ValueError:
-            raise RequestError(400, "structured_outputs.json is not a JSON schema", param=param) from None
-        return json_schema(schema, param), False
-    if so.json_object:
-        return json_schema({"type": "object"}, param), False
-    if so.regex is not None:
-        return Constraint("regex", so.regex, param), False
-    if so.choice is not None:
-        return Constraint("choice", json.dumps(so.choice), param), False
-    return Constraint("grammar", so.grammar or "", param), False
-
-
-def _check_tool_choice(request: ChatCompletionRequest) -> None:
-    """A forced call needs tools, and a named one a tool of that name."""
-    choice = request.tool_choice
-    if choice != "required" and not isinstance(choice, NamedToolChoice):
-        return
-    names = [t.function.name for t in request.tools or []]
-    if not names:
-        raise RequestError(400, "tool_choice forces a call, but the request has no tools", param="tool_choice")
-    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-        raise RequestError(400, f"tool_choice names {choice.function.name!r}, which is not in tools {names}",
-                           param="tool_choice")
-
