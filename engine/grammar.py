@@ -33,8 +33,9 @@ class Matcher(Protocol):
 
 
 class GrammarState:
-    def __init__(self, matcher: Matcher, trigger: list[int]) -> None:
+    def __init__(self, matcher: Matcher, trigger: list[int], vocab_size: int) -> None:
         self.matcher = matcher
+        self.vocab_size = vocab_size
         self.trigger = trigger
         self.active = not trigger
         self.error: str | None = None  # set when the grammar cannot go on: the request fails, alone
@@ -51,6 +52,12 @@ class GrammarState:
                 self.error = f"structured output: the sampled token {token} does not fit the grammar"
         elif token == self.trigger[-1] and token_ids[len(token_ids) - len(self.trigger) + 1:] == self.trigger[:-1]:
             self.active = True
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar allows `token` next."""
+        bitmask = torch.zeros(1, -(-self.vocab_size // 32), dtype=torch.int32)
+        self.fill(bitmask, 0)
+        return bool((int(bitmask[0, token >> 5]) >> (token & 31)) & 1)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the tokens allowed next into `bitmask`'s row (on failure, the error; the row stays open)."""
@@ -122,6 +129,7 @@ class Grammars:
         from sluice.checkpoint import guidance_tokenizer, tokenizer_info
 
         self.backend = backend
+        self.vocab_size = vocab_size
         vocabulary = guidance_tokenizer if backend == "llguidance" else tokenizer_info
         self._vocabulary = Background(lambda: vocabulary(model_path, vocab_size), lazy=True)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="grammar-load")
@@ -162,11 +170,11 @@ class Grammars:
         """A matcher for one sequence that ends the output on one of `stop_token_ids` (none, e.g. with
         ignore_eos: the grammar's own end ends it, whatever ignore_eos says)."""
         if self.backend == "llguidance":
-            return GrammarState(_Guidance(loaded.deep_copy(), list(stop_token_ids)), trigger)
+            return GrammarState(_Guidance(loaded.deep_copy(), list(stop_token_ids)), trigger, self.vocab_size)
         import xgrammar as xgr
 
         matcher = xgr.GrammarMatcher(loaded, override_stop_tokens=list(stop_token_ids) or None)
-        return GrammarState(_XGrammar(matcher), trigger)
+        return GrammarState(_XGrammar(matcher), trigger, self.vocab_size)
 
 
 def apply_grammars(logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from engine.attention import AttentionGroup, AttentionMetadata
 from engine.lm_head import LMHead
-from engine.sampler import SamplingBatch, TokenLogprobs, logprobs_of, plain_greedy, sample
+from engine.sampler import SamplingBatch, TokenLogprobs, greedy_held, logprobs_of, plain_greedy, sample
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from ipc.messages import SamplingParams
@@ -97,18 +97,34 @@ class ModelRunner:
         hidden, inputs = self._hidden(batch)
         seqs = inputs["sampling_seqs"]
         if not inputs["prompt_rows"]:
-            greedy = [plain_greedy(s) for s in seqs]
+            greedy = [plain_greedy(s) or greedy_held(s) for s in seqs]
             if all(greedy):
                 # the argmax without the logits: the LM head's kernel need not write them (the same tokens)
-                return StepSamples(self.lm_head.argmax(hidden).tolist())
+                return self._settle_held(hidden, seqs, StepSamples(self.lm_head.argmax(hidden).tolist()))
             if sum(greedy) >= _SPLIT_GREEDY_MIN and self.lm_head.kernel is not None:
-                return self._split(hidden, seqs, greedy)
+                return self._settle_held(hidden, seqs, self._split(hidden, seqs, greedy))
         return self._sample(hidden, seqs, inputs["num_prompt_rows"], inputs["prompt_rows"])
+
+    def _settle_held(self, hidden: torch.Tensor, seqs: list[Sequence], out: StepSamples) -> StepSamples:
+        """Greedy rows held by a grammar took the plain argmax: where the grammar allows it, it is their token
+        (a held request then costs the batch no logits); the others take the logits path, masked."""
+        held = [r for r, s in enumerate(seqs) if greedy_held(s)]
+        if not held:
+            return out
+        refused = [r for r in held if not seqs[r].grammar.allows(out.tokens[r])]
+        for r in held:
+            if r not in refused:
+                seqs[r].grammar.observe(seqs[r].token_ids, out.tokens[r])
+        if refused:
+            again = self._sample(hidden[refused], [seqs[r] for r in refused], 0, [])
+            for r, token in zip(refused, again.tokens):
+                out.tokens[r] = token
+        return out
 
     def _split(self, hidden: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> StepSamples:
         """A step whose plain-greedy rows (`greedy[r]`) take the argmax path and the others the logits path:
         the tokens each path gives alone (a row's token depends on that row only)."""
-        fast = [r for r, g in enumerate(greedy) if g]
+        fast = [r for r, g in enumerate(greedy) if g]  # (held greedy rows too: _settle_held checks them)
         others = [r for r, g in enumerate(greedy) if not g]
         out = self._sample(hidden[others], [seqs[r] for r in others], 0, [])
         tokens, logprobs = [0] * len(seqs), [None] * len(seqs) if out.logprobs else []

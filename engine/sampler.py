@@ -101,6 +101,15 @@ def plain_greedy(seq: Sequence) -> bool:
             and not (len(seq.output_ids) < sp.min_tokens and sp.stop_token_ids))
 
 
+def greedy_held(seq: Sequence) -> bool:
+    """True when the sequence's next token is the argmax of its raw logits over what its grammar allows, and
+    nothing else reads them: then the plain argmax, if the grammar allows it, is that token."""
+    sp = seq.sampling
+    return (sp.temperature < _GREEDY_EPS and sp.logprobs is None and seq.grammar is not None
+            and seq.grammar.active and not (sp.allowed_token_ids or sp.bad_words_ids or sp.logit_bias
+                                            or sp.needs_penalties))
+
+
 def process_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Applies each request's constraints and penalties to logits [B, V] (a new float32 tensor when any
     applies)."""

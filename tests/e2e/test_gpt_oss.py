@@ -61,7 +61,6 @@ def test_return_token_ids_and_logprobs(real):
 @pytest.mark.parametrize("body, feature", [
     ({"thinking_token_budget": 64}, "thinking_token_budget"),
     ({"chat_template": "{{ messages }}"}, "request_chat_template"),
-    ({"tool_choice": "required", "tools": TOOLS}, "tool_choice_required"),
 ])
 def test_gpt_oss_rejections_are_400s_that_say_what_to_do(real, body, feature):
     r = httpx.post(real.url + "/v1/chat/completions", json={"model": MODEL, "messages": ASK, **body})

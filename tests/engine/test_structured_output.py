@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from tokenizers import Tokenizer
 
 from engine.grammar import Grammars
@@ -62,3 +63,30 @@ def test_gpt_oss_constrains_only_the_final_channel(gpt_oss_dir):
     value = json.loads(enc.decode(out["final"][1:-1]))
     assert set(value) == {"ok", "n"}
     assert out["analysis"] == [200008] * 3  # unconstrained: the bias alone decides
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_held_greedy_row_takes_the_plain_argmax_where_its_grammar_allows_it(tiny_chat_dir, dtype):
+    """Greedy rows held by a grammar ride the argmax path (no logits for the batch) and fall back to the
+    masked logits where the grammar refuses the argmax: the same tokens as the masked path alone (asking for
+    logprobs forces that path; it does not change the tokens)."""
+    grammar = GrammarCompiler(str(tiny_chat_dir), 704).compile(FORMAT)
+    grammars = Grammars(str(tiny_chat_dir), 704)
+    compiled = grammars.load(grammar).result()
+    tok = Tokenizer.from_file(str(tiny_chat_dir / "tokenizer.json"))
+    eos = tok.token_to_id("<|im_end|>")
+    outputs = []
+    for logprobs in (None, 0):
+        runner, sched = make_engine(tiny_chat_dir, dtype=dtype)
+        seqs = [seq(f"free{i}", [5, 6, 7, 9 + i], max_tokens=30, temperature=0.0) for i in range(5)]
+        for i in range(3):
+            s = seq(f"held{i}", [5, 6, 7, 20 + i], max_tokens=60, temperature=0.0, stop_token_ids=(eos,),
+                    logprobs=logprobs)
+            s.grammar = grammars.state(compiled, [], [eos])
+            seqs.append(s)
+        outputs.append(generate(runner, sched, seqs))
+    fast, masked = outputs
+    assert fast == masked
+    for i in range(3):
+        value = json.loads(tok.decode(fast[f"held{i}"][:-1]))
+        assert set(value) == {"ok", "n"}
