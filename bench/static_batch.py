@@ -1,17 +1,20 @@
 """Sluice's engine against transformers `generate` on the same checkpoint and batch, and each
-decode step against its memory-bandwidth floor (reading the LM head once).
+decode step against its memory-bandwidth floor: the bytes a step must read (every weight the step's kernels
+read, at the width they read it, and the KV cache its rows attend to) at this run's memcpy and read rates.
 
-    python -m bench.static_batch [--batches 1,8,32] [--new-tokens 64] [--prompt-len 32] [--dtype float32]
+    python -m bench.static_batch [--model tiny-llama-o200k] [--batches 1,8,32] [--new-tokens 64]
+                                 [--prompt-len 32] [--dtype float32] [--no-transformers]
 """
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench.checkpoints import tiny_llama_o200k
+from bench.checkpoints import CHECKPOINTS, checkpoint
 from engine.block_manager import BlockManager
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
@@ -38,13 +41,39 @@ def bandwidth_gbps(nbytes: int = 256 << 20) -> tuple[float, float]:
     return rate(lambda: dst.copy_(src)), rate(src.sum)
 
 
+def weight_bytes(runner: ModelRunner) -> int:
+    """The bytes of every weight a decode step reads, at the width it reads them: each linear's (its packed
+    copy where a kernel runs it), the LM head's and the norms'."""
+    total = 0
+    for m in runner.model.modules():
+        if hasattr(m, "run"):
+            w = getattr(m.run, "packed", m.weight)
+            total += w.numel() * w.element_size()
+        elif type(m).__name__ == "RMSNorm":
+            total += m.weight.numel() * m.weight.element_size()
+    head = runner.lm_head
+    w = getattr(head.kernel, "packed", head.weight)
+    return total + w.numel() * w.element_size()
+
+
+def kv_bytes(model, batch: int, context: int, dtype) -> int:
+    """The KV cache a decode step of `batch` rows at `context` keys each reads."""
+    layers, heads, dim = model.kv_shape
+    return 2 * layers * heads * dim * batch * context * torch.empty((), dtype=dtype).element_size()
+
+
+def _engine(model, dtype) -> tuple[ModelRunner, Scheduler]:
+    runner = ModelRunner(model, 2048, 16, dtype, torch.device("cpu"))
+    return runner, Scheduler(BlockManager(2048, 16), max_num_seqs=256, max_num_batched_tokens=8192,
+                             max_model_len=4096)
+
+
 def sluice_decode(model, batch: int, prompt_len: int, new_tokens: int, dtype) -> tuple[float, float]:
     """(decode tokens/s, mean decode step ms) through the scheduler and paged runner."""
-    runner = ModelRunner(model, 4096, 16, dtype, torch.device("cpu"))
-    sched = Scheduler(BlockManager(4096, 16), max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096)
+    runner, sched = _engine(model, dtype)
     rng = np.random.default_rng(0)
     for i in range(batch):
-        sched.add(Sequence(f"r{i}", rng.integers(0, 199_000, prompt_len).tolist(),
+        sched.add(Sequence(f"r{i}", rng.integers(0, min(199_000, model.config.vocab_size), prompt_len).tolist(),
                            SamplingParams(max_tokens=new_tokens, temperature=0.0), seed=i))
     steps = []
     while (b := sched.schedule()) is not None:
@@ -59,7 +88,8 @@ def hf_generate(path, batch: int, prompt_len: int, new_tokens: int, dtype) -> fl
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    ids = torch.randint(0, 199_000, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
+    vocab = min(199_000, hf.config.vocab_size)
+    ids = torch.randint(0, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         hf.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
         t0 = time.perf_counter()
@@ -73,30 +103,32 @@ def hf_generate(path, batch: int, prompt_len: int, new_tokens: int, dtype) -> fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-llama-o200k", help=f"a path, or one of {', '.join(CHECKPOINTS)}")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--no-transformers", action="store_true", help="Sluice and the floors alone")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     keep_heap_memory()  # as the engine process does
-    path = tiny_llama_o200k()
+    path = Path(args.model) if Path(args.model).is_dir() else checkpoint(args.model)
     model = load_model(path, dtype, torch.device("cpu"))
-    head = model.lm_head.weight
+    weights = weight_bytes(_engine(model, dtype)[0])
     copy_gbps, read_gbps = bandwidth_gbps()
-    nbytes = head.numel() * head.element_size()
-    floor_ms, read_floor_ms = nbytes / (copy_gbps * 1e9) * 1000, nbytes / (read_gbps * 1e9) * 1000
-    print(f"LM head {nbytes / 1e6:.0f} MB; a step's memory-bandwidth floor: {floor_ms:.2f} ms at memcpy's "
-          f"{copy_gbps:.1f} GB/s, {read_floor_ms:.2f} ms at a read's {read_gbps:.1f} GB/s "
-          f"({args.dtype}, {torch.get_num_threads()} threads)")
-    print(f"{'batch':>5} {'sluice tok/s':>13} {'step ms':>8} {'x floor':>8} {'x read floor':>13} "
-          f"{'transformers tok/s':>19} {'ratio':>6}")
+    print(f"{path.name}, {args.dtype}, {torch.get_num_threads()} threads: a step reads {weights / 1e6:.0f} MB of "
+          f"weights (+ its KV cache); memcpy {copy_gbps:.1f} GB/s, a read {read_gbps:.1f} GB/s")
+    print(f"{'batch':>5} {'sluice tok/s':>13} {'step ms':>8} {'floor ms':>9} {'x floor':>8} {'read floor':>11} "
+          f"{'x read':>7} {'transformers tok/s':>19} {'ratio':>6}")
     for batch in (int(b) for b in args.batches.split(",")):
         sluice_decode(model, batch, args.prompt_len, 4, dtype)  # warm-up
         tps, step = sluice_decode(model, batch, args.prompt_len, args.new_tokens, dtype)
-        ref = hf_generate(path, batch, args.prompt_len, args.new_tokens, dtype)
-        print(f"{batch:>5} {tps:>13.0f} {step:>8.2f} {step / floor_ms:>8.2f} {step / read_floor_ms:>13.2f} "
-              f"{ref:>19.0f} {tps / ref:>6.2f}")
+        nbytes = weights + kv_bytes(model, batch, args.prompt_len + args.new_tokens // 2, dtype)
+        floor_ms, read_ms = nbytes / copy_gbps / 1e6, nbytes / read_gbps / 1e6
+        ref = float("nan") if args.no_transformers else hf_generate(path, batch, args.prompt_len, args.new_tokens,
+                                                                     dtype)
+        print(f"{batch:>5} {tps:>13.0f} {step:>8.2f} {floor_ms:>9.2f} {step / floor_ms:>8.2f} {read_ms:>11.2f} "
+              f"{step / read_ms:>7.2f} {ref:>19.0f} {tps / ref:>6.2f}")
 
 
 if __name__ == "__main__":

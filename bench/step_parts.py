@@ -1,9 +1,10 @@
 """Where a decode step's time goes, in process, and what each vocabulary-sized kernel choice costs.
 
-    python -m bench.step_parts [--batches 1,16,64] [--dtype bfloat16] [--prompt-len 130] [--prefill-steps]
-                               [--mixed] [--kernels] [--no-keep-heap]
+    python -m bench.step_parts [--model tiny-llama-o200k] [--batches 1,16,64] [--dtype bfloat16] [--prompt-len 130]
+                               [--prefill-steps] [--mixed] [--kernels] [--layers] [--no-keep-heap]
 
-Part 1 runs Sluice's scheduler and paged runner on the tiny o200k Llama (130-token prompts by default,
+Part 1 runs Sluice's scheduler and paged runner on a checkpoint (bench/checkpoints.py's names, or a path;
+the tiny o200k Llama by default) with 130-token prompts by default,
 so each decode attends to ~130-190 keys, as in bench/peer.py's load) and times each part of a decode step,
 greedy and at temperature 1. --prefill-steps times, beside batch - 1 decodes, the steps that also carry
 a new request's whole prompt (at concurrency 16 with 64-token answers, one step in four); --mixed times
@@ -15,16 +16,18 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bench.checkpoints import tiny_llama_o200k
-from engine import cpu_kernels
+from bench.checkpoints import CHECKPOINTS, checkpoint
 from engine.attention import _attention
 from engine.block_manager import BlockManager
-from engine.lm_head import LMHead, onednn_packed
+from engine.cpu import ops
+from engine.cpu.lm_head import onednn_packed
+from engine.lm_head import lm_head
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import SamplingBatch, argmax, exp_blocks, inverse_cdf, plain_greedy, sample
@@ -43,12 +46,17 @@ def _engine(model, dtype) -> tuple[ModelRunner, Scheduler, np.random.Generator]:
     return runner, sched, np.random.default_rng(0)
 
 
+def _prompt(rng: np.random.Generator, model, length: int) -> list[int]:
+    """Random token ids of the model's vocabulary (at most the first 199,000: o200k's ordinary tokens)."""
+    return rng.integers(0, min(199_000, model.config.vocab_size), length).tolist()
+
+
 def step_parts(model, dtype, batch: int, temperature: float, steps: int = 40,
                prompt_len: int = 130) -> dict[str, float]:
     """Mean milliseconds of each part of a decode step at this batch size."""
     runner, sched, rng = _engine(model, dtype)
     for i in range(batch):
-        sched.add(Sequence(f"r{i}", rng.integers(0, 199_000, prompt_len).tolist(),
+        sched.add(Sequence(f"r{i}", _prompt(rng, model, prompt_len),
                            SamplingParams(max_tokens=steps + 20, temperature=temperature), seed=i))
     for _ in range(10):  # the prefill, then warm-up decodes
         b = sched.schedule()
@@ -84,7 +92,7 @@ def prefill_steps(model, dtype, batch: int, prompt_len: int = 130, steps: int = 
     runner, sched, rng = _engine(model, dtype)
 
     def prompt():
-        return rng.integers(0, 199_000, prompt_len).tolist()
+        return _prompt(rng, model, prompt_len)
 
     for i in range(batch - 1):
         sched.add(Sequence(f"r{i}", prompt(), SamplingParams(max_tokens=10_000, temperature=0.0), seed=i))
@@ -108,7 +116,7 @@ def mixed_steps(model, dtype, batch: int, prompt_len: int = 130, steps: int = 40
                          ("greedy", lambda i: True)):
         runner, sched, rng = _engine(model, dtype)
         for i in range(batch):
-            sched.add(Sequence(f"r{i}", rng.integers(0, 199_000, prompt_len).tolist(),
+            sched.add(Sequence(f"r{i}", _prompt(rng, model, prompt_len),
                                SamplingParams(max_tokens=10_000, temperature=0.0 if greedy(i) else 1.0), seed=i))
         times = []
         for i in range(10 + steps):  # the prefill and warm-up decodes first
@@ -132,7 +140,7 @@ def bench_ms(fn, n: int = 20) -> float:
 def kernels(model, batches: list[int]) -> list[tuple[str, int, float, float]]:
     """(what, batch, plain torch ms, Sluice's ms) for each kernel choice."""
     weight = model.lm_weight().detach().bfloat16()
-    head, packed = LMHead(weight), onednn_packed(weight)
+    head, packed = lm_head(weight), onednn_packed(weight)
     onednn = lambda h: torch.ops.mkldnn._linear_pointwise(h, packed, None, "none", [], "")  # noqa: E731
     rows = []
     for b in batches:
@@ -176,16 +184,87 @@ def kernels(model, batches: list[int]) -> list[tuple[str, int, float, float]]:
             return _attention(qg, kg, vg, mask, 0.17)
 
         rows.append(("decode attention, 160 keys (gather + matmuls / kernel)", b, bench_ms(torch_path, 200),
-                     bench_ms(lambda: cpu_kernels.decode_attention(q, *caches, torch.arange(b), slots, mask, 0.17,
+                     bench_ms(lambda: ops.decode_attention(q, *caches, torch.arange(b), slots, mask, 0.17,
                                                                    None, out), 200)))
+    return rows
+
+
+def layer_parts(model, dtype, batch: int, prompt_len: int = 130, n: int = 20) -> list[tuple[str, float, float]]:
+    """(op, torch's ms, Sluice's ms) for each op of one decoder layer (the model's first) at a decode step of
+    `batch` rows: torch's path op by op (F.linear, torch's norm, rotary and attention) against the backend's
+    kernels op by op; then a layer in a step, op by op (the backend's kernels) against the layers in one call
+    (a step's backbone over its number of layers). Each op's inputs come from a real decode step; the ops
+    alone run warm (one layer's weights stay cached: its linears run faster than in a step, whose weights
+    come from memory)."""
+    from engine.attention import paged_attention, rope_and_store
+    from engine.backend import TORCH
+
+    runner, sched, rng = _engine(model, dtype)
+    for i in range(batch):
+        sched.add(Sequence(f"r{i}", _prompt(rng, model, prompt_len), SamplingParams(max_tokens=1000), seed=i))
+    for _ in range(10):
+        b = sched.schedule()
+        sched.update(b, runner.run(b).tokens)
+    inputs = runner._prepare(sched.schedule())
+    meta, positions = inputs["meta"], inputs["positions"]
+    layer, kv = model.model.layers[0], runner.kv_caches[0]
+    attn, mlp, backend = layer.self_attn, layer.mlp, runner.backend
+    h, hkv, d = attn.heads
+    weights = {m: m.weight.float() for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)}
+    x = torch.randn(batch, model.config.hidden_size, dtype=dtype)
+    qkv = attn.qkv_proj(x).view(batch, h + 2 * hkv, d)
+    q = rope_and_store(qkv[:, : h + hkv], qkv[:, h + hkv :], h, attn.rotary, positions, *kv, meta.slot_mapping[None])
+    o = torch.randn(batch, h * d, dtype=dtype)
+    gu = mlp.gate_up_proj(x)
+    act = torch.randn(batch, gu.shape[1] // 2, dtype=dtype)
+
+    def timed(fn) -> float:
+        return bench_ms(fn, n)
+
+    def torch_linear(m, inp):
+        return lambda: F.linear(inp, weights[m], m.bias)
+
+    def silu_mul():
+        gate, up = gu.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    rows = [
+        ("RMSNorm", timed(lambda: TORCH.rms_norm(x, layer.input_layernorm.weight, 1e-6)),
+         timed(lambda: backend.rms_norm(x, layer.input_layernorm.weight, 1e-6))),
+        ("qkv projection", timed(torch_linear(attn.qkv_proj, x)), timed(lambda: attn.qkv_proj(x))),
+        ("rotary + KV store", timed(lambda: rope_and_store(qkv[:, : h + hkv], qkv[:, h + hkv :], h, attn.rotary,
+                                                            positions, *kv, meta.slot_mapping[None])),
+         timed(lambda: backend.rope_and_store(qkv[:, : h + hkv], qkv[:, h + hkv :], h, attn.rotary, positions, *kv,
+                                              meta.slot_mapping[None]))),
+        ("paged attention", timed(lambda: paged_attention(q, *kv, meta, attn.scale, None, attn.sinks)),
+         timed(lambda: backend.paged_attention(q, *kv, meta, attn.scale, None, attn.sinks))),
+        ("o projection", timed(torch_linear(attn.o_proj, o)), timed(lambda: attn.o_proj(o))),
+        ("residual add", timed(lambda: x + x), timed(lambda: x + x)),
+        ("gate/up projection", timed(torch_linear(mlp.gate_up_proj, x)), timed(lambda: mlp.gate_up_proj(x))),
+        ("SwiGLU", timed(silu_mul), timed(silu_mul)),
+        ("down projection", timed(torch_linear(mlp.down_proj, act)), timed(lambda: mlp.down_proj(act))),
+    ]
+    rows.append(("sum of the ops", sum(r[1] for r in rows), sum(r[2] for r in rows)))
+    backbone = model.model
+    stack, backbone.stack = backbone.stack, None
+    with torch.inference_mode():
+        def step():
+            backbone(inputs["input_ids"], positions, runner.kv_caches, meta, inputs["logits_index"])
+        op_by_op = bench_ms(step, 5)
+        backbone.stack = stack
+        one_call = bench_ms(step, 5)
+    layers = len(backbone.layers)
+    rows.append(("a layer in a step: op by op (kernels) / one call", op_by_op / layers, one_call / layers))
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-llama-o200k", help=f"a path, or one of {', '.join(CHECKPOINTS)}")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--kernels", action="store_true")
+    parser.add_argument("--layers", action="store_true", help="also time each op of one decoder layer")
     parser.add_argument("--prefill-steps", action="store_true",
                         help="also time steps that carry a new request's prompt beside batch - 1 decodes")
     parser.add_argument("--mixed", action="store_true",
@@ -197,7 +276,8 @@ def main() -> None:
     if not args.no_keep_heap:
         keep_heap_memory()
     dtype = getattr(torch, args.dtype)
-    model = load_model(tiny_llama_o200k(), dtype, torch.device("cpu"))
+    path = Path(args.model) if Path(args.model).is_dir() else checkpoint(args.model)
+    model = load_model(path, dtype, torch.device("cpu"))
     batches = [int(b) for b in args.batches.split(",")]
     print(f"{'batch':>5} {'temp':>4} " + " ".join(f"{p:>9}" for p in PARTS) + f" {'step ms':>8}")
     for b in batches:
@@ -216,6 +296,11 @@ def main() -> None:
         for b in (b for b in batches if b > 1):
             ms = mixed_steps(model, dtype, b, args.prompt_len)
             print(f"{b:>5} {ms['sampled']:>17.2f} {ms['half greedy']:>15.2f} {ms['greedy']:>10.2f}")
+    if args.layers:
+        for b in batches:
+            print(f"\n{'one layer, batch ' + str(b) + ' (ms)':52} {'torch':>9} {'sluice':>9} {'speed-up':>8}")
+            for what, plain, ours in layer_parts(model, dtype, b, args.prompt_len):
+                print(f"{what:52} {plain:>9.3f} {ours:>9.3f} {plain / max(ours, 1e-9):>8.1f}")
     if args.kernels:
         print(f"\n{'kernel (torch / Sluice)':52} {'batch':>5} {'torch ms':>9} {'sluice ms':>9} {'speed-up':>8}")
         for what, b, plain, ours in kernels(model, batches):

@@ -12,11 +12,11 @@ pool of their own gathers those layers' keys from that pool.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels
 from engine.rope import Rotary
 
 
@@ -42,10 +42,7 @@ def rope_and_store(qk: torch.Tensor, v: torch.Tensor, heads: int, rotary: Rotary
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Rotary on a step's queries and keys qk [T, H + Hkv, D] (queries first), the rotated keys and the
     values v [T, Hkv, D] written into the paged cache at `slots` [T]; returns the rotated queries
-    [T, H, D]. One kernel pass where it runs (bf16 on a CPU with AVX512-BF16), else torch."""
-    q = cpu_kernels.rope_store(qk, v, heads, positions, rotary.cos, rotary.sin, slots, k_cache, v_cache)
-    if q is not None:
-        return q
+    [T, H, D]."""
     q, k = rotary(qk, positions).split([heads, qk.shape[1] - heads], dim=1)
     k_cache.index_copy_(0, slots, k)
     v_cache.index_copy_(0, slots, v)
@@ -60,12 +57,13 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     sinks: torch.Tensor | None = None,  # [H] learned logits of a "sink" key (gpt-oss)
+    decode: Callable[..., bool] | None = None,  # a backend's kernel for groups of one query each (see Backend)
 ) -> torch.Tensor:
     out = q.new_empty(meta.num_tokens + 1, q.shape[1], q.shape[2])
     for g in meta.groups:
-        if g.q_index.shape[1] == 1 and cpu_kernels.decode_attention(
+        if decode is not None and g.q_index.shape[1] == 1 and decode(
                 q, k_cache, v_cache, g.q_index.view(-1), g.kv_slots[window], g.masks[window], scale, sinks, out):
-            continue  # decodes, read where they lie in the cache (bf16 on a CPU with AVX512-BF16)
+            continue  # decodes, read where they lie in the cache
         qg = _rows(q, g.q_index).transpose(1, 2)  # [B, H, Q, D]
         kg = _rows(k_cache, g.kv_slots[window]).transpose(1, 2)  # [B, Hkv, K, D]
         vg = _rows(v_cache, g.kv_slots[window]).transpose(1, 2)

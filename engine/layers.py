@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_kernels
-from engine.attention import AttentionMetadata, paged_attention, rope_and_store
+from engine.attention import AttentionMetadata
+from engine.backend import TORCH, Backend
 from engine.rope import Rotary, rope_params
 
 
@@ -50,82 +50,39 @@ class DecoderConfig:
         )
 
 
-def row_bucket(n: int) -> int:
-    """n rounded up to one of four sizes per power of two above 16 (at most 25% more)."""
-    if n <= 16:
-        return n
-    step = (1 << (n.bit_length() - 1)) // 4
-    return -(-n // step) * step
-
-
 class Linear(nn.Linear):
-    """nn.Linear with three CPU paths for half-precision weights.
+    """nn.Linear whose product its backend may run: `run`, set once by `Backend.prepare` (a kernel over the
+    weight packed at load, where the backend has one); F.linear otherwise."""
 
-    - A small bf16 weight on a CPU with AVX512-BF16: Sluice's kernel (csrc/bf16_matmul.c, the LM head's),
-      5-15 us a call for this project's tiny models where oneDNN's bf16 matmul costs ~17 us whatever the
-      size and MKL's float32 10-60 us at 16 rows (`python -m bench.step_parts --kernels`).
-    - Few rows, small weight, no kernel: a float32 copy of the weight (3-12 us at one row; the products
-      are the same, accumulated in float32 either way); above `_SMALL_WEIGHT` elements, reading twice the
-      bytes costs more than the call.
-    - Otherwise rows are padded to `row_bucket` sizes: oneDNN compiles a kernel for each new shape
-      (0.5-5 ms here, against ~0.2 ms to run it) and keeps 1,024 of them, while a server's steps come in
-      every token count up to --max-num-batched-tokens: unpadded, prefill steps kept paying for it.
-
-    What the first two derive from the weight is made again when the weight changes (a load in place)."""
-
-    _kernel: tuple | None = None  # ((data_ptr, version) of the weight it was made from, Bf16Matmul or None)
-    _fp32: tuple | None = None  # (the same, (weight, bias) in float32)
+    run: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
-            return F.linear(x, self.weight, self.bias)
-        if (kernel := self.small_kernel()) is not None:
-            return kernel(x)
-        if self.weight.numel() <= _SMALL_WEIGHT and n <= _FP32_MAX_ROWS:
-            weight, bias = self._derived("_fp32", self._float32)
-            return F.linear(x.float(), weight, bias).to(x.dtype)
-        if row_bucket(n) == n:
-            return F.linear(x, self.weight, self.bias)
-        return F.linear(F.pad(x, (0, 0, 0, row_bucket(n) - n)), self.weight, self.bias)[:n]
-
-    def small_kernel(self) -> cpu_kernels.Bf16Matmul | None:
-        """The kernel half-precision rows on the CPU go through (the first path above), or None."""
-        return self._derived("_kernel", self._bf16_kernel) if self.weight.numel() <= _SMALL_WEIGHT else None
-
-    def _derived(self, attr: str, make: Callable):
-        source = (self.weight.data_ptr(), self.weight._version)
-        cached = getattr(self, attr)
-        if cached is None or cached[0] != source:
-            cached = (source, make())
-            setattr(self, attr, cached)
-        return cached[1]
-
-    def _bf16_kernel(self) -> cpu_kernels.Bf16Matmul | None:
-        return cpu_kernels.Bf16Matmul.build(self.weight, self.bias)
-
-    def _float32(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.weight.detach().float(), None if self.bias is None else self.bias.detach().float()
-
-
-_FP32_MAX_ROWS = 16
-_SMALL_WEIGHT = 1 << 18
+        return F.linear(x, self.weight, self.bias) if self.run is None else self.run(x)
 
 
 class RMSNorm(nn.Module):
+    backend: Backend = TORCH
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and (out := cpu_kernels.rms_norm(x, self.weight, self.eps)) is not None:
-            return out  # bf16 on a CPU with AVX512-BF16: torch's kernel runs as ~10 ops a call here
-        if x.device.type == "cpu" and x.dtype == self.weight.dtype:
-            # torch's CPU kernel computes half-precision rows in float32: the same bits as below, three
-            # conversions fewer
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        return self.backend.rms_norm(x, self.weight, self.eps)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one stacked projection (gate rows first)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 # Projections that read the same input run as one matmul: the model holds one stacked weight, which the
@@ -144,6 +101,8 @@ class Attention(nn.Module):
     """Self-attention over the paged cache, as the Llama family and gpt-oss share it: one stacked qkv
     projection, per-head q/k norms before rotary (Qwen3), rotary applied to q and k in one pass, an
     attention window (None: full), and per-head sink logits (gpt-oss)."""
+
+    backend: Backend = TORCH
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary: nn.Module, *,
                  qkv_bias: bool, o_bias: bool, window: int | None = None, qk_norm_eps: float | None = None,
@@ -169,19 +128,10 @@ class Attention(nn.Module):
         qk = qkv[:, : h + hkv]
         if self.qk_norm:
             qk = torch.cat([self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h : h + hkv])], dim=1)
-        q = rope_and_store(qk, qkv[:, h + hkv :], h, self.rotary, positions, kv[0], kv[1],
-                           meta.slot_mapping[self.window])
-        o = paged_attention(q, kv[0], kv[1], meta, self.scale, window=self.window, sinks=self.sinks)
+        q = self.backend.rope_and_store(qk, qkv[:, h + hkv :], h, self.rotary, positions, kv[0], kv[1],
+                                        meta.slot_mapping[self.window])
+        o = self.backend.paged_attention(q, kv[0], kv[1], meta, self.scale, self.window, self.sinks)
         return self.o_proj(o.reshape(t, -1))
-
-    def decode_parts(self, kv: tuple[torch.Tensor, torch.Tensor]) -> dict | None:
-        """This layer's half of a `cpu_kernels.DecodeLayer` over the cache kv, or None where its projections
-        do not run on the bf16 kernel (or it has q/k norms, which the fused decode does not run)."""
-        qkv, o = self.qkv_proj.small_kernel(), self.o_proj.small_kernel()
-        if qkv is None or o is None or self.qk_norm:
-            return None
-        return dict(qkv=qkv, o=o, heads=self.heads, scale=self.scale, cos=self.rotary.cos, sin=self.rotary.sin,
-                    k_cache=kv[0], v_cache=kv[1], sinks=self.sinks)
 
 
 class DecoderLayer(nn.Module):
@@ -198,20 +148,13 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), positions, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def decode_layer(self, kv: tuple[torch.Tensor, torch.Tensor]) -> cpu_kernels.DecodeLayer | None:
-        """The layer as csrc/decoder_layers.c runs it, or None where it cannot (an MLP without
-        `decode_parts`, such as a mixture of experts, or an attention without them)."""
-        mlp = getattr(self.mlp, "decode_parts", lambda: None)()
-        attn = getattr(self.self_attn, "decode_parts", lambda kv: None)(kv)
-        if mlp is None or attn is None or self.input_layernorm.eps != self.post_attention_layernorm.eps:
-            return None
-        return cpu_kernels.DecodeLayer(input_norm=self.input_layernorm.weight,
-                                       post_norm=self.post_attention_layernorm.weight, eps=self.input_layernorm.eps,
-                                       **attn, **mlp)
-
 
 class Backbone(nn.Module):
     """Embedding, decoder layers, final norm; returns the normed hidden states of the rows asked for."""
+
+    # The layers of a step in one call, where the backend has one (set by `Backend.prepare`): (x, positions,
+    # meta) -> whether it ran, in place on x.
+    stack: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], bool] | None = None
 
     def __init__(self, vocab_size: int, hidden_size: int, eps: float, layers: list[nn.Module]) -> None:
         super().__init__()
@@ -222,36 +165,11 @@ class Backbone(nn.Module):
     def forward(self, input_ids, positions, kv_caches: list, meta: AttentionMetadata,
                 logits_index: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T]; logits_index: [B] rows whose next token is scored
-        x = self.embed_tokens(input_ids)  # [T, D]
-        if not self._in_one_call(x, positions, kv_caches, meta):
+        x = self.embed_tokens(input_ids).to(self.norm.weight.dtype)  # [T, D] (a table kept narrower: widened)
+        if self.stack is None or not self.stack(x, positions, meta):
             for layer, kv in zip(self.layers, kv_caches):
                 x = layer(x, positions, kv, meta)
         return self.norm(x[logits_index])  # [B, D]
-
-    _stack: tuple | None = None  # (what it was built from, DecoderStack or None, the layers' window)
-    _params: list | None = None
-
-    def _in_one_call(self, x: torch.Tensor, positions, kv_caches: list, meta: AttentionMetadata) -> bool:
-        """The step through every layer in one kernel call (cpu_kernels.DecoderStack), in place on x, each
-        row attending as one decode (`meta.row_group`); False where it does not apply."""
-        g = meta.row_group
-        if g is None or x.dtype != torch.bfloat16:
-            return False
-        if self._params is None:
-            self._params = list(self.parameters())
-        # rebuilt when a weight is loaded in place (the packed copies change) or the caches are not the same
-        source = (*((p.data_ptr(), p._version) for p in self._params),
-                  *((t.data_ptr(), t.shape[0]) for kv in kv_caches for t in kv))
-        if self._stack is None or self._stack[0] != source:
-            layers = [layer.decode_layer(kv) for layer, kv in zip(self.layers, kv_caches)]
-            windows = {layer.self_attn.window for layer in self.layers}
-            stack = cpu_kernels.DecoderStack.build(layers) if None not in layers and len(windows) == 1 else None
-            self._stack = (source, stack, windows.pop())
-        _, stack, window = self._stack
-        if stack is None:
-            return False
-        return stack(x, positions, meta.slot_mapping[window], g.q_index.view(-1), g.kv_slots[window],
-                     g.masks[window])
 
 
 class CausalLM(nn.Module):

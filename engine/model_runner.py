@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionGroup, AttentionMetadata
-from engine.lm_head import LMHead
+from engine.backend import select_backend
 from engine.sampler import SamplingBatch, TokenLogprobs, greedy_held, logprobs_of, plain_greedy, sample
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -59,7 +59,6 @@ class ModelRunner:
         """`num_window_blocks`: the size of the sliding-window layers' own pool, when they have one. `kv_alloc`:
         where the cache tensors go (zeroed), when a KV transport reads them (engine/kv_transfer.py)."""
         self.model = model
-        self.lm_head = LMHead(model.lm_weight())
         self.block_size = block_size
         self.tables = kv_pools(model)  # window -> the Sequence table its blocks are in
         self.windows = set(self.tables)
@@ -68,9 +67,6 @@ class ModelRunner:
         self.sliding_window = next((w for w in self.windows if w is not None), None) \
             if self.hybrid or len(self.windows) == 1 else None
         self.device = device
-        # whether a step can run through the layers in one kernel call (cpu_kernels.DecoderStack), which
-        # reads `AttentionMetadata.row_group`: bf16 on the CPU (a decode step offers it at no cost)
-        self.one_call = device.type == "cpu" and dtype == torch.bfloat16
         _, heads, dim = model.kv_shape
         # One (K, V) pair per layer: [blocks in its pool * block_size, Hkv, D]
         self.kv_caches = []
@@ -78,6 +74,11 @@ class ModelRunner:
         for w in model.layer_windows:
             slots = (num_window_blocks if self.tables[w] == "window_table" else num_blocks) * block_size
             self.kv_caches.append((alloc((slots, heads, dim)), alloc((slots, heads, dim))))
+        # The model's ops on this device (engine/backend.py), its weights packed for them once, here. `one_call`:
+        # whether a step runs through the layers in one call, which reads `AttentionMetadata.row_group`.
+        self.backend = select_backend(device, dtype)
+        self.one_call = self.backend.prepare(model, self.kv_caches)
+        self.lm_head = self.backend.lm_head(model.lm_weight())
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from engine import cpu_kernels
+from engine.cpu import kernels as cpu_kernels
 from engine.grammar import apply_grammars
 from engine.sequence import Sequence
 

@@ -31,23 +31,6 @@ enum { AHEAD = 1 }; /* blocks of 16 keys whose keys are asked for ahead */
 #define prefetch_row(row, dim, hint)                                                                     \
     for (int b_ = 0; b_ < (dim) * 2; b_ += 64) _mm_prefetch((const char *)(row) + b_, hint)
 
-/* lane i = the sum of v[i]'s 16 lanes: pairs of vectors folded into one, four times (45 instructions for
- * 16 sums, against ~8 a sum one at a time) */
-static inline __m512 sum16(const __m512 *v) {
-    __m512 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++) /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of x = v[2i], y = v[2i+1] */
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) { /* per 128-bit lane: the partial sums of v[4i .. 4i+3] */
-        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    for (int i = 0; i < 2; i++) /* 128-bit lanes: v[8i..8i+3] (halves 0+1, 2+3), v[8i+4..8i+7] (the same) */
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 /* out[g] = inv[g] * sum over keys i of s[g * ld + i] * v[i] for GC heads, V vectors of 16 values each
  * (values of key i at v + slot[i] * v_stride); keys the mask drops are skipped */
 #define PV_FN(V, GC)                                                                                           \

@@ -8,11 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-from engine.layers import Attention, CausalLM, DecoderConfig, Linear
+from engine.layers import Attention, CausalLM, DecoderConfig, GatedMLP
 from engine.rope import Rotary
 
 
@@ -46,21 +42,8 @@ class LlamaConfig(DecoderConfig):
         )
 
 
-class MLP(nn.Module):
-    def __init__(self, c: LlamaConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
-
-    def decode_parts(self) -> dict | None:
-        """This MLP's half of a `cpu_kernels.DecodeLayer`, or None where its projections do not run on the
-        bf16 kernel."""
-        gate_up, down = self.gate_up_proj.small_kernel(), self.down_proj.small_kernel()
-        return None if gate_up is None or down is None else dict(gate_up=gate_up, down=down)
+def _mlp(c: LlamaConfig) -> GatedMLP:
+    return GatedMLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
 
 
 def _attention(c: LlamaConfig, rotary: Rotary, window: int | None) -> Attention:
@@ -72,4 +55,4 @@ class LlamaForCausalLM(CausalLM):
     config_class = LlamaConfig
 
     def __init__(self, c: LlamaConfig) -> None:
-        super().__init__(c, _attention, MLP, c.tie_word_embeddings)
+        super().__init__(c, _attention, _mlp, c.tie_word_embeddings)

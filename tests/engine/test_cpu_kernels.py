@@ -7,8 +7,6 @@ the torch paths' values within bf16 rounding. A row's result never depends on it
 falls back to torch when a kernel cannot be built."""
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,8 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import cpu_kernels
+from engine.cpu import kernels, ops
+from engine.cpu.backend import CpuBackend
+from engine.cpu.matmul import Bf16Matmul, Int8Argmax
 from engine.layers import Linear
-from engine.lm_head import LMHead
+from engine.lm_head import lm_head
 from engine.sampler import SamplingBatch, _draw_from_sums, _per_block, argmax, exp_blocks, inverse_cdf, sample
 from tests.engine.helpers import generate, make_engine, seq
 
@@ -37,7 +38,7 @@ def fresh_kernels(tmp_path, monkeypatch):
 
 @needs_kernel
 def test_kernel_builds_where_the_cpu_has_avx512_bf16():
-    head = LMHead(torch.randn(100, 32).bfloat16())
+    head = lm_head(torch.randn(100, 32).bfloat16())
     assert head.kernel is not None, "the kernel failed to build (see the sluice.engine log)"
     maps = open("/proc/self/maps").read().splitlines()
     gomps = {line.split()[-1] for line in maps if "libgomp" in line}
@@ -55,7 +56,7 @@ def test_kernel_logits_are_f_linear_and_its_argmax_theirs(vocab, dim, rows, ties
     for i in range(min(ties, vocab - 1)):  # equal rows give equal logits: the first index must win
         weight[vocab - 1 - i] = weight[i]
         hidden[i % rows] = weight[i] * 4
-    head = LMHead(weight)
+    head = lm_head(weight)
     assert head.kernel is not None
     logits = head(hidden)
     assert logits.dtype == torch.bfloat16 and logits.shape == (rows, vocab)
@@ -72,7 +73,7 @@ def test_kernel_over_the_o200k_vocabulary_matches_onednn_argmax():
     torch.manual_seed(0)
     weight = (torch.randn(201_088, 128) * 0.5).bfloat16()
     hidden = torch.randn(24, 128).bfloat16()
-    head = LMHead(weight)
+    head = lm_head(weight)
     ref = torch.ops.mkldnn._linear_pointwise(hidden, torch.ops.mkldnn._reorder_linear_weight(weight), None,
                                             "none", [], "")
     torch.testing.assert_close(head(hidden).float(), ref.float(), rtol=1e-2, atol=1e-2)
@@ -125,8 +126,8 @@ def test_int8_screened_argmax_is_the_bf16_kernels(vocab, dim, rows, ties, cluste
     _near_ties(weight, hidden, ties, g)
     if outlier:
         hidden[:, 0] = 60
-    kernel = cpu_kernels.Bf16Matmul.build(weight)
-    screen = cpu_kernels.Int8Argmax.build(kernel, weight)
+    kernel = Bf16Matmul.build(weight)
+    screen = Int8Argmax.build(kernel, weight)
     assert screen is not None
     assert torch.equal(screen(hidden), kernel.argmax(hidden))
     assert screen.rows == rows
@@ -151,8 +152,8 @@ def test_int8_screen_keeps_a_column_whose_int8_error_is_its_whole_bound():
     weight, hidden = weight.bfloat16(), x[None].bfloat16()
     true = weight.float() @ x
     assert 0.07 < (true[3] - true[7]).item() < 0.08
-    kernel = cpu_kernels.Bf16Matmul.build(weight)
-    screen = cpu_kernels.Int8Argmax.build(kernel, weight)
+    kernel = Bf16Matmul.build(weight)
+    screen = Int8Argmax.build(kernel, weight)
     assert kernel.argmax(hidden).item() == 3 and screen(hidden).item() == 3 and screen.redone == 0
 
 
@@ -170,10 +171,10 @@ def test_int8_screen_keeps_the_columns_that_round_to_the_top_in_bf16():
     weight[:, 0] = hidden[:, 0] = 127
     weight, hidden = weight.bfloat16(), hidden.bfloat16()
     logits = weight.float() @ hidden.float().T
-    kernel = cpu_kernels.Bf16Matmul.build(weight)
+    kernel = Bf16Matmul.build(weight)
     tokens = kernel.argmax(hidden)
     assert (tokens != logits.argmax(dim=0)).sum() >= 5  # the bf16 ties matter in these rows
-    screen = cpu_kernels.Int8Argmax.build(kernel, weight)
+    screen = Int8Argmax.build(kernel, weight)
     assert torch.equal(screen(hidden), tokens) and screen.redone == 0
 
 
@@ -187,13 +188,13 @@ def test_int8_screen_redoes_rows_it_cannot_narrow_and_stops_where_that_is_common
     hidden = torch.randn(8, 64).bfloat16()
     hidden[:3] = weight[999] * 2
     hidden[5] = 0
-    head = LMHead(weight)
+    head = lm_head(weight)
     assert head.screen is not None
     tokens = head.argmax(hidden)
     assert torch.equal(tokens, head.kernel.argmax(hidden))
     assert tokens[:3].tolist() == [999] * 3 and tokens[5] == 0
     assert head.screen.redone == 4 and head.screen.active
-    monkeypatch.setattr(cpu_kernels.Int8Argmax, "_TRIAL", 16)
+    monkeypatch.setattr(Int8Argmax, "_TRIAL", 16)
     with caplog.at_level("INFO", logger="sluice.engine"):
         head.argmax(hidden)
     assert head.screen.redone == 8 and head.screen.rows == 16 and not head.screen.active
@@ -206,7 +207,7 @@ def test_int8_screen_redoes_rows_it_cannot_narrow_and_stops_where_that_is_common
 def test_disabled_kernels_fall_back_to_onednn(fresh_kernels, monkeypatch):
     monkeypatch.setenv("SLUICE_CPU_KERNELS", "0")
     weight, hidden = torch.randn(300, 32).bfloat16(), torch.randn(5, 32).bfloat16()
-    head = LMHead(weight)
+    head = lm_head(weight)
     assert head.kernel is None
     torch.testing.assert_close(head(hidden), F.linear(hidden, weight), rtol=1e-2, atol=1e-2)
     assert torch.equal(head.argmax(hidden), argmax(head(hidden)))
@@ -219,7 +220,7 @@ def test_disabled_kernels_fall_back_to_onednn(fresh_kernels, monkeypatch):
 def test_a_failed_build_falls_back_and_says_why(fresh_kernels, monkeypatch, caplog):
     monkeypatch.setenv("CC", "false")
     with caplog.at_level("WARNING", logger="sluice.engine"):
-        head = LMHead(torch.randn(300, 32).bfloat16())
+        head = lm_head(torch.randn(300, 32).bfloat16())
     assert head.kernel is None and head.onednn is not None
     assert "build failed" in caplog.text
 
@@ -331,7 +332,7 @@ def test_sampling_with_the_exp_kernel_draws_torch_softmax_tokens(fresh_kernels, 
 
     batch = SamplingBatch.build([Params] * rows, list(range(rows)), [3] * rows, torch.device("cpu"))
     fast = sample(logits, batch)
-    assert cpu_kernels.exp_blocks() is not None
+    assert kernels.exp_blocks() is not None
     monkeypatch.setenv("SLUICE_CPU_KERNELS", "0")
     cpu_kernels.clear()
     plain = sample(logits, batch)
@@ -345,8 +346,9 @@ def test_small_bf16_linears_run_on_the_kernel_with_f_linears_values(rows, out_fe
     torch.manual_seed(seed)
     layer = Linear(64, out_features, bias=bias).bfloat16()
     x = torch.randn(rows, 64).bfloat16()
+    CpuBackend(torch.bfloat16).prepare(layer, [])
     out = layer(x)
-    assert layer._kernel is not None and layer._kernel[1] is not None
+    assert isinstance(layer.run, Bf16Matmul)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
     ref = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
     torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
@@ -371,7 +373,7 @@ def test_decode_attention_kernel_is_the_torch_path(batch, kv_heads, group, dim, 
     mask[:, :, :, 0] = True
     sink = torch.randn(heads, generator=g) if sinks else None
     out = torch.zeros(t + 1, heads, dim, dtype=torch.bfloat16)
-    assert cpu_kernels.decode_attention(q, k_cache, v_cache, rows, slots, mask, 0.3, sink, out)
+    assert ops.decode_attention(q, k_cache, v_cache, rows, slots, mask, 0.3, sink, out)
     qg = q[rows].unsqueeze(1).transpose(1, 2)  # [B, H, 1, D]
     kg = k_cache[slots].transpose(1, 2)  # [B, Hkv, K, D]
     vg = v_cache[slots].transpose(1, 2)
@@ -389,7 +391,7 @@ def test_rms_norm_kernel_is_float32_rms_norm_rounded_once(rows, dim, strided, se
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, dim + (7 if strided else 0), generator=g) * 3).bfloat16()[:, :dim]
     weight = (torch.randn(dim, generator=g) * 0.5 + 1).bfloat16()
-    out = cpu_kernels.rms_norm(x, weight, 1e-6)
+    out = ops.rms_norm(x, weight, 1e-6)
     assert out is not None and out.shape == (rows, dim) and out.dtype == torch.bfloat16
     ref = F.rms_norm(x.float(), (dim,), weight.float(), 1e-6)
     torch.testing.assert_close(out.float(), ref, rtol=2**-7, atol=1e-6)  # within one bf16 rounding
@@ -411,7 +413,7 @@ def test_rope_store_kernel_is_float32_rotary_rounded_once_and_the_cache_writes(t
     slots = torch.randperm(num_slots, generator=g)[:tokens]
     k_cache = torch.zeros(num_slots, kv_heads, dim, dtype=torch.bfloat16)
     v_cache = torch.zeros(num_slots, kv_heads, dim, dtype=torch.bfloat16)
-    q = cpu_kernels.rope_store(qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :], heads, positions, rotary.cos,
+    q = ops.rope_store(qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :], heads, positions, rotary.cos,
                                rotary.sin, slots, k_cache, v_cache)
     assert q is not None and q.shape == (tokens, heads, dim)
     ref = rotary(qkv[:, : heads + kv_heads].float(), positions)  # float32 rotary, rounded once below
@@ -423,9 +425,7 @@ def test_rope_store_kernel_is_float32_rotary_rounded_once_and_the_cache_writes(t
     assert (k_cache[untouched] == 0).all() and (v_cache[untouched] == 0).all()
     # the layers' torch path (each product rounded to bf16) writes the same slots, with values a rounding or two off
     k2, v2 = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
-    with mock.patch.object(cpu_kernels, "rope_store", return_value=None):
-        q2 = rope_and_store(qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :], heads, rotary, positions, k2, v2,
-                            slots)
+    q2 = rope_and_store(qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :], heads, rotary, positions, k2, v2, slots)
     torch.testing.assert_close(q2.float(), q.float(), rtol=2**-6, atol=5e-2)
     torch.testing.assert_close(k2.float(), k_cache.float(), rtol=2**-6, atol=5e-2)
     assert torch.equal(v2, v_cache)
@@ -442,6 +442,6 @@ def test_rope_store_kernel_refuses_positions_and_slots_out_of_range():
                              (torch.tensor([1, 2]), torch.tensor([0, 4])),
                              (torch.tensor([-1, 2]), torch.tensor([0, 1]))):
         with pytest.raises(IndexError):
-            cpu_kernels.rope_store(qkv[:, :2], qkv[:, 2:], 1, positions, rotary.cos, rotary.sin, slots, k_cache,
+            ops.rope_store(qkv[:, :2], qkv[:, 2:], 1, positions, rotary.cos, rotary.sin, slots, k_cache,
                                    v_cache)
     assert (k_cache == 0).all() and (v_cache == 0).all()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import cpu_kernels
-from engine.layers import Backbone
+from engine.cpu.stack import DecoderStack
 from sluice.builtin_models import write_llama_family
 from tests.engine.helpers import make_engine, seq
 
@@ -44,12 +44,15 @@ def _decoding(path, prompts=PROMPTS):
 def _step(runner, batch, fused: bool):
     """(hidden states, the caches after the step), the caches put back as they were."""
     saved = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-    calls = mock.patch.object(cpu_kernels.DecoderStack, "__call__", autospec=True,
-                              side_effect=cpu_kernels.DecoderStack.__call__)
-    off = mock.patch.object(Backbone, "_in_one_call", return_value=False)
-    with torch.inference_mode(), (calls if fused else off) as spy:
-        hidden, _ = runner._hidden(batch)
-    assert spy.called
+    calls = mock.patch.object(DecoderStack, "__call__", autospec=True, side_effect=DecoderStack.__call__)
+    backbone = runner.model.model
+    stack, backbone.stack = backbone.stack, backbone.stack if fused else None
+    try:
+        with torch.inference_mode(), calls as spy:
+            hidden, _ = runner._hidden(batch)
+    finally:
+        backbone.stack = stack
+    assert spy.called == fused
     after = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     for (k, v), (k0, v0) in zip(runner.kv_caches, saved):
         k.copy_(k0)
@@ -74,12 +77,13 @@ def test_a_decode_step_in_one_call_is_the_layers_op_by_op(variant, tmp_path):
         _assert_same(v, rv)
 
 
-def test_the_stack_follows_a_weight_loaded_in_place(tmp_path):
+def test_the_stack_prepared_again_runs_a_weight_loaded_in_place(tmp_path):
     path = write_llama_family(tmp_path / "m", architecture="LlamaForCausalLM")
     runner, batch = _decoding(path)
     before, _ = _step(runner, batch, fused=True)
     with torch.no_grad():
         runner.model.model.layers[1].mlp.down_proj.weight.mul_(-3)
+    assert runner.backend.prepare(runner.model, runner.kv_caches)
     hidden, _ = _step(runner, batch, fused=True)
     ref, _ = _step(runner, batch, fused=False)
     assert not torch.equal(hidden, before)
@@ -125,15 +129,15 @@ def test_steps_with_prefill_chunks_in_one_call_are_the_layers_op_by_op(tmp_path)
 def test_q_k_norms_and_long_prefills_run_op_by_op(tmp_path):
     path = write_llama_family(tmp_path / "m", architecture="Qwen3ForCausalLM")
     runner, batch = _decoding(path)
-    with mock.patch.object(cpu_kernels.DecoderStack, "__call__") as fused, torch.inference_mode():
+    with mock.patch.object(DecoderStack, "__call__") as fused, torch.inference_mode():
         runner._hidden(batch)
-    assert not fused.called and runner.model.model._stack[1] is None  # (Qwen3's q/k norms)
+    assert not fused.called and runner.model.model.stack is None  # (Qwen3's q/k norms: the float32 stack's alone)
 
     path = write_llama_family(tmp_path / "llama", architecture="LlamaForCausalLM")
     runner, batch = _decoding(path)
     runner.run(batch)  # the decode step built the stack
     _, sched = make_engine(path, block_size=8, dtype=torch.bfloat16, budget=4096)
     sched.add(seq("long", list(range(1, 300)), max_tokens=2))  # [299 rows, 304 keys]: past _ROW_KEYS_MAX
-    with mock.patch.object(cpu_kernels.DecoderStack, "__call__") as fused, torch.inference_mode():
+    with mock.patch.object(DecoderStack, "__call__") as fused, torch.inference_mode():
         runner.run(sched.schedule())
     assert not fused.called

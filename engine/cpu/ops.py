@@ -1,0 +1,118 @@
+"""The CPU kernels for attention and norms, bf16 (AVX512-BF16) or float32 (AVX-512F) by the tensors' dtype:
+each returns None / False, with nothing written, where it does not apply or cannot run (the caller's
+torch path then does the work)."""
+from __future__ import annotations
+
+import torch
+
+from engine.cpu import kernels
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def attention_shape_ok(heads: int, kv_heads: int, dim: int) -> bool:
+    """Whether the decode attention kernels take these heads (head dim a multiple of 16 up to 256, at most
+    16 query heads per kv head)."""
+    return not (dim % 16 or dim > 256 or heads % kv_heads or heads // kv_heads > 16)
+
+
+def _one_dtype(*tensors: torch.Tensor) -> torch.dtype | None:
+    """Their dtype when they are CPU tensors of one dtype a kernel takes, else None."""
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1 or any(t.device.type != "cpu" for t in tensors):
+        return None
+    dtype = dtypes.pop()
+    return dtype if dtype in _KERNEL_DTYPES else None
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+                     slots: torch.Tensor, mask: torch.Tensor, scale: float, sinks: torch.Tensor | None,
+                     out: torch.Tensor) -> bool:
+    """csrc/decode_attention.c (bf16) or f32_layers.c (float32): attention of one query row per sequence
+    over its keys in the paged cache, written into out's rows (see the C files for the shapes)."""
+    t, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    dtype = _one_dtype(q, k_cache, v_cache, out)
+    if (dtype is None or not attention_shape_ok(heads, kv_heads, dim) or q.stride(2) != 1 or q.stride(1) != dim
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous())):
+        return False
+    if dtype == torch.bfloat16:
+        fn = kernels.decode_attention_bf16()
+    else:
+        fn = None if (lib := kernels.f32_layers()) is None else lib.sluice_f32_decode_attention
+    if fn is None:
+        return False
+    rows, slots = rows.contiguous(), slots.contiguous()
+    mask = mask.reshape(slots.shape).contiguous().view(torch.uint8)
+    sinks = None if sinks is None else sinks.detach().float().contiguous()
+    status = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(),
+                slots.data_ptr(), mask.data_ptr(), None if sinks is None else sinks.data_ptr(), slots.shape[0],
+                heads, kv_heads, dim, slots.shape[1], scale, out.data_ptr())
+    if status:
+        raise MemoryError("the decode attention kernel could not allocate its workspace")
+    return True
+
+
+def rope_store(qk: torch.Tensor, v: torch.Tensor, heads: int, positions: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor) -> torch.Tensor | None:
+    """csrc/rope_store.c (bf16) or f32_layers.c (float32): rotary (tables cos/sin [P, D/2]) on the queries
+    and keys qk [T, H + Hkv, D], the rotated keys and the values v [T, Hkv, D] written into the caches at
+    `slots` [T]; returns the rotated queries [T, H, D]."""
+    t, _, dim = qk.shape
+    dtype = _one_dtype(qk, v, k_cache, v_cache)
+    if (dtype is None or {cos.dtype, sin.dtype} != {torch.float32} or dim % 2 or cos.shape[1] != dim // 2
+            or qk.stride(2) != 1 or qk.stride(1) != dim or v.stride(2) != 1 or v.stride(1) != dim
+            or not all(x.is_contiguous() for x in (cos, sin, k_cache, v_cache))):
+        return None
+    positions, slots = positions.contiguous(), slots.contiguous()
+    q = qk.new_empty(t, heads, dim)
+    if dtype == torch.bfloat16:
+        fn = kernels.rope_store_bf16()
+        if fn is None:
+            return None
+        status = t and fn(qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), t, heads, v.shape[1], dim,
+                          positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0], slots.data_ptr(),
+                          k_cache.shape[0], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
+    else:
+        if (lib := kernels.f32_layers()) is None:
+            return None
+        # (the kernel writes q/k norms in place when asked; here it is given none and leaves qk alone)
+        status = t and lib.sluice_f32_rope_store(
+            qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), t, heads, v.shape[1], dim, None, None, 0.0,
+            positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0], slots.data_ptr(), k_cache.shape[0],
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
+    if status:
+        raise IndexError("a position beyond the rotary table or a slot beyond the KV cache")
+    return q
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """csrc/rms_norm.c (bf16) or f32_layers.c (float32) over the last dimension of rows x [T, D]."""
+    dtype = _one_dtype(x, weight)
+    if dtype is None or x.dim() != 2 or (x.stride(1) != 1 and x.shape[1] > 1) or not weight.is_contiguous():
+        return None
+    if dtype == torch.bfloat16:
+        fn = kernels.rms_norm_bf16()
+    else:
+        fn = None if (lib := kernels.f32_layers()) is None else lib.sluice_f32_rms_norm
+    if fn is None:
+        return None
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.shape[0]:
+        fn(x.data_ptr(), x.stride(0), weight.data_ptr(), x.shape[0], x.shape[1], eps, out.data_ptr(), out.stride(0))
+    return out
+
+
+def embed(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+    """Rows of a bf16 or float32 embedding table [V, D] at ids [T], in float32 [T, D] (bf16 widened: exact)."""
+    if table.device.type != "cpu" or table.dtype not in _KERNEL_DTYPES or not table.is_contiguous():
+        return None
+    if (lib := kernels.f32_layers()) is None:
+        return None
+    ids = ids.contiguous()
+    out = torch.empty(ids.shape[0], table.shape[1], dtype=torch.float32)
+    if lib.sluice_f32_embed(table.data_ptr(), table.dtype == torch.bfloat16, table.shape[0], table.shape[1],
+                            ids.data_ptr(), ids.shape[0], out.data_ptr()):
+        raise IndexError("index out of range in the embedding")
+    return out

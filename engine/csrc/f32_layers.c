@@ -1,0 +1,402 @@
+/* A model served in float32 on CPUs with AVX-512F: a step through a stack of pre-norm Llama-family layers
+ * in one call (RMSNorm, one stacked qkv projection, optional per-head q/k RMSNorm (Qwen3), rotary with the
+ * KV store, paged grouped-query attention, SwiGLU MLP), and the pieces of it the op-by-op path calls alone.
+ *
+ * Every tensor is float32 but the weights of the linears, which f32_matmul.c reads packed (bf16 widened in
+ * registers, or float32). The arithmetic is torch's float32 path's up to the order of sums (each linear's
+ * products, a norm's squares, attention's dot products) and the exp in attention's softmax and the SwiGLU
+ * (exp_nonpositive, ~1e-7 relative). Run op by op from Python, a layer is ~20 torch calls of 10-100 us each
+ * on this path; here each step is one call.
+ *
+ * Shapes, layouts and return codes as decoder_layers.c (the bf16 stack): x [tokens][hidden] updated in place;
+ * each row attends as one query over its own keys (a decode, or a prefill chunk's row at its position).
+ */
+#include <sched.h>
+
+#include "f32_matmul.c"
+
+enum { F32_MAX_GROUP = 16, F32_MAX_VECS = 16 }; /* query heads per kv head, D / 16 */
+/* attention multiply-adds below which one thread does it all (see decode_attention.c) */
+#define F32_ATTENTION_SERIAL 2e5
+
+typedef struct {
+    const void *w;     /* packed (see f32_matmul.c) */
+    const float *bias; /* NULL, or n floats */
+    int n, k, bf16;
+} f32_linear_t;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* [hidden] */
+    float eps, scale;
+    const float *q_norm, *k_norm; /* NULL, or [head_dim]: RMSNorm of each query / key head before rotary */
+    f32_linear_t qkv, o, gate_up, down;
+    int heads, kv_heads, head_dim;
+    const float *cos, *sin; /* rotary tables [num_positions][head_dim / 2] */
+    int num_positions;
+    float *k_cache, *v_cache; /* [num_slots][kv_heads][head_dim] */
+    long num_slots;
+    const float *sinks; /* NULL, or [heads] */
+} f32_layer_t;
+
+typedef struct {
+    int tokens, hidden, keys;
+    const int64_t *positions, *slot_mapping; /* [tokens] */
+    const int64_t *rows;                     /* [tokens]: the row of x each attention query comes from */
+    const int64_t *kv_slots;                 /* [tokens][keys] */
+    const uint8_t *mask;                     /* [tokens][keys] */
+} f32_step_t;
+
+/* out = x / sqrt(mean(x^2) + eps) * weight over one row of dim */
+static inline void f32_rms_row(const float *xr, const float *weight, int dim, float eps, float *o) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int c = 0; c < dim; c += 16) {
+        const __m512 v = _mm512_maskz_loadu_ps(first_lanes(dim - c), xr + c);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const __m512 scale = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps));
+    for (int c = 0; c < dim; c += 16) {
+        const __mmask16 keep = first_lanes(dim - c);
+        _mm512_mask_storeu_ps(o + c, keep, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(keep, xr + c), scale),
+                                                         _mm512_maskz_loadu_ps(keep, weight + c)));
+    }
+}
+
+/* the same over rows (ld_x / ld_out apart) */
+int sluice_f32_rms_norm(const float *x, long ld_x, const float *weight, int rows, int dim, float eps, float *out,
+                        long ld_out) {
+#pragma omp parallel for schedule(static) if ((double)rows * dim >= 1e6)
+    for (int r = 0; r < rows; r++) f32_rms_row(x + (size_t)r * ld_x, weight, dim, eps, out + (size_t)r * ld_out);
+    return 0;
+}
+
+static inline void f32_rotate(const float *x, const float *cos, const float *sin, int half, float *out) {
+    for (int c = 0; c < half; c += 16) {
+        const __mmask16 keep = first_lanes(half - c);
+        const __m512 x1 = _mm512_maskz_loadu_ps(keep, x + c), x2 = _mm512_maskz_loadu_ps(keep, x + half + c);
+        const __m512 cs = _mm512_maskz_loadu_ps(keep, cos + c), sn = _mm512_maskz_loadu_ps(keep, sin + c);
+        /* (x1 cos - x2 sin, x2 cos + x1 sin): torch's four products, then the sums */
+        _mm512_mask_storeu_ps(out + c, keep, _mm512_sub_ps(_mm512_mul_ps(x1, cs), _mm512_mul_ps(x2, sn)));
+        _mm512_mask_storeu_ps(out + half + c, keep, _mm512_add_ps(_mm512_mul_ps(x2, cs), _mm512_mul_ps(x1, sn)));
+    }
+}
+
+/* Rotary on one row t of qk [T][H + Hkv][D] (rows qk_stride apart; with q_norm / k_norm set, each head
+ * RMS-normed first, in place): its rotated queries into q_out [T][H][D], rotated keys and values v (rows
+ * v_stride apart) into the caches at slots[t]. */
+static void f32_rope_row(int t, float *qk, long qk_stride, const float *v, long v_stride, int heads, int kv_heads,
+                         int dim, const float *q_norm, const float *k_norm, float eps, const int64_t *positions,
+                         const float *cos, const float *sin, const int64_t *slots, float *q_out, float *k_cache,
+                         float *v_cache) {
+    const int half = dim / 2;
+    float *row = qk + (size_t)t * qk_stride;
+    if (q_norm)
+        for (int h = 0; h < heads; h++) f32_rms_row(row + (size_t)h * dim, q_norm, dim, eps, row + (size_t)h * dim);
+    if (k_norm)
+        for (int h = heads; h < heads + kv_heads; h++)
+            f32_rms_row(row + (size_t)h * dim, k_norm, dim, eps, row + (size_t)h * dim);
+    const float *cs = cos + (size_t)positions[t] * half, *sn = sin + (size_t)positions[t] * half;
+    for (int h = 0; h < heads; h++) f32_rotate(row + (size_t)h * dim, cs, sn, half, q_out + ((size_t)t * heads + h) * dim);
+    float *k_slot = k_cache + (size_t)slots[t] * kv_heads * dim;
+    for (int h = 0; h < kv_heads; h++) f32_rotate(row + (size_t)(heads + h) * dim, cs, sn, half, k_slot + (size_t)h * dim);
+    memcpy(v_cache + (size_t)slots[t] * kv_heads * dim, v + (size_t)t * v_stride, sizeof(float) * kv_heads * dim);
+}
+
+static int f32_rope_in_range(int tokens, const int64_t *positions, int num_positions, const int64_t *slots,
+                             long num_slots) {
+    for (int t = 0; t < tokens; t++)
+        if (positions[t] < 0 || positions[t] >= num_positions || slots[t] < 0 || slots[t] >= num_slots) return 0;
+    return 1;
+}
+
+/* Rotary on a step's queries and keys qk [T][H + Hkv][D] and the KV store (f32_rope_row for every row).
+ * Returns 0, or -3 (nothing written) when a position or a slot is out of range. */
+int sluice_f32_rope_store(float *qk, long qk_stride, const float *v, long v_stride, int tokens, int heads,
+                          int kv_heads, int dim, const float *q_norm, const float *k_norm, float eps,
+                          const int64_t *positions, const float *cos, const float *sin, int num_positions,
+                          const int64_t *slots, long num_slots, float *q_out, float *k_cache, float *v_cache) {
+    if (!f32_rope_in_range(tokens, positions, num_positions, slots, num_slots)) return -3;
+#pragma omp parallel for schedule(static) if ((double)tokens * (heads + 2 * kv_heads) * dim >= 1e6)
+    for (int t = 0; t < tokens; t++)
+        f32_rope_row(t, qk, qk_stride, v, v_stride, heads, kv_heads, dim, q_norm, k_norm, eps, positions, cos, sin,
+                     slots, q_out, k_cache, v_cache);
+    return 0;
+}
+
+#define f32_prefetch_row(row, dim, hint)                                                                   \
+    for (int b_ = 0; b_ < (dim) * 4; b_ += 64) _mm_prefetch((const char *)(row) + b_, hint)
+
+/* Decode attention in float32 (see decode_attention.c, the bf16 kernel, for the shapes and the method):
+ * scores 16 keys at a time (one transposed reduction for the 16), each value row read once for all the
+ * query heads that share it. One job: sequence b = job / kv_heads, kv head j = job % kv_heads; scores: the
+ * group's heads' rows of `padded` floats. */
+static void f32_attention_job(long job, float *scores, const float *q, long q_stride, const float *k_cache,
+                              const float *v_cache, const int64_t *rows, const int64_t *slots, const uint8_t *mask,
+                              const float *sinks, int heads, int kv_heads, int dim, int keys, float scale,
+                              float *out) {
+    const int group = heads / kv_heads, vecs = dim / 16, padded = (keys + 15) / 16 * 16;
+    const int b = (int)(job / kv_heads), j = (int)(job % kv_heads);
+    const int64_t *slot = slots + (size_t)b * keys;
+    const uint8_t *attend = mask + (size_t)b * keys;
+    int used = keys;
+    while (used > 1 && !attend[used - 1]) used--;
+    const size_t row = (size_t)rows[b];
+    const float *qh = q + row * q_stride + (size_t)j * group * dim;
+    __m512 top[F32_MAX_GROUP];
+    for (int g = 0; g < group; g++) top[g] = _mm512_set1_ps(-INFINITY);
+    for (int i0 = 0; i0 < used; i0 += 16) {
+        const int n = used - i0 < 16 ? used - i0 : 16;
+        const __mmask16 live = _mm_test_epi8_mask(_mm_maskz_loadu_epi8(first_lanes(n), attend + i0),
+                                                  _mm_set1_epi8(1));
+        for (int l = i0 == 0 ? 0 : i0 + 16; l < i0 + 32 && l < used; l++)
+            f32_prefetch_row(k_cache + ((size_t)slot[l] * kv_heads + j) * dim, dim, _MM_HINT_T0);
+        for (int l = i0; l < i0 + n; l++)
+            f32_prefetch_row(v_cache + ((size_t)slot[l] * kv_heads + j) * dim, dim, _MM_HINT_T1);
+        const float *key[16];
+        if (live)
+            for (int l = 0; l < 16; l++) key[l] = k_cache + ((size_t)slot[i0 + (l < n ? l : 0)] * kv_heads + j) * dim;
+        for (int g = 0; g < group; g++) {
+            __m512 sc = _mm512_set1_ps(-INFINITY);
+            if (live) {
+                __m512 acc[16];
+                const float *qg = qh + (size_t)g * dim;
+                _Pragma("GCC unroll 16") for (int l = 0; l < 16; l++) acc[l] = _mm512_setzero_ps();
+                for (int c = 0; c < vecs; c++) {
+                    const __m512 qv = _mm512_loadu_ps(qg + c * 16);
+                    _Pragma("GCC unroll 16") for (int l = 0; l < 16; l++)
+                        acc[l] = _mm512_fmadd_ps(_mm512_loadu_ps(key[l] + c * 16), qv, acc[l]);
+                }
+                sc = _mm512_mask_mul_ps(sc, live, sum16(acc), _mm512_set1_ps(scale));
+            }
+            _mm512_storeu_ps(scores + (size_t)g * padded + i0, sc);
+            top[g] = _mm512_max_ps(top[g], sc);
+        }
+    }
+    float inv[F32_MAX_GROUP];
+    for (int g = 0; g < group; g++) {
+        float *s = scores + (size_t)g * padded;
+        const int h = j * group + g;
+        const float most = _mm512_reduce_max_ps(top[g]), top_g = sinks && sinks[h] > most ? sinks[h] : most;
+        float total = sinks ? exp1(sinks[h] - top_g) : 0.0f;
+        __m512 sum = _mm512_setzero_ps();
+        for (int i = 0; i < used; i += 16) {
+            const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(top_g)));
+            _mm512_storeu_ps(s + i, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        total += _mm512_reduce_add_ps(sum);
+        inv[g] = 1.0f / total;
+    }
+    /* probabilities @ values: a value row read once for up to 4 heads of the group at a time */
+    float *o = out + (row * heads + (size_t)j * group) * dim;
+    for (int c0 = 0; c0 < vecs; c0 += 4) {
+        const int nc = vecs - c0 < 4 ? vecs - c0 : 4;
+        for (int g0 = 0; g0 < group; g0 += 4) {
+            const int ng = group - g0 < 4 ? group - g0 : 4;
+            __m512 acc[4][4];
+            for (int g = 0; g < 4; g++)
+                for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
+            for (int i = 0; i < used; i++) {
+                if (!attend[i]) continue;
+                const float *vr = v_cache + ((size_t)slot[i] * kv_heads + j) * dim + c0 * 16;
+                __m512 x[4];
+                for (int c = 0; c < nc; c++) x[c] = _mm512_loadu_ps(vr + c * 16);
+                for (int g = 0; g < ng; g++) {
+                    const __m512 p = _mm512_set1_ps(scores[(size_t)(g0 + g) * padded + i]);
+                    for (int c = 0; c < nc; c++) acc[g][c] = _mm512_fmadd_ps(p, x[c], acc[g][c]);
+                }
+            }
+            for (int g = 0; g < ng; g++)
+                for (int c = 0; c < nc; c++)
+                    _mm512_storeu_ps(o + (size_t)(g0 + g) * dim + (c0 + c) * 16,
+                                     _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g0 + g])));
+        }
+    }
+}
+
+int sluice_f32_decode_attention(const float *q, long q_stride, const float *k_cache, const float *v_cache,
+                                const int64_t *rows, const int64_t *slots, const uint8_t *mask, const float *sinks,
+                                int batch, int heads, int kv_heads, int dim, int keys, float scale, float *out) {
+    const int group = heads / kv_heads, padded = (keys + 15) / 16 * 16;
+    if (group > F32_MAX_GROUP || dim / 16 > F32_MAX_VECS || dim % 16) return -2;
+    int failed = 0;
+#pragma omp parallel if ((double)batch * heads * keys * dim >= F32_ATTENTION_SERIAL)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)group * padded);
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (long job = 0; job < (long)batch * kv_heads; job++)
+            if (scores)
+                f32_attention_job(job, scores, q, q_stride, k_cache, v_cache, rows, slots, mask, sinks, heads, kv_heads,
+                                  dim, keys, scale, out);
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
+
+/* out [rows][inter] = silu(gate) * up for gu [rows][2 * inter] (gate columns, then up) */
+static void f32_swiglu(const float *gu, int rows, int inter, float *out) {
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000);
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int r = 0; r < rows; r++) {
+        const float *gate = gu + (size_t)r * 2 * inter, *up = gate + inter;
+        for (int c = 0; c < inter; c += 16) {
+            const __mmask16 keep = first_lanes(inter - c);
+            const __m512 g = _mm512_maskz_loadu_ps(keep, gate + c);
+            const __m512 e = exp_nonpositive(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), sign)));
+            const __mmask16 positive = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
+            const __m512 sigmoid = _mm512_div_ps(_mm512_mask_blend_ps(positive, e, one), _mm512_add_ps(one, e));
+            _mm512_mask_storeu_ps(out + (size_t)r * inter + c, keep,
+                                  _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), _mm512_maskz_loadu_ps(keep, up + c)));
+        }
+    }
+}
+
+static void f32_add_into(float *x, const float *y, size_t n) {
+    for (size_t i = 0; i < n; i += 16) {
+        const __mmask16 keep = first_lanes(n - i < 16 ? (int)(n - i) : 16);
+        _mm512_mask_storeu_ps(x + i, keep, _mm512_add_ps(_mm512_maskz_loadu_ps(keep, x + i), _mm512_maskz_loadu_ps(keep, y + i)));
+    }
+}
+
+/* A barrier for the threads of one parallel region (sense-reversing). Waiting threads spin briefly, then yield
+ * the core: the steps between barriers are short and usually balanced, and a thread put to sleep (libgomp's
+ * barrier under OMP_WAIT_POLICY=PASSIVE, as the server runs) takes tens of microseconds to wake, ~150 times
+ * a step (each linear and attention of every layer its own parallel region: ~5 of ~33 ms at batch 16 on the
+ * 135M shape); spinning without end would take the core from the server's other processes. */
+typedef struct {
+    int count, sense, threads;
+} f32_barrier_t;
+
+static void f32_barrier(f32_barrier_t *b, int *sense) {
+    *sense = !*sense;
+    if (__atomic_add_fetch(&b->count, 1, __ATOMIC_ACQ_REL) == b->threads) {
+        __atomic_store_n(&b->count, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&b->sense, *sense, __ATOMIC_RELEASE);
+        return;
+    }
+    for (int spins = 0; __atomic_load_n(&b->sense, __ATOMIC_ACQUIRE) != *sense; spins++) {
+        if (spins < 4000)
+            _mm_pause();
+        else
+            sched_yield();
+    }
+}
+
+/* rows [r0, r1) of t for thread th of nth */
+static inline void f32_share(int t, int th, int nth, int *r0, int *r1) {
+    *r0 = (int)((long)t * th / nth);
+    *r1 = (int)((long)t * (th + 1) / nth);
+}
+
+/* this thread's share of in @ l^T into out [rows][l->n] (the block counter *next, shared by the team) */
+static void f32_linear_part(const f32_linear_t *l, const float *in, int rows, float *out, float *c, int *next, int nth) {
+    f32_matmul_part(l->w, l->bf16, l->n, l->k, in, l->k, rows, l->bias, out, l->n, NULL, NULL, c, next,
+                    f32_chunk(l->n, nth));
+}
+
+int sluice_f32_layers(const f32_layer_t *layers, int count, const f32_step_t *s, float *x) {
+    const int t = s->tokens, d = s->hidden, padded = (s->keys + 15) / 16 * 16;
+    int most_qkv = 0, most_q = 0, most_gu = 0, most_group = 1;
+    for (int i = 0; i < count; i++) {
+        const f32_layer_t *l = layers + i;
+        if (l->heads % l->kv_heads || l->heads / l->kv_heads > F32_MAX_GROUP || l->head_dim % 16 ||
+            l->head_dim / 16 > F32_MAX_VECS)
+            return -2;
+        if (!f32_rope_in_range(t, s->positions, l->num_positions, s->slot_mapping, l->num_slots)) return -3;
+        if (l->qkv.n > most_qkv) most_qkv = l->qkv.n;
+        if (l->heads * l->head_dim > most_q) most_q = l->heads * l->head_dim;
+        if (l->gate_up.n > most_gu) most_gu = l->gate_up.n;
+        if (l->heads / l->kv_heads > most_group) most_group = l->heads / l->kv_heads;
+    }
+    float *h = malloc(sizeof(float) * t * (size_t)(d + most_qkv + 2 * most_q + most_gu + most_gu / 2));
+    int *counters = calloc((size_t)count * 5, sizeof(int)); /* each layer's four linears and attention */
+    if (!h || !counters) {
+        free(h);
+        free(counters);
+        return -1;
+    }
+    float *qkv = h + (size_t)t * d, *q = qkv + (size_t)t * most_qkv, *attn = q + (size_t)t * most_q,
+          *gu = attn + (size_t)t * most_q, *act = gu + (size_t)t * most_gu;
+    /* one thread for a step too small to share (waking the other costs more than it saves) */
+    double work = 0;
+    for (int i = 0; i < count; i++)
+        work += (double)t * (layers[i].qkv.n * (double)layers[i].qkv.k + layers[i].o.n * (double)layers[i].o.k +
+                             layers[i].gate_up.n * (double)layers[i].gate_up.k + layers[i].down.n * (double)layers[i].down.k);
+    const int threads = work >= F32_SERIAL_WORK * count ? omp_get_max_threads() : 1;
+    f32_barrier_t barrier = {0, 0, 0};
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        const int th = omp_get_thread_num(), nth = omp_get_num_threads();
+#pragma omp single
+        barrier.threads = nth; /* (the single's own barrier publishes it) */
+        int sense = 0, r0, r1;
+        f32_share(t, th, nth, &r0, &r1);
+        float *c = malloc(sizeof(float) * (size_t)t * F32_LD);
+        float *scores = malloc(sizeof(float) * (size_t)most_group * padded);
+        if (!c || !scores) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+        f32_barrier(&barrier, &sense);
+        const int ok = !__atomic_load_n(&failed, __ATOMIC_RELAXED); /* the same for every thread, after the barrier */
+        for (int i = 0; i < count && ok; i++) {
+            const f32_layer_t *l = layers + i;
+            int *next = counters + (size_t)i * 5;
+            const int hd = l->head_dim, width = l->qkv.n;
+            for (int r = r0; r < r1; r++) f32_rms_row(x + (size_t)r * d, l->input_norm, d, l->eps, h + (size_t)r * d);
+            f32_barrier(&barrier, &sense);
+            f32_linear_part(&l->qkv, h, t, qkv, c, next, nth);
+            f32_barrier(&barrier, &sense);
+            for (int r = r0; r < r1; r++)
+                f32_rope_row(r, qkv, width, qkv + (size_t)(l->heads + l->kv_heads) * hd, width, l->heads, l->kv_heads, hd,
+                             l->q_norm, l->k_norm, l->eps, s->positions, l->cos, l->sin, s->slot_mapping, q, l->k_cache,
+                             l->v_cache);
+            f32_barrier(&barrier, &sense);
+            for (long job; (job = __atomic_fetch_add(next + 4, 1, __ATOMIC_RELAXED)) < (long)t * l->kv_heads;)
+                f32_attention_job(job, scores, q, (long)l->heads * hd, l->k_cache, l->v_cache, s->rows, s->kv_slots,
+                                  s->mask, l->sinks, l->heads, l->kv_heads, hd, s->keys, l->scale, attn);
+            f32_barrier(&barrier, &sense);
+            f32_linear_part(&l->o, attn, t, h, c, next + 1, nth);
+            f32_barrier(&barrier, &sense);
+            for (int r = r0; r < r1; r++) { /* the residual, then the MLP's norm of it */
+                f32_add_into(x + (size_t)r * d, h + (size_t)r * d, d);
+                f32_rms_row(x + (size_t)r * d, l->post_norm, d, l->eps, h + (size_t)r * d);
+            }
+            f32_barrier(&barrier, &sense);
+            f32_linear_part(&l->gate_up, h, t, gu, c, next + 2, nth);
+            f32_barrier(&barrier, &sense);
+            f32_swiglu(gu + (size_t)r0 * l->gate_up.n, r1 - r0, l->gate_up.n / 2, act + (size_t)r0 * (l->gate_up.n / 2));
+            f32_barrier(&barrier, &sense);
+            f32_linear_part(&l->down, act, t, h, c, next + 3, nth);
+            f32_barrier(&barrier, &sense);
+            for (int r = r0; r < r1; r++) f32_add_into(x + (size_t)r * d, h + (size_t)r * d, d);
+            f32_barrier(&barrier, &sense);
+        }
+        free(c);
+        free(scores);
+    }
+    free(h);
+    free(counters);
+    return failed ? -1 : 0;
+}
+
+/* embedding rows out [t][d] = table[ids[t]] for a bf16 (bf16 != 0) or float32 table [v][d]; -3 for an id
+ * outside [0, v) (nothing written) */
+int sluice_f32_embed(const void *table, int bf16, long v, int d, const int64_t *ids, int t, float *out) {
+    for (int i = 0; i < t; i++)
+        if (ids[i] < 0 || ids[i] >= v) return -3;
+    for (int i = 0; i < t; i++) {
+        float *o = out + (size_t)i * d;
+        if (!bf16) {
+            memcpy(o, (const float *)table + (size_t)ids[i] * d, sizeof(float) * d);
+            continue;
+        }
+        const uint16_t *row = (const uint16_t *)table + (size_t)ids[i] * d;
+        for (int c = 0; c < d; c += 16) {
+            const __mmask16 keep = first_lanes(d - c);
+            _mm512_mask_storeu_ps(o + c, keep, load_bf16(row + c, keep));
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,222 @@
+/* x @ W^T (+ bias) for float32 rows x on CPUs with AVX-512F: every linear of a model served in float32, and
+ * its LM head (logits, or each row's argmax without writing them).
+ *
+ * The weight is bf16 (a bf16 checkpoint served in float32: bf16 -> float32 is exact, so this is float32
+ * math on the same weights, reading half the bytes) or float32, packed once in tiles of 16 output rows,
+ * each [K/2][2][16] for float32 and, for bf16, [K/2][16][2]: the pair layout of bf16_matmul.c, whose
+ * 64-byte load holds both columns of a pair for the 16 rows: shifted left 16 bits it is the even column in
+ * float32, masked to its high halves the odd one (no AVX512-BF16 needed).
+ *
+ * A block of up to GROUP tiles (64 outputs) is multiplied by ROWS input rows at a time in 24 zmm
+ * accumulators, KP column pairs at a time, the block's slice of the weight reused from L1 for every chunk
+ * of rows. Each output is one chain of float32 multiply-adds over k in order, whatever the number of rows,
+ * the thread or the blocking: a row's result does not depend on its batch (the same sum as a dot product
+ * over k in order, float32 FMA at each step).
+ *
+ * The argmax keeps the first index of a row's maximum (compared in float32, as the logits would be
+ * stored). Threads take chunks of blocks in column order as they come free (see bf16_matmul.c).
+ */
+#include <omp.h>
+#include <stdlib.h>
+
+#include "simd.h"
+
+enum { F32_TILE = 16, F32_GROUP = 4, F32_ROWS = 6, F32_KP = 64, F32_LD = F32_TILE * F32_GROUP };
+/* multiply-adds below which one thread does it all (waking the other costs more) */
+#define F32_SERIAL_WORK 1.5e6
+
+/* R rows x NT tiles over the pairs [p0, p1): acc (R x NT vectors, F32_LD floats a row of c) starts from
+ * zero when first, else from c, and is left in c. w: the block's first tile; k: columns (a tile holds k * 16
+ * values); x: rows ldx apart. bf16 != 0: the weight is packed bf16, else float32. */
+#define F32_BLOCK(R, NT, BF16)                                                                                \
+    static void f32_block_##R##_##NT##_##BF16(const void *w, int k, int p0, int p1, const float *restrict x,   \
+                                              long ldx, float *restrict c, int first, const char *pf) {       \
+        __m512 acc[R][NT];                                                                                    \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                   \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                              \
+                acc[r][t] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * F32_LD + t * F32_TILE);      \
+        const __m512i high = _mm512_set1_epi32((int)0xffff0000);                                              \
+        const size_t tile = (size_t)k * F32_TILE; /* values a tile */                                         \
+        for (int p = p0; p < p1; p++) {                                                                       \
+            __m512 wv[NT];                                                                                    \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                            \
+                if (BF16) {                                                                                   \
+                    const __m512i v = _mm512_loadu_si512((const uint16_t *)w + t * tile + (size_t)p * 32);   \
+                    wv[t] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));                                    \
+                } else {                                                                                      \
+                    wv[t] = _mm512_loadu_ps((const float *)w + t * tile + (size_t)p * 32);                    \
+                }                                                                                             \
+            }                                                                                                 \
+            if (pf)                                                                                           \
+                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                          \
+                    _mm_prefetch(pf + (t * tile + (size_t)p * 32) * (BF16 ? 2 : 4), _MM_HINT_T1);             \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                             \
+                const __m512 xe = _mm512_set1_ps(x[r * ldx + 2 * p]);                                         \
+                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) acc[r][t] = _mm512_fmadd_ps(wv[t], xe, acc[r][t]); \
+            }                                                                                                 \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                            \
+                if (BF16) {                                                                                   \
+                    const __m512i v = _mm512_loadu_si512((const uint16_t *)w + t * tile + (size_t)p * 32);   \
+                    wv[t] = _mm512_castsi512_ps(_mm512_and_si512(v, high));                                   \
+                } else {                                                                                      \
+                    wv[t] = _mm512_loadu_ps((const float *)w + t * tile + (size_t)p * 32 + 16);               \
+                }                                                                                             \
+            }                                                                                                 \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                             \
+                const __m512 xo = _mm512_set1_ps(x[r * ldx + 2 * p + 1]);                                     \
+                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) acc[r][t] = _mm512_fmadd_ps(wv[t], xo, acc[r][t]); \
+            }                                                                                                 \
+        }                                                                                                     \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                   \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                              \
+                _mm512_storeu_ps(c + r * F32_LD + t * F32_TILE, acc[r][t]);                                   \
+    }
+#define F32_BLOCKS(R) F32_BLOCK(R, 4, 1) F32_BLOCK(R, 1, 1) F32_BLOCK(R, 4, 0) F32_BLOCK(R, 1, 0)
+F32_BLOCKS(1) F32_BLOCKS(2) F32_BLOCKS(3) F32_BLOCKS(4) F32_BLOCKS(5) F32_BLOCKS(6)
+
+typedef void (*f32_block_fn)(const void *, int, int, int, const float *, long, float *, int, const char *);
+/* [bf16][tiles == 4][rows] */
+static const f32_block_fn F32_BLOCK_FN[2][2][F32_ROWS + 1] = {
+    {{0, f32_block_1_1_0, f32_block_2_1_0, f32_block_3_1_0, f32_block_4_1_0, f32_block_5_1_0, f32_block_6_1_0},
+     {0, f32_block_1_4_0, f32_block_2_4_0, f32_block_3_4_0, f32_block_4_4_0, f32_block_5_4_0, f32_block_6_4_0}},
+    {{0, f32_block_1_1_1, f32_block_2_1_1, f32_block_3_1_1, f32_block_4_1_1, f32_block_5_1_1, f32_block_6_1_1},
+     {0, f32_block_1_4_1, f32_block_2_4_1, f32_block_3_4_1, f32_block_4_4_1, f32_block_5_4_1, f32_block_6_4_1}},
+};
+
+/* The block's rows c [m][F32_LD] (the outputs from tile0 on) as logits (+ bias) into out, or folded into
+ * each row's per-lane best values and their columns (strictly greater wins: the first column of a lane's
+ * maximum, tiles in column order). */
+static void f32_finish(const float *c, int m, int tile0, int nt, int n, const float *bias, float *out, long ldo,
+                       float *best, int32_t *where) {
+    for (int r = 0; r < m; r++) {
+        for (int t = 0; t < nt; t++) {
+            const int col0 = (tile0 + t) * F32_TILE;
+            const __mmask16 valid = first_lanes(n - col0);
+            __m512 v = _mm512_loadu_ps(c + (size_t)r * F32_LD + t * F32_TILE);
+            if (out) {
+                if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(valid, bias + col0));
+                _mm512_mask_storeu_ps(out + (size_t)r * ldo + col0, valid, v);
+            } else {
+                float *b = best + (size_t)r * F32_TILE;
+                int32_t *wh = where + (size_t)r * F32_TILE;
+                const __m512 cur = _mm512_loadu_ps(b);
+                const __mmask16 gt = _mm512_mask_cmp_ps_mask(valid, v, cur, _CMP_GT_OQ);
+                if (!gt) continue;
+                const __m512i cols = _mm512_add_epi32(_mm512_set1_epi32(col0),
+                                                      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+                _mm512_storeu_ps(b, _mm512_mask_blend_ps(gt, cur, v));
+                _mm512_storeu_si512(wh, _mm512_mask_blend_epi32(gt, _mm512_loadu_si512(wh), cols));
+            }
+        }
+    }
+}
+
+/* The next `chunk` blocks for the calling thread, [g0, g1) (shared counter *next): 0 when none are left. */
+static inline int f32_take(int *next, int chunk, int groups, int *g0, int *g1) {
+    int g;
+#pragma omp atomic capture
+    {
+        g = *next;
+        *next += chunk;
+    }
+    *g0 = g;
+    *g1 = g + chunk < groups ? g + chunk : groups;
+    return g < groups;
+}
+
+/* The calling thread's share of a product (see sluice_f32_matmul): blocks taken from the shared counter
+ * *next as they come, `chunk` at a time. c: m * F32_LD floats of scratch; best / where: this thread's (argmax
+ * only). */
+static void f32_matmul_part(const void *w, int bf16, int n, int k, const float *x, long ldx, int m, const float *bias,
+                            float *out, long ldo, float *best, int32_t *where, float *c, int *next, int chunk) {
+    const int tiles = (n + F32_TILE - 1) / F32_TILE, groups = (tiles + F32_GROUP - 1) / F32_GROUP, pairs = k / 2;
+    const size_t tile_bytes = (size_t)k * F32_TILE * (bf16 ? 2 : 4);
+    for (int g0, g1; f32_take(next, chunk, groups, &g0, &g1);) {
+        for (int g = g0; g < g1; g++) {
+            const int tile0 = g * F32_GROUP, nt = tiles - tile0 < F32_GROUP ? tiles - tile0 : F32_GROUP;
+            const char *wg = (const char *)w + (size_t)tile0 * tile_bytes;
+            for (int p0 = 0; p0 < pairs; p0 += F32_KP) {
+                const int p1 = p0 + F32_KP < pairs ? p0 + F32_KP : pairs;
+                for (int r0 = 0; r0 < m; r0 += F32_ROWS) {
+                    const int r = m - r0 < F32_ROWS ? m - r0 : F32_ROWS;
+                    const float *xr = x + (size_t)r0 * ldx;
+                    float *cr = c + (size_t)r0 * F32_LD;
+                    if (nt == F32_GROUP) {
+                        const char *pf = r0 == 0 && g + 1 < groups ? wg + F32_GROUP * tile_bytes : NULL;
+                        F32_BLOCK_FN[bf16 != 0][1][r](wg, k, p0, p1, xr, ldx, cr, p0 == 0, pf);
+                    } else {
+                        for (int t = 0; t < nt; t++)
+                            F32_BLOCK_FN[bf16 != 0][0][r](wg + t * tile_bytes, k, p0, p1, xr, ldx, cr + t * F32_TILE,
+                                                          p0 == 0, NULL);
+                    }
+                }
+            }
+            f32_finish(c, m, tile0, nt, n, bias, out, ldo, best, where);
+        }
+    }
+}
+
+/* blocks handed out at a time: a few per thread and round, at most 8 */
+static inline int f32_chunk(int n, int threads) {
+    const int groups = ((n + F32_TILE - 1) / F32_TILE + F32_GROUP - 1) / F32_GROUP;
+    const int chunk = groups / (threads * 8);
+    return chunk < 1 ? 1 : chunk > 8 ? 8 : chunk;
+}
+
+/* w: the packed weight of n outputs (bf16 != 0: bf16 pairs, else float32; zero rows past n to whole
+ * tiles); x: m rows of k float32 (k even), ldx apart. With out set, out [m][ldo] = x @ W^T + bias (bias:
+ * NULL or n floats); else tokens[m] = each row's argmax (bias ignored). Returns 0, or -1 when out of
+ * memory. */
+int sluice_f32_matmul(const void *w, int bf16, int n, int k, const float *x, long ldx, int m, const float *bias,
+                      float *out, long ldo, int32_t *tokens) {
+    const int threads = (double)m * n * k >= F32_SERIAL_WORK ? omp_get_max_threads() : 1;
+    const int chunk = f32_chunk(n, threads);
+    float *best = NULL;
+    int32_t *where = NULL;
+    if (!out) {
+        best = malloc(sizeof(float) * (size_t)threads * m * F32_TILE);
+        where = malloc(sizeof(int32_t) * (size_t)threads * m * F32_TILE);
+        if (!best || !where) {
+            free(best);
+            free(where);
+            return -1;
+        }
+        for (size_t i = 0; i < (size_t)threads * m * F32_TILE; i++) {
+            best[i] = -INFINITY;
+            where[i] = INT32_MAX;
+        }
+    }
+    int next = 0, failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        const int th = omp_get_thread_num();
+        float *c = malloc(sizeof(float) * (size_t)m * F32_LD);
+        if (!c) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            f32_matmul_part(w, bf16, n, k, x, ldx, m, bias, out, ldo, best ? best + (size_t)th * m * F32_TILE : NULL,
+                            where ? where + (size_t)th * m * F32_TILE : NULL, c, &next, chunk);
+        }
+        free(c);
+    }
+    if (!out) {
+        for (int r = 0; r < m; r++) {
+            float top = -INFINITY;
+            int32_t at = INT32_MAX;
+            for (int th = 0; th < threads; th++) {
+                const float *b = best + ((size_t)th * m + r) * F32_TILE;
+                const int32_t *wh = where + ((size_t)th * m + r) * F32_TILE;
+                for (int l = 0; l < F32_TILE; l++)
+                    if (b[l] > top || (b[l] == top && wh[l] < at)) {
+                        top = b[l];
+                        at = wh[l];
+                    }
+            }
+            tokens[r] = at == INT32_MAX ? 0 : at;
+        }
+        free(best);
+        free(where);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,228 @@
+/* The int8 screen of greedy rows against the LM head, shared by the bf16 head (int8_argmax.c) and the float32
+ * one (f32_int8_argmax.c); see int8_argmax.c for the method and its bounds. The file that includes this one
+ * defines TILE, GROUP, ROWS, columns() and take_groups() first (its matmul's). */
+#ifndef SLUICE_INT8_SCREEN_H
+#define SLUICE_INT8_SCREEN_H
+
+enum { CAP = 128 };
+
+/* The int8 weight: per column (padded to whole tiles, zero past n) -128 sum(q_v), s_v, e_v and n_v. */
+typedef struct {
+    const int8_t *q;
+    const int32_t *start;
+    const float *scale, *err, *norm;
+    int n, k;
+} Weight;
+
+/* A quantized row, its bounds in units of s_x: B_v = e_v nx + n_v ndx; slack = fixed + rel |L|. */
+typedef struct {
+    float nx, ndx, fixed, rel;
+} Row;
+
+/* One row's kept columns, for one thread. */
+typedef struct {
+    float top;    /* L: the best lower bound A_v - B_v seen (in units of s_x) */
+    float floor;  /* L - slack: upper bounds below it are dropped */
+    int count, overflow;
+    int32_t col[CAP];
+    float val[CAP]; /* their upper bounds */
+} Pool;
+
+/* acc + (the sums of four products of u's unsigned and w's signed bytes), as _mm512_dpbusd_epi32. GCC 12
+ * compiles that intrinsic with a copy of the accumulator per use, and with 24 of them spills them all
+ * to the stack in the inner loop (a third slower); this is the one instruction. */
+static inline __m512i dpbusd(__m512i acc, __m512i u, __m512i w) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(w));
+    return acc;
+}
+
+/* The floor of a row whose best lower bound is top. */
+static inline float floor_of(float top, const Row *row) { return top - (row->fixed + row->rel * fabsf(top)); }
+
+/* Each column's B_v for row `row`, for the 16 columns of tile t. */
+static inline __m512 bound(const Weight *c, int t, const Row *row) {
+    return _mm512_fmadd_ps(_mm512_loadu_ps(c->err + (size_t)t * TILE), _mm512_set1_ps(row->nx),
+                           _mm512_mul_ps(_mm512_loadu_ps(c->norm + (size_t)t * TILE), _mm512_set1_ps(row->ndx)));
+}
+
+/* Takes the screened values a (units of s_x) of the 16 columns of tile t, some of whose upper bounds reach
+ * the row's floor, into its pool. */
+__attribute__((noinline)) static void keep(Pool *p, __m512 a, const Weight *c, int t, const Row *row) {
+    const __m512i cols = columns(t * TILE);
+    const __mmask16 valid = _mm512_cmplt_epi32_mask(cols, _mm512_set1_epi32(c->n));
+    const __m512 b = bound(c, t, row), upper = _mm512_add_ps(a, b);
+    const float m = _mm512_mask_reduce_max_ps(valid, _mm512_sub_ps(a, b));
+    if (m > p->top) {
+        p->top = m;
+        p->floor = floor_of(m, row);
+        int kept = 0; /* what the higher floor drops from the pool */
+        for (int i = 0; i < p->count; i++)
+            if (p->val[i] >= p->floor) {
+                p->col[kept] = p->col[i];
+                p->val[kept++] = p->val[i];
+            }
+        p->count = kept;
+    }
+    const __mmask16 keep = _mm512_mask_cmp_ps_mask(valid, upper, _mm512_set1_ps(p->floor), _CMP_GE_OQ);
+    const int add = __builtin_popcount(keep);
+    if (p->count + add > CAP) {
+        p->overflow = 1;
+        p->floor = INFINITY; /* this row is computed again in full: keep nothing more */
+        return;
+    }
+    _mm512_mask_compressstoreu_epi32(p->col + p->count, keep, cols);
+    _mm512_mask_compressstoreu_ps(p->val + p->count, keep, upper);
+    p->count += add;
+}
+
+/* R quantized rows u (k bytes apart) against NT int8 tiles from tile0: the screened values into out
+ * ([R][NT][16]); returns which of them (bit r * NT + t) have an upper bound that reaches its row's floor
+ * (that of pools[r]). (Keeping them is left to the caller: a call here would keep the accumulators in
+ * memory through the loop.) */
+#define SCREEN(R, NT)                                                                                        \
+    static uint32_t screen_##R##_##NT(const Weight *c, const uint8_t *restrict u, int tile0, const Row *rows, \
+                                      const Pool *pools, float *restrict out, const int8_t *pf) {            \
+        const int k = c->k;                                                                                  \
+        __m512i acc[R][NT];                                                                                  \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                               \
+            const __m512i s0 = _mm512_loadu_si512(c->start + (size_t)(tile0 + t) * TILE);                    \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][t] = s0;                              \
+        }                                                                                                    \
+        const int8_t *wt = c->q + (size_t)tile0 * k * TILE;                                                  \
+        for (int p = 0; p < k / 4; p++) {                                                                    \
+            __m512i wv[NT];                                                                                  \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                             \
+                wv[t] = _mm512_loadu_si512(wt + (size_t)t * k * TILE + p * 64);                              \
+            if (pf)                                                                                          \
+                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                         \
+                    _mm_prefetch((const char *)(pf + (size_t)t * k * TILE + p * 64), _MM_HINT_T1);           \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                            \
+                const __m512i ub = _mm512_set1_epi32(*(const int32_t *)(u + (size_t)r * k + 4 * p));         \
+                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                         \
+                    acc[r][t] = dpbusd(acc[r][t], ub, wv[t]);                                                \
+            }                                                                                                \
+        }                                                                                                    \
+        uint32_t hits = 0;                                                                                   \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                               \
+            const __m512 sv = _mm512_loadu_ps(c->scale + (size_t)(tile0 + t) * TILE);                        \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                            \
+                const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][t]), sv);                           \
+                _mm512_storeu_ps(out + (r * NT + t) * TILE, a);                                              \
+                const __m512 upper = _mm512_add_ps(a, bound(c, tile0 + t, rows + r));                        \
+                if (_mm512_cmp_ps_mask(upper, _mm512_set1_ps(pools[r].floor), _CMP_GE_OQ))                   \
+                    hits |= 1u << (r * NT + t);                                                              \
+            }                                                                                                \
+        }                                                                                                    \
+        return hits;                                                                                         \
+    }
+#define SCREENS(R) SCREEN(R, 4) SCREEN(R, 1)
+SCREENS(1) SCREENS(2) SCREENS(3) SCREENS(4) SCREENS(5) SCREENS(6)
+
+typedef uint32_t (*screen_fn)(const Weight *, const uint8_t *, int, const Row *, const Pool *, float *,
+                              const int8_t *);
+
+/* Keeps the `hits` of a block's screened values `out` ([rows][nt][16], tiles from tile0). */
+static void offer(uint32_t hits, const float *out, int rows, int nt, const Weight *c, int tile0, const Row *row,
+                  Pool *pools) {
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < nt; t++)
+            if (hits >> (r * nt + t) & 1)
+                keep(pools + r, _mm512_loadu_ps(out + (r * nt + t) * TILE), c, tile0 + t, row + r);
+}
+static const screen_fn SCREEN_FULL[ROWS + 1] = {0, screen_1_4, screen_2_4, screen_3_4, screen_4_4, screen_5_4,
+                                                screen_6_4};
+static const screen_fn SCREEN_ONE[ROWS + 1] = {0, screen_1_1, screen_2_1, screen_3_1, screen_4_1, screen_5_1,
+                                               screen_6_1};
+
+/* Quantizes row h (k float values) into u (q_x + 128) and gives its bounds (err_w, norm_w, norm_q: the
+ * largest e_v, ||w_v|| and n_v; the exact logits' slack beyond the screen's: rounds * G of their float32
+ * sums' rounding G, and rel of the largest bound and of |L|); 0, or -1 when the row cannot be screened (all
+ * zero, or not finite). */
+static int quantize_row(const float *h, int k, uint8_t *u, float err_w, float norm_w, float norm_q, double rounds,
+                        float rel, Row *row) {
+    float amax = 0;
+    for (int i = 0; i < k; i++) {
+        const float x = h[i];
+        if (!(fabsf(x) <= amax)) amax = fabsf(x); /* (NaN lands here and stays: caught below) */
+    }
+    if (!(amax > 0) || !isfinite(amax)) return -1;
+    const float sx = amax / 127;
+    double xx = 0, dd = 0;
+    for (int i = 0; i < k; i++) {
+        const float x = h[i];
+        float q = nearbyintf(x / sx);
+        q = q > 127 ? 127 : q < -127 ? -127 : q;
+        u[i] = (uint8_t)((int)q + 128);
+        const double d = (double)x - (double)sx * q;
+        xx += (double)x * x;
+        dd += d * d;
+    }
+    const double b = err_w * sqrt(xx) + norm_q * sqrt(dd); /* the largest B_v */
+    const double g = 0x1p-24 * k * norm_w * sqrt(xx);      /* the float32 sums' rounding */
+    row->nx = (float)(sqrt(xx) / sx);
+    row->ndx = (float)(sqrt(dd) / sx);
+    row->fixed = (float)(((rounds * g + rel * b) * (1 + 0x1p-10) + 1e-30) / sx);
+    row->rel = rel;
+    return 0;
+}
+
+/* The kept columns of row r, merged over the threads' pools (those that reach the floor of the best lower
+ * bound any thread saw) into kept; -1 when a pool overflowed. */
+static int merge_pools(const Pool *pools, int threads, int m, int r, const Row *row, int32_t *kept) {
+    float top = -INFINITY;
+    for (int th = 0; th < threads; th++) {
+        const Pool *p = pools + (size_t)th * m + r;
+        if (p->overflow) return -1;
+        if (p->top > top) top = p->top;
+    }
+    const float floor = floor_of(top, row);
+    int count = 0;
+    for (int th = 0; th < threads; th++) {
+        const Pool *p = pools + (size_t)th * m + r;
+        for (int i = 0; i < p->count; i++)
+            if (p->val[i] >= floor) kept[count++] = p->col[i];
+    }
+    return count;
+}
+
+/* Screens m quantized rows u against the int8 weight c on the team's threads (pools: threads * m). */
+static void screen_rows(const Weight *c, const uint8_t *u, int m, const Row *rows, Pool *pools, int threads) {
+    const int tiles = (c->n + TILE - 1) / TILE, groups = (tiles + GROUP - 1) / GROUP, k = c->k;
+    int next = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        Pool *mine = pools + (size_t)omp_get_thread_num() * m;
+        float out[ROWS * GROUP * TILE];
+        for (int g0, g1; take_groups(&next, groups, &g0, &g1);) {
+            for (int g = g0; g < g1; g++) {
+                const int tile0 = g * GROUP, nt = tiles - tile0 < GROUP ? tiles - tile0 : GROUP;
+                for (int r0 = 0; r0 < m; r0 += ROWS) {
+                    const int r = m - r0 < ROWS ? m - r0 : ROWS;
+                    const uint8_t *ur = u + (size_t)r0 * k;
+                    if (nt == GROUP) {
+                        const int8_t *pf = r0 == 0 && g + 1 < groups ? c->q + (size_t)(tile0 + GROUP) * k * TILE : NULL;
+                        const uint32_t hits = SCREEN_FULL[r](c, ur, tile0, rows + r0, mine + r0, out, pf);
+                        if (hits) offer(hits, out, r, GROUP, c, tile0, rows + r0, mine + r0);
+                    } else {
+                        for (int t = 0; t < nt; t++) {
+                            const uint32_t hits = SCREEN_ONE[r](c, ur, tile0 + t, rows + r0, mine + r0, out, NULL);
+                            if (hits) offer(hits, out, r, 1, c, tile0 + t, rows + r0, mine + r0);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* Fresh pools for m rows (a row that could not be quantized, bad[r], is redone whole). */
+static void init_pools(Pool *pools, int threads, int m, const int *bad) {
+    for (size_t i = 0; i < (size_t)threads * m; i++) {
+        pools[i].top = -INFINITY;
+        pools[i].floor = bad[i % m] ? INFINITY : -INFINITY;
+        pools[i].count = 0;
+        pools[i].overflow = bad[i % m];
+    }
+}
+
+#endif

@@ -1,0 +1,344 @@
+"""A model served in float32 on the CPU: Sluice's float32 kernels (engine/csrc/f32_matmul.c, f32_layers.c;
+AVX-512F) against torch's float32 path, which the kernels must equal up to the order of their sums.
+
+- The linears: F.linear's products (float64 reference, float32 rounding of a sum of k terms), for bf16
+  weights widened in registers and float32 ones; a row's values do not depend on its batch (bit for bit);
+  the argmax is the first index of the maximum of those logits.
+- A bf16 checkpoint served in float32 keeps its weights in bf16 (the same values); a float32 one keeps
+  float32.
+- Attention, rotary with the KV store, RMSNorm (and Qwen3's q/k norms), SwiGLU: torch's float32 values
+  within float32 rounding; a whole step through the layers in one call: the op-by-op torch path's hidden
+  states and cache, and the same greedy tokens over whole generations.
+- CPUs without the instructions (SLUICE_CPU_HIDE) and disabled kernels run torch's path with the same
+  tokens.
+"""
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine import cpu_kernels
+from engine.backend import TORCH
+from engine.cpu import ops
+from engine.cpu.matmul import F32Matmul, bf16_exact, narrowed
+from engine.cpu.stack import DecoderStack
+from engine.lm_head import lm_head
+from sluice.builtin_models import write_llama_family
+from tests.engine.helpers import generate, make_engine, seq
+
+_ISA = {"avx512f", "avx512bw", "avx512vl"}
+pytestmark = pytest.mark.skipif(not _ISA <= cpu_kernels.cpu_flags(), reason="this CPU lacks AVX-512F/BW/VL")
+
+
+@pytest.fixture
+def fresh_kernels(tmp_path, monkeypatch):
+    """A cache directory of its own and no kernel loaded yet."""
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "cache"))
+    cpu_kernels.clear()
+    yield
+    cpu_kernels.clear()
+
+
+def _order_tolerance(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A bound on how far two float32 sums of the products x @ w^T in different orders can lie from the
+    exact value: k roundings of at most 2^-24 of the running sum of |products|."""
+    return x.abs().double() @ w.abs().double().T * x.shape[1] * 2**-23 + 1e-30
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 700), k=st.integers(1, 80).map(lambda h: 2 * h), rows=st.integers(1, 70),
+       bf16=st.booleans(), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_float32_matmul_is_f_linear_up_to_the_order_of_its_sums(n, k, rows, bf16, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=g)
+    if bf16:
+        weight = weight.bfloat16()
+    x = torch.randn(rows, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    kernel = F32Matmul.build(weight, b)
+    assert kernel is not None and kernel.bf16 == bf16
+    out = kernel(x)
+    assert out.dtype == torch.float32 and out.shape == (rows, n)
+    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    assert ((out.double() - exact).abs() <= _order_tolerance(x, weight.float()) + 2**-23 * exact.abs()).all()
+    torch_fp32 = F.linear(x, weight.float(), b)
+    assert ((out - torch_fp32).double().abs() <= 2 * _order_tolerance(x, weight.float())
+            + 2**-22 * exact.abs()).all()
+    alone = torch.cat([kernel(x[r : r + 1]) for r in range(rows)])
+    assert torch.equal(alone, out), "a row's values depend on its batch"
+
+
+@settings(max_examples=30, deadline=None)
+@given(vocab=st.integers(1, 3000), rows=st.integers(1, 40), ties=st.integers(0, 5), seed=st.integers(0, 2**16))
+def test_float32_argmax_is_the_first_index_of_the_maximum_of_its_logits(vocab, rows, ties, seed):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, 64, generator=g).bfloat16()
+    hidden = torch.randn(rows, 64, generator=g)
+    for i in range(min(ties, vocab - 1)):  # equal rows give equal logits: the first index must win
+        weight[vocab - 1 - i] = weight[i]
+        hidden[i % rows] = weight[i].float() * 4
+    head = lm_head(weight, torch.float32)
+    assert isinstance(head.kernel, F32Matmul)
+    logits = head(hidden)
+    tokens = head.argmax(hidden)
+    first_max = (logits == logits.amax(dim=1, keepdim=True)).float().argmax(dim=1)
+    assert torch.equal(tokens, first_max)
+    assert torch.equal(tokens, torch.cat([head.argmax(hidden[r : r + 1]) for r in range(rows)]))
+
+
+needs_vnni = pytest.mark.skipif(not _ISA | {"avx512_vnni"} <= cpu_kernels.cpu_flags(), reason="no AVX512-VNNI")
+
+
+@needs_vnni
+@settings(max_examples=40, deadline=None)
+@given(vocab=st.integers(1, 3000), dim=st.sampled_from([4, 32, 128, 260]), rows=st.integers(1, 40),
+       ties=st.integers(0, 8), cluster=st.integers(0, 60), eps=st.sampled_from([1e-4, 0.01, 1.0]),
+       bf16=st.booleans(), outlier=st.booleans(), seed=st.integers(0, 2**16))
+def test_int8_screened_float32_argmax_is_the_float32_kernels(vocab, dim, rows, ties, cluster, eps, bf16, outlier,
+                                                               seed):
+    """The screen settles every row on the float32 kernel's token (bf16 and float32 weights): random rows,
+    exact ties (the first index), near copies one step apart, and a cluster of close rows with hidden rows
+    along it (top logits closer than the int8 error)."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, dim, generator=g)
+    hidden = torch.randn(rows, dim, generator=g)
+    cluster = min(cluster, vocab)
+    if cluster:
+        base = torch.randn(dim, generator=g) * 3
+        weight[-cluster:] = base + eps * torch.randn(cluster, dim, generator=g)
+        hidden = base + eps * hidden
+    for i in range(min(ties, vocab // 2)):
+        j = int(torch.randint(vocab, (1,), generator=g))
+        weight[vocab - 1 - i] = weight[j]
+        if i % 2:
+            weight[vocab - 1 - i, 0] = torch.nextafter(weight[j, 0], torch.tensor(9.0))
+        hidden[i % rows] = weight[j] * 3
+    if outlier:
+        hidden[:, 0] = 60
+    if bf16:
+        weight = weight.bfloat16()
+    head = lm_head(weight, torch.float32)
+    assert head.screen is not None and head.screen.f32
+    assert torch.equal(head.screen(hidden), head.kernel.argmax(hidden))
+
+
+def test_bf16_values_in_float32_are_kept_in_bf16_and_others_are_not():
+    w = torch.randn(300, 64)
+    assert not bf16_exact(w) and narrowed(w).dtype == torch.float32
+    w16 = w.bfloat16().float()
+    assert bf16_exact(w16) and torch.equal(narrowed(w16).float(), w16) and narrowed(w16).dtype == torch.bfloat16
+    assert F32Matmul.build(narrowed(w16)).bf16 and not F32Matmul.build(narrowed(w)).bf16
+    assert F32Matmul.build(torch.randn(4, 3)) is None  # odd K: torch's path
+
+
+def _bf16_checkpoint(path, **kw):
+    """write_llama_family's checkpoint with its weights rounded to bf16 (what a bf16 checkpoint loads as)."""
+    from safetensors.torch import load_file, save_file
+
+    write_llama_family(path, **kw)
+    for file in path.glob("*.safetensors"):
+        save_file({k: v.bfloat16() for k, v in load_file(str(file)).items()}, str(file), metadata={"format": "pt"})
+    return path
+
+
+VARIANTS = {
+    "llama-gqa": dict(architecture="LlamaForCausalLM", tie_word_embeddings=False),
+    "qwen3-qk-norm": dict(architecture="Qwen3ForCausalLM", num_heads=4, num_kv_heads=2, head_dim=32),
+    "qwen2-bias-one-kv-head": dict(architecture="Qwen2ForCausalLM", num_heads=4, num_kv_heads=1, head_dim=32,
+                                   intermediate_size=88),
+    "mistral-window-12": dict(architecture="MistralForCausalLM", sliding_window=12, num_kv_heads=4, head_dim=48,
+                              hidden_size=96, intermediate_size=200),
+}
+PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 57)), [300] * 3, list(range(100, 171, 2))]
+
+
+def _engines(path, **kw):
+    """(Sluice's float32 kernels, torch's float32 path) over the same checkpoint."""
+    fast = make_engine(path, **kw)
+    with mock.patch("engine.model_runner.select_backend", return_value=TORCH):
+        plain = make_engine(path, **kw)
+    return fast, plain
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_a_bf16_checkpoint_in_float32_keeps_bf16_weights_and_generates_torch_fp32_tokens(variant, tmp_path):
+    path = _bf16_checkpoint(tmp_path / variant, **VARIANTS[variant])
+    (runner, sched), (ref, ref_sched) = _engines(path, block_size=8)
+    assert runner.one_call and isinstance(runner.lm_head.kernel, F32Matmul) and runner.lm_head.kernel.bf16
+    linears = [m for m in runner.model.modules() if hasattr(m, "run")]
+    assert linears and all(isinstance(m.run, F32Matmul) and m.run.bf16 and m.weight.dtype == torch.bfloat16
+                           for m in linears)
+    assert all(m.run is None and m.weight.dtype == torch.float32 for m in ref.model.modules() if hasattr(m, "run"))
+    requests = [seq(f"r{i}", p, max_tokens=24, temperature=0.0) for i, p in enumerate(PROMPTS)]
+    assert generate(runner, sched, requests) == generate(ref, ref_sched, [seq(s.request_id, s.token_ids[:len(p)],
+                                                                            max_tokens=24, temperature=0.0)
+                                                                        for s, p in zip(requests, PROMPTS)])
+
+
+def test_a_float32_checkpoint_keeps_float32_weights(tmp_path):
+    path = write_llama_family(tmp_path / "m", architecture="LlamaForCausalLM")
+    runner, _ = make_engine(path)
+    assert runner.one_call and not runner.lm_head.kernel.bf16
+    assert all(not m.run.bf16 and m.weight.dtype == torch.float32 for m in runner.model.modules() if hasattr(m, "run"))
+
+
+def _decoding(engine, prompts=PROMPTS):
+    """The engine's sequences past their prompts, and its next (all-decode) batch."""
+    runner, sched = engine
+    for i, p in enumerate(prompts):
+        sched.add(seq(f"r{i}", p, max_tokens=50, temperature=0.0))
+    for _ in range(4):
+        batch = sched.schedule()
+        sched.update(batch, runner.run(batch).tokens)
+    batch = sched.schedule()
+    assert set(batch.num_new_tokens) == {1}
+    return runner, batch
+
+
+def _step(runner, batch):
+    """(hidden states, the caches after the step), the caches put back as they were."""
+    saved = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    with torch.inference_mode():
+        hidden, _ = runner._hidden(batch)
+    after = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    for (k, v), (k0, v0) in zip(runner.kv_caches, saved):
+        k.copy_(k0)
+        v.copy_(v0)
+    return hidden, after
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_a_float32_decode_step_in_one_call_is_torchs_layers_op_by_op(variant, tmp_path):
+    path = _bf16_checkpoint(tmp_path / variant, **VARIANTS[variant])
+    fast, plain = _engines(path, block_size=8)
+    runner, batch = _decoding(fast)
+    ref, ref_batch = _decoding(plain)
+    with mock.patch.object(DecoderStack, "__call__", autospec=True, side_effect=DecoderStack.__call__) as spy:
+        hidden, caches = _step(runner, batch)
+    assert spy.called
+    ref_hidden, ref_caches = _step(ref, ref_batch)
+    _close(hidden, ref_hidden)
+    for kv, ref_kv in zip(caches, ref_caches):
+        for x, y in zip(kv, ref_kv):
+            _close(x, y)
+
+
+def test_float32_steps_with_prefill_chunks_in_one_call_are_torchs(tmp_path):
+    """A chunk's rows attend as decodes of their positions (causal, within the window): torch's values."""
+    path = _bf16_checkpoint(tmp_path / "m", **VARIANTS["mistral-window-12"])
+    (runner, sched), (ref, ref_sched) = _engines(path, block_size=8, budget=19)
+    requests = [*PROMPTS[:3], list(range(400, 440))]
+    out, mixed, run = {}, [], DecoderStack.__call__
+
+    def spy(stack, x, positions, slot_mapping, rows, kv_slots, mask):  # rows of one sequence share its keys
+        mixed.append(len(torch.unique(kv_slots, dim=0)) < len(x))
+        return run(stack, x, positions, slot_mapping, rows, kv_slots, mask)
+
+    calls = mock.patch.object(DecoderStack, "__call__", autospec=True, side_effect=spy)
+    with calls:
+        for name, (r, s) in (("fast", (runner, sched)), ("ref", (ref, ref_sched))):
+            out[name] = generate(r, s, [seq(f"r{i}", p, max_tokens=30, temperature=0.0)
+                                        for i, p in enumerate(requests)])
+    assert out["fast"] == out["ref"]
+    assert sum(mixed) >= 2  # steps whose rows include a prompt's chunk ran in one call
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 9), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 3, 4, 6, 8]),
+       dim=st.sampled_from([16, 32, 48, 64, 80, 128, 256]), keys=st.integers(1, 100), sinks=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_float32_decode_attention_is_the_torch_path(batch, kv_heads, group, dim, keys, sinks, seed):
+    from engine.attention import _attention
+
+    g = torch.Generator().manual_seed(seed)
+    heads, num_slots, t = kv_heads * group, 200, batch + 3
+    k_cache = torch.randn(num_slots, kv_heads, dim, generator=g)
+    v_cache = torch.randn(num_slots, kv_heads, dim, generator=g)
+    q = torch.randn(t, heads + 2 * kv_heads, dim, generator=g)[:, :heads]  # a view, as in a model
+    rows = torch.randperm(t, generator=g)[:batch]
+    slots = torch.randint(0, num_slots, (batch, keys), generator=g)
+    mask = torch.rand(batch, 1, 1, keys, generator=g) < 0.7
+    mask[:, :, :, 0] = True
+    sink = torch.randn(heads, generator=g) if sinks else None
+    out = torch.zeros(t + 1, heads, dim)
+    assert ops.decode_attention(q, k_cache, v_cache, rows, slots, mask, 0.3, sink, out)
+    qg = q[rows].unsqueeze(1).transpose(1, 2)  # [B, H, 1, D]
+    ref = _attention(qg, k_cache[slots].transpose(1, 2), v_cache[slots].transpose(1, 2), mask, 0.3,
+                     sink).transpose(1, 2)[:, 0]
+    torch.testing.assert_close(out[rows], ref, rtol=1e-5, atol=1e-5)
+    untouched = torch.ones(t + 1, dtype=torch.bool)
+    untouched[rows] = False
+    assert (out[untouched] == 0).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(0, 40), dim=st.integers(1, 300), strided=st.booleans(), seed=st.integers(0, 2**16))
+def test_float32_rms_norm_is_torchs(rows, dim, strided, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, dim + (7 if strided else 0), generator=g) * 3)[:, :dim]
+    weight = torch.randn(dim, generator=g) * 0.5 + 1
+    out = ops.rms_norm(x, weight, 1e-6)
+    assert out is not None and out.shape == (rows, dim) and out.dtype == torch.float32
+    torch.testing.assert_close(out, F.rms_norm(x, (dim,), weight, 1e-6), rtol=4e-7, atol=1e-6)
+
+
+@settings(max_examples=30, deadline=None)
+@given(tokens=st.integers(0, 40), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 3, 4]),
+       dim=st.integers(1, 150).map(lambda n: 2 * n), seed=st.integers(0, 2**16))
+def test_float32_rope_store_is_torchs_rotary_and_the_cache_writes(tokens, kv_heads, group, dim, seed):
+    from engine.attention import rope_and_store
+    from engine.rope import Rotary
+
+    g = torch.Generator().manual_seed(seed)
+    heads, num_slots = kv_heads * group, 64
+    rotary = Rotary(dim, 100, 10000.0, {"rope_type": "default"})
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=g)
+    positions = torch.randint(0, 100, (tokens,), generator=g)
+    slots = torch.randperm(num_slots, generator=g)[:tokens]
+    k_cache, v_cache = torch.zeros(num_slots, kv_heads, dim), torch.zeros(num_slots, kv_heads, dim)
+    q = ops.rope_store(qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :], heads, positions, rotary.cos,
+                       rotary.sin, slots, k_cache, v_cache)
+    k2, v2 = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    q2 = rope_and_store(qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :], heads, rotary, positions, k2, v2, slots)
+    torch.testing.assert_close(q, q2, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k_cache, k2, rtol=1e-6, atol=1e-6)
+    assert torch.equal(v_cache, v2)
+    one, before = torch.randn(1, heads + 2 * kv_heads, dim, generator=g), (k_cache.clone(), v_cache.clone())
+    for position, slot in ((100, 0), (0, num_slots), (-1, 0)):
+        with pytest.raises(IndexError):
+            ops.rope_store(one[:, : heads + kv_heads], one[:, heads + kv_heads :], heads, torch.tensor([position]),
+                           rotary.cos, rotary.sin, torch.tensor([slot]), k_cache, v_cache)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])  # (nothing written)
+
+
+@pytest.mark.parametrize("hide", ["avx512f", "all"])
+def test_cpus_without_the_instructions_run_torchs_path_with_the_same_tokens(hide, tmp_path, fresh_kernels,
+                                                                            monkeypatch):
+    """SLUICE_CPU_HIDE=avx512f stands for a CPU without AVX-512 (an AVX2 one), SLUICE_CPU_KERNELS=0 for
+    kernels turned off: no kernel runs, and the tokens are the float32 kernels'."""
+    path = _bf16_checkpoint(tmp_path / "m", **VARIANTS["qwen3-qk-norm"])
+    runner, sched = make_engine(path)
+    tokens = generate(runner, sched, [seq(f"r{i}", p, max_tokens=16, temperature=0.0) for i, p in enumerate(PROMPTS)])
+    monkeypatch.setenv(*(("SLUICE_CPU_HIDE", "avx512f") if hide == "avx512f" else ("SLUICE_CPU_KERNELS", "0")))
+    cpu_kernels.clear()
+    runner, sched = make_engine(path)
+    assert not runner.one_call and runner.lm_head.kernel is None
+    assert all(m.run is None and m.weight.dtype == torch.float32 for m in runner.model.modules() if hasattr(m, "run"))
+    assert generate(runner, sched, [seq(f"r{i}", p, max_tokens=16, temperature=0.0)
+                                    for i, p in enumerate(PROMPTS)]) == tokens
+
+
+def test_hiding_avx512_bf16_leaves_the_float32_path_and_takes_the_bf16_kernels_away(fresh_kernels, monkeypatch):
+    monkeypatch.setenv("SLUICE_CPU_HIDE", "avx512_bf16,avx512_vnni")
+    weight = torch.randn(300, 64).bfloat16()
+    assert lm_head(weight).kernel is None  # bf16 rows: oneDNN
+    assert isinstance(lm_head(weight, torch.float32).kernel, F32Matmul)
