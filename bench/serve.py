@@ -115,17 +115,19 @@ async def _drive(args, requests: list[tuple[str, int]], concurrency: int, rate: 
 
 def _worker(args, requests, concurrency, rate, seed, progress, out, start) -> None:
     start.wait()  # every client process is up: the clock starts now, not at their spawn
+    cpu = time.process_time()
     results = asyncio.run(_drive(args, requests, concurrency, rate, seed, progress))
-    out.put(([r.__dict__ for r in results], time.perf_counter()))
+    out.put(([r.__dict__ for r in results], time.perf_counter(), time.process_time() - cpu))
 
 
 _CLIENT_START_S = 120
 
 
-def run_load(args, requests: list[tuple[str, int]]) -> tuple[list[Result], float]:
-    """Runs the load over --client-workers processes; returns every result and the wall time, from the
+def run_load(args, requests: list[tuple[str, int]]) -> tuple[list[Result], float, float]:
+    """Runs the load over --client-workers processes; returns every result, the wall time, from the
     first request sent to the last one finished (the client processes' start-up, ~0.2 s each, is not in
-    it: in a short run it would shrink every ratio between two servers toward 1)."""
+    it: in a short run it would shrink every ratio between two servers toward 1), and the CPU seconds the
+    client processes spent in that time."""
     w = max(1, min(args.client_workers, args.max_concurrency))
     ctx = mp.get_context("spawn")
     progress, out, start = ctx.Value("i", 0), ctx.Queue(), ctx.Barrier(w + 1)
@@ -144,11 +146,13 @@ def run_load(args, requests: list[tuple[str, int]]) -> tuple[list[Result], float
     t0 = time.perf_counter()  # perf_counter is CLOCK_MONOTONIC on Linux: the same clock in every process
     results: list[Result] = []
     ends = []
+    cpu = 0.0
     while len(ends) < w:
         try:
-            rows, end = out.get(timeout=0.5)
+            rows, end, used = out.get(timeout=0.5)
             results += [Result(**r) for r in rows]
             ends.append(end)
+            cpu += used
         except queue.Empty:
             if sum(p.exitcode not in (None, 0) for p in procs):
                 raise SystemExit("a client process failed; see its traceback above")
@@ -161,7 +165,7 @@ def run_load(args, requests: list[tuple[str, int]]) -> tuple[list[Result], float
         p.join()
     if not args.no_progress:
         print(file=sys.stderr)
-    return results, wall
+    return results, wall, cpu
 
 
 # ---- report ---------------------------------------------------------------------------
@@ -248,8 +252,9 @@ def serve(args) -> dict:
                                      "request_rate": float("inf"), "no_progress": True})
         run_load(warm, requests[: args.warmup])
     goodput = {k: float(v) for k, v in (g.split(":") for g in args.goodput)}
-    results, wall = run_load(args, requests[args.warmup:])
+    results, wall, cpu = run_load(args, requests[args.warmup:])
     summary = summarize(results, wall, goodput)
+    summary["client_cpu_s"] = cpu
     summary["config"] = {k: v for k, v in vars(args).items() if k not in ("api_key", "func")}
     return summary
 

@@ -96,14 +96,17 @@ class BlockManager:
             return
         table = getattr(seq, self.table)
         full = min(seq.num_computed_tokens // self.block_size, len(table))
-        for i in range(getattr(seq, self.registered), full):
+        registered = getattr(seq, self.registered)
+        if full <= registered:  # no block filled up (most decode steps)
+            return
+        for i in range(registered, full):
             h, block = self._hash(seq, i), table[i]
             if block >= 0 and self.block_hash[block] is None and h not in self.cached:
                 self.block_hash[block] = h
                 self.cached[h] = block
                 if self.events is not None:
                     self.events.stored.append(h)
-        setattr(seq, self.registered, max(getattr(seq, self.registered), full))
+        setattr(seq, self.registered, full)
 
     def cached_blocks(self, seq: Sequence, first: int, end: int) -> list[int] | None:
         """seq's blocks first..end-1 if every one is cached here (a window pool's part of a prefix hit)."""
@@ -125,7 +128,7 @@ class BlockManager:
     def has_room(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether seq's blocks already hold `num_new_tokens` more tokens (most decode steps: nothing to
         allocate)."""
-        return self._missing(seq, num_new_tokens, (), 0) == 0
+        return -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) <= len(getattr(seq, self.table))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = (), skip: int = 0) -> bool:
         """Whether the cache can hold `num_new_tokens` more of seq's tokens (after the cached `hits`, which

@@ -39,6 +39,7 @@ class GrammarState:
         self.trigger = trigger
         self.active = not trigger
         self.error: str | None = None  # set when the grammar cannot go on: the request fails, alone
+        self.taken: int | None = None  # the last token the active grammar took (a stop id taken as text too)
 
     @property
     def terminated(self) -> bool:
@@ -48,6 +49,7 @@ class GrammarState:
     def observe(self, token_ids: list[int], token: int) -> None:
         """Takes the token just sampled after `token_ids`."""
         if self.active:
+            self.taken = token
             if self.error is None and not self.matcher.accept(token):
                 self.error = f"structured output: the sampled token {token} does not fit the grammar"
         elif token == self.trigger[-1] and token_ids[len(token_ids) - len(self.trigger) + 1:] == self.trigger[:-1]:

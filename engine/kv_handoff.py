@@ -88,10 +88,10 @@ def exporter_for(cfg: ServerConfig, dtype: torch.dtype, device: torch.device) ->
     """A context worker's transport, which allocates its cache (before the model runner does)."""
     if cfg.role != "context":
         return None
-    if cfg.kv_transfer == "nixl":
-        from engine.kv_nixl import NixlExporter
+    if cfg.kv_transfer == "mooncake":
+        from engine.kv_mooncake import MooncakeExporter
 
-        return NixlExporter(cfg, dtype, device)
+        return MooncakeExporter(cfg, dtype, device)
     return ShmExporter(cfg.addresses.shm_dir, dtype, device)
 
 
@@ -99,10 +99,10 @@ def importer_for(cfg: ServerConfig, runner) -> Importer | None:
     if cfg.role != "generation":
         return None
     caches = getattr(runner, "kv_caches", [])
-    if cfg.kv_transfer == "nixl":
-        from engine.kv_nixl import NixlImporter
+    if cfg.kv_transfer == "mooncake":
+        from engine.kv_mooncake import MooncakeImporter
 
-        return NixlImporter(cfg, caches, layout_of(runner))
+        return MooncakeImporter(cfg, caches, layout_of(runner))
     return ShmImporter(caches, layout_of(runner))
 
 

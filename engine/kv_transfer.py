@@ -4,7 +4,7 @@ A context engine whose KV leaves keeps its cache where a transport can read it (
 generation engine reads blocks into its own cache through an `Importer`. The default, `shm`, is one host:
 the context engine's K and V tensors live in files on tmpfs, and the generation engine maps them and copies
 block runs straight into its cache (no gather into a staging buffer). Across hosts, NIXL reads the same
-registered tensors (engine/kv_nixl.py).
+registered tensors (engine/kv_mooncake.py).
 
 A lease table in shared memory guards every read: slot k holds a lease's tag while the context engine keeps
 its blocks, and is cleared before they are freed. A reader checks the tag before and after copying; a lease
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ipc.kv import KvHandle, KvLayout
-from ipc.shm import map_file
+from ipc.shm import map_file, shm_base
 
 LEASE_SLOTS = 1 << 14
 
@@ -134,7 +134,7 @@ class ShmExporter:
     def __init__(self, directory: str, dtype: torch.dtype, device: torch.device) -> None:
         if device.type != "cpu":
             raise SystemExit("--kv-transfer shm keeps the KV cache in host shared memory: it needs --device cpu "
-                             "(use --kv-transfer nixl on a GPU)")
+                             "(use --kv-transfer mooncake on a GPU)")
         self.directory = directory
         self.dtype = dtype
         self.files: list[str] = []
@@ -161,13 +161,19 @@ class _Peer:
     """A context engine's cache files, mapped read-only."""
 
     def __init__(self, handle: KvHandle) -> None:
+        paths = [handle.location["leases"], *(handle.location["files"].split("\n") if handle.location.get("files")
+                                              else [])]
+        if any(not os.path.realpath(p).startswith(os.path.join(shm_base(), "sluice-")) for p in paths):
+            raise ValueError("the handle names files outside a Sluice server's shared memory")
         self.leases_path = handle.location["leases"]
         self.inode = os.stat(self.leases_path).st_ino
         self.leases = LeaseTable(self.leases_path, create=False)
         self.tensors: list[np.ndarray] = []
         for path in handle.location["files"].split("\n") if handle.location.get("files") else []:
             with open(path, "rb") as f:
-                m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+                # populated now: a read then never waits on page faults (the peer's cache, mapped once)
+                m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                              prot=mmap.PROT_READ)
             self.tensors.append(np.frombuffer(m, dtype=np.uint8))
 
     def alive(self) -> bool:

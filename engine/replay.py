@@ -46,8 +46,8 @@ class ReplayRunner:
         if self.step_cost_s:
             time.sleep(self.step_cost_s)
         tokens = []
-        for i, seq in enumerate(batch.seqs):
-            if not batch.samples(i):
+        for seq, samples in zip(batch.seqs, batch.sampled):
+            if not samples:
                 continue
             step = seq.num_output_tokens
             if self.recordings is None:
@@ -55,9 +55,9 @@ class ReplayRunner:
                 tokens.append(int(u * self.vocab_size))
                 continue
             key = (seq.request_id, seq.index)
-            if key not in self._assigned:
-                self._assigned[key] = next(self._next)
-            recorded = self.recordings[self._assigned[key]]
+            if (assigned := self._assigned.get(key)) is None:
+                assigned = self._assigned[key] = next(self._next)
+            recorded = self.recordings[assigned]
             if step < len(recorded):
                 tokens.append(recorded[step])
             else:

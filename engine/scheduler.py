@@ -23,11 +23,15 @@ from ipc.messages import FinishReason
 class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # per sequence, this step
+    # per sequence: its next token is sampled this step (its tokens are all computed), as scheduled
+    sampled: list[bool] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.sampled = [s.num_computed_tokens + n == len(s.token_ids) for s, n in zip(self.seqs, self.num_new_tokens)]
 
     def samples(self, i: int) -> bool:
         """Whether sequence i's next token is sampled this step (its tokens are all computed)."""
-        seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+        return self.sampled[i]
 
 
 @dataclass
@@ -171,9 +175,8 @@ class Scheduler:
         result = StepResult()
         it = iter(sampled)
         now = time.time()
-        for i, seq in enumerate(batch.seqs):
-            samples = batch.samples(i)
-            seq.num_computed_tokens += batch.num_new_tokens[i]
+        for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.sampled):
+            seq.num_computed_tokens += n
             self.bm.register_full_blocks(seq)
             if self.window_pool is not None:
                 self.window_pool.register_full_blocks(seq)
@@ -197,11 +200,15 @@ class Scheduler:
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         sp = seq.sampling
-        if token in sp.stop_token_ids and seq.num_output_tokens > sp.min_tokens:
-            return "stop_token"
-        if seq.grammar is not None and seq.grammar.terminated:  # ends the output whatever min_tokens says
+        num_tokens = len(seq.token_ids)
+        grammar = seq.grammar
+        if grammar is not None and grammar.terminated:  # ends the output whatever min_tokens says
             return "stop_token" if token in sp.stop_token_ids else "grammar"
-        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+        # a stop id that a grammar took before its end is part of the output (the grammar allowed it as text)
+        as_text = grammar is not None and grammar.active and grammar.taken == token
+        if token in sp.stop_token_ids and not as_text and num_tokens - seq.num_prompt_tokens > sp.min_tokens:
+            return "stop_token"
+        if num_tokens - seq.num_prompt_tokens >= sp.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None
 

@@ -29,7 +29,8 @@ from engine.sampler import TokenLogprobs
 from engine.scheduler import Scheduler, StepResult
 from engine.sequence import Sequence
 from ipc.messages import (Abort, EngineInput, EngineRequest, Failed, Finished, Logprobs, PostprocInput, PromptLogprobs,
-                          Ready, Started, StepOutputs, SupervisorInput, Timings, bytes_to_ids, ids_to_bytes)
+                          Ready, Started, StepOutputs, StepsTaken, SupervisorInput, Timings, bytes_to_ids,
+                          ids_to_bytes)
 from ipc.stats import EngineStats
 from ipc.transport import PullChannel, PushChannel
 from sluice.config import ServerConfig
@@ -39,6 +40,7 @@ from sluice.metrics import observe_finished
 log = logging.getLogger("sluice.engine")
 _IDLE_POLL_S = 0.25
 _HELD_POLL_S = 0.01
+_STALE_S = 1.0  # a postproc shard that takes no steps for this long is not waited for (it died)
 _MAX_EARLY_ABORTS = 10_000
 _MAX_FAILED_STEPS = 3  # steps failing in a row: the engine itself is broken, not one request
 _REPLAY_KV_BLOCKS = 1 << 16  # nothing is stored: blocks are only accounted
@@ -142,7 +144,9 @@ def step_outputs(result: StepResult, samples: StepSamples | None, ended: Ended) 
                                pack_logprobs(chunk.entries)))
         entries = samples.logprobs or [None] * len(samples.tokens)
         for (seq, token), lp in zip(result.new_tokens, entries):
-            out = shard_of(seq)
+            out = shards.get(seq.shard)
+            if out is None or not (seq.leader or seq).started:
+                out = shard_of(seq)
             if lp is not None:
                 out.logprobs.append((len(out.request_ids), pack_logprobs([lp])))
             out.request_ids.append(seq.request_id)
@@ -166,17 +170,42 @@ def step_outputs(result: StepResult, samples: StepSamples | None, ended: Ended) 
 
 
 class Outbox:
-    """Encodes and sends step outputs on a thread, off the model's critical path."""
+    """Encodes and sends step outputs on a thread, off the model's critical path; counts the steps each
+    postproc shard has not taken yet (it says so: StepsTaken)."""
 
     def __init__(self, ctx: zmq.Context, cfg: ServerConfig) -> None:
         self._shards = [PushChannel[PostprocInput](ctx, cfg.addresses.postproc(k), **cfg.bulk())
                         for k in range(cfg.postproc_workers)]
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._ahead = cfg.max_steps_ahead
+        self._untaken = [0] * cfg.postproc_workers
+        self._full_since = 0.0
         threading.Thread(target=self._run, name="engine-outbox", daemon=True).start()
 
     def emit(self, result: StepResult, samples: StepSamples | None, ended: Ended) -> None:
         for shard, msg in step_outputs(result, samples, ended).items():
+            self._untaken[shard] += 1
             self._queue.put((shard, msg))
+
+    def taken(self, msg: StepsTaken) -> None:
+        self._untaken[msg.shard] = max(0, self._untaken[msg.shard] - msg.count)
+        self._full_since = 0.0
+
+    def full(self) -> bool:
+        """Whether a shard has --max-steps-ahead steps it has not taken: the engine waits before its next step.
+        A shard that falls behind then neither piles up steps nor coalesces more than that many tokens an
+        event. A shard silent for _STALE_S (one that died with steps in its socket) counts as caught up."""
+        if not self._ahead or max(self._untaken) < self._ahead:
+            return False
+        now = time.monotonic()
+        if not self._full_since:
+            self._full_since = now
+        elif now - self._full_since > _STALE_S:
+            log.warning("engine: a postproc shard took no steps for %.1f s: sending on", _STALE_S)
+            self._untaken = [0] * len(self._untaken)
+            self._full_since = 0.0
+            return False
+        return True
 
     def _run(self) -> None:
         while True:
@@ -380,16 +409,19 @@ def run_engine(cfg: ServerConfig) -> None:
     steps = tokens = 0
     step_time = step_seconds = 0.0
     while True:
-        if len(sched):
+        if len(sched) and not outbox.full():
             msgs = inbox.drain()
-        else:  # idle: block (briefly, while a constrained request waits for structured output to load)
-            first = inbox.get(timeout=_HELD_POLL_S if engine.held else _IDLE_POLL_S)
+        else:  # idle or the postproc behind: block (briefly, while a request waits for its grammar or a shard)
+            first = inbox.get(timeout=_HELD_POLL_S if engine.held or len(sched) else _IDLE_POLL_S)
             msgs = [first, *inbox.drain()] if first is not None else []
         for m in msgs:
-            engine.accept(m)
+            if isinstance(m, StepsTaken):
+                outbox.taken(m)
+            else:
+                engine.accept(m)
         engine.admit_held()
         t0 = time.perf_counter()
-        result, samples = engine.step()
+        result, samples = engine.step() if not outbox.full() else (StepResult(), None)
         if samples is not None:
             steps += 1
             step_time = time.perf_counter() - t0

@@ -4,12 +4,26 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 
 import msgspec
+import numpy as np
 
 from ipc.openai import DisaggregatedParams
 
 _WIRE = dict(array_like=True, omit_defaults=True, gc=False)
+
+
+def block_hashes(token_ids: list[int], cache_salt: str, block_size: int) -> list[bytes]:
+    """The prefix cache's hash of each full block of `token_ids`, as engine/block_manager.py computes them: each
+    chained from its parent's (the first from the salt), so equal hashes mean equal prefixes."""
+    out: list[bytes] = []
+    ids = np.asarray(token_ids, dtype=np.int32)
+    for i in range(len(token_ids) // block_size):
+        h = hashlib.blake2b(out[-1] if out else cache_salt.encode(), digest_size=16)
+        h.update(ids[i * block_size:(i + 1) * block_size].tobytes())
+        out.append(h.digest())
+    return out
 
 
 class KvLayout(msgspec.Struct, frozen=True, **_WIRE):
@@ -31,7 +45,7 @@ class KvHandle(msgspec.Struct, **_WIRE):
     """Where a context engine keeps a prompt's KV blocks, under a lease: opaque to the orchestrator (base64)."""
 
     transfer_id: str
-    backend: str  # the transport that reads it ("shm", "nixl")
+    backend: str  # the transport that reads it ("shm", "mooncake")
     agent: str  # the context engine's control socket: releases go there (tcp://host:port)
     layout: KvLayout | None  # None: a replay engine (no KV data moves; the blocks are only accounted)
     num_prompt_tokens: int

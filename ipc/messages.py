@@ -117,7 +117,15 @@ class EndChoices(msgspec.Struct, tag=True, **_WIRE):
     choices: list[tuple[str, int]]  # (request_id, choice index)
 
 
-EngineInput = EngineRequest | Abort | EndChoices
+class StepsTaken(msgspec.Struct, tag=True, **_WIRE):
+    """A postproc shard took this many step messages off its socket (flow control: the engine runs at most
+    --steps-ahead steps ahead of each shard)."""
+
+    shard: int
+    count: int
+
+
+EngineInput = EngineRequest | Abort | EndChoices | StepsTaken
 
 
 # ---- engine -> postproc ------------------------------------------------------

@@ -148,6 +148,7 @@ class _Sampling(msgspec.Struct, **_STRICT):
     bad_words: list[str] | None = None
     allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
     include_stop_str_in_output: bool = False
+    no_stop_trim: bool = False  # SGLang's name for include_stop_str_in_output (its router sends it)
     skip_special_tokens: bool = True
     prompt_logprobs: TopLogprobs | None = None
     priority: Int64 = 0

@@ -133,7 +133,8 @@ class RequestOutput:
 
     @property
     def completion_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.choices)
+        choices = self.choices
+        return choices[0].num_tokens if len(choices) == 1 else sum(c.num_tokens for c in choices)
 
     def on_token(self, index: int, token: int, finish_reason: str | None, logprobs: tuple | None,
                  gaps: list[float] | None = None) -> bytes:
@@ -142,13 +143,14 @@ class RequestOutput:
         return self.chunk(index)
 
     def feed(self, index: int, token: int, finish_reason: str | None, logprobs: tuple | None,
-             gaps: list[float] | None = None) -> None:
+             gaps: list[float] | None = None, now: float = 0.0) -> None:
         """Feeds choice `index` one token: what it adds waits for `chunk`. The time since the choice's
-        previous token goes into `gaps` (observed in bulk by the caller)."""
+        previous token goes into `gaps` (observed in bulk by the caller); `now`: when the token came (the
+        step's arrival: one clock read a step), by default the time of this call."""
         choice = self.choices[index]
         if choice.finish_reason is not None:  # a token in flight after the choice ended early
             return
-        now = time.time()
+        now = now or time.time()
         if not self.first_token_at:
             self.first_token_at = now
             metrics.TTFT.observe(now - self.spec.arrival_time)

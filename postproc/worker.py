@@ -14,7 +14,7 @@ import zmq
 from tokenizers import Tokenizer
 
 from ipc.messages import (Abort, EndChoices, EngineInput, Failure, Frame, Frames, IngressGone, IngressInput,
-                          PostprocInput, PostprocSpec, Ready, StepOutputs, SupervisorInput, bytes_to_ids)
+                          PostprocInput, PostprocSpec, Ready, StepOutputs, StepsTaken, SupervisorInput, bytes_to_ids)
 from ipc.transport import PullChannel, PushChannel, PushPool
 from postproc.openai_frames import unpack
 from postproc.request import RequestOutput
@@ -24,6 +24,9 @@ from sluice.config import ServerConfig
 _spec_decoder = msgspec.msgpack.Decoder(PostprocSpec)
 log = logging.getLogger("sluice.postproc")
 _METRICS_INTERVAL_S = 0.25
+# Tokens framed per message to the ingress when steps queued up (a ~1-2 ms part here): frames are not held
+# back for a whole backlog, which bounds the gaps between a stream's events (bench/ceiling.py).
+_PART_TOKENS = 256
 
 
 @dataclass
@@ -53,22 +56,26 @@ class Shard:
             text = self._token_text[token] = self.tokenizer.decode([token], skip_special_tokens=False)
         return text
 
-    def on_steps(self, msgs: list[StepOutputs]) -> tuple[dict[str, list[Frame]], list[EngineInput]]:
-        """Frames per ingress address for the steps given (oldest first), and what the engine must end: the
-        choices this shard finished (stop strings, malformed output) and the requests it failed. A request
-        that got tokens in several of these steps (the shard fell behind the engine) gets them in one
-        chunk: under load it sends fewer, larger frames."""
+    def on_steps(self, msgs: list[StepOutputs], coalesce: bool = True) -> tuple[dict[str, list[Frame]],
+                                                                                 list[EngineInput]]:
+        """Frames per ingress address for the steps given (oldest first), one a request, and what the engine
+        must end: the choices this shard finished (stop strings, malformed output) and the requests it
+        failed. Coalescing, a request that got tokens in several of these steps (the shard fell behind the
+        engine) gets them in one chunk: under load it sends fewer, larger events; without, it gets a chunk
+        a step, all in its one frame."""
         step = _Feed()
+        data: dict[str, bytes] = defaultdict(bytes)
         for msg in msgs:
             self._feed(msg, step)
-        touched, fed = step.touched, step.fed
+            if not coalesce:
+                self._chunk(step, data)
+        self._chunk(step, data)
+        touched = step.touched
         out: dict[str, list[Frame]] = defaultdict(list)
         for rid, (req, message) in step.failed.items():
+            if rid in data:  # chunks of its earlier steps (not coalescing): they went out before it failed
+                out[req.spec.reply_to].append(Frame(rid, data[rid]))
             out[req.spec.reply_to].append(Frame(rid, b"", True, Failure(500, message, "internal_error")))
-        data: dict[str, bytes] = defaultdict(bytes)
-        for rid, index in fed:
-            if rid in touched:
-                data[rid] += touched[rid].chunk(index)
         for rid, req in touched.items():
             if req.done:
                 del self.requests[rid]
@@ -85,6 +92,15 @@ class Shard:
         if step.aborts:
             to_engine.append(Abort(step.aborts))
         return out, to_engine
+
+    @staticmethod
+    def _chunk(step: "_Feed", data: dict[str, bytes]) -> None:
+        """Adds the chunks of the choices fed since the last call to their requests' data."""
+        touched = step.touched
+        for rid, index in step.fed:
+            if rid in touched:
+                data[rid] += touched[rid].chunk(index)
+        step.fed.clear()
 
     def _record_metrics(self) -> None:
         """Each multiprocess metric update checks the pid and packs into an mmap: per step that costs more
@@ -118,13 +134,14 @@ class Shard:
         verdicts = {(f.request_id, f.index): f.reason for f in msg.finished}
         logprobs = {pos: unpack(lp)[0] for pos, lp in msg.logprobs}
         indices = bytes_to_ids(msg.indices).tolist()
+        now = time.time()
         for pos, (rid, index, token) in enumerate(zip(msg.request_ids, indices, bytes_to_ids(msg.token_ids).tolist())):
             req = self.requests.get(rid)
             if req is None:
                 continue
             verdict = verdicts.get((rid, index)) if verdicts else None
             try:
-                req.feed(index, token, verdict, logprobs.get(pos) if logprobs else None, step.gaps)
+                req.feed(index, token, verdict, logprobs.get(pos) if logprobs else None, step.gaps, now)
             except Exception:  # one request's bad state must not take the shard down
                 log.exception("postproc failed for %s", rid)
                 step.failed[rid] = (self.requests.pop(rid), "internal error while producing the output")
@@ -176,13 +193,28 @@ def run_postproc(cfg: ServerConfig, index: int) -> None:
                     engine.put(Abort(gone))
                 replies.drop(msg.address)
         steps = [m for m in msgs if isinstance(m, StepOutputs)]
-        # Coalescing: a request's tokens from those steps in one event; without: an event per step still.
-        out: dict[str, list[Frame]] = defaultdict(list)
-        for group in [steps] if cfg.coalesce_frames else [[m] for m in steps]:
-            frames_by_address, to_engine = shard.on_steps(group)
+        if steps:  # now, before framing them: the engine's next step overlaps this shard's work on these
+            engine.put(StepsTaken(index, len(steps)))
+        # Coalescing: a request's tokens from those steps in one event; without: an event per step still. Either
+        # way a request's events go in one frame (its relay would write them in one send: they come together).
+        for part in parts(steps, _PART_TOKENS):
+            frames_by_address, to_engine = shard.on_steps(part, cfg.coalesce_frames)
             for request in to_engine:
                 engine.put(request)
             for address, frames in frames_by_address.items():
-                out[address] += frames
-        for address, frames in out.items():
-            replies.get(address).put(Frames(frames))
+                replies.get(address).put(Frames(frames))
+
+
+def parts(steps: list[StepOutputs], tokens: int) -> list[list[StepOutputs]]:
+    """The steps in order, in parts of at most `tokens` tokens (or one step): a backlog goes out part by part,
+    each part's frames as soon as they are made, not after the whole of it."""
+    out: list[list[StepOutputs]] = [[]]
+    size = 0
+    for step in steps:
+        n = len(step.request_ids)
+        if out[-1] and size + n > tokens:
+            out.append([])
+            size = 0
+        out[-1].append(step)
+        size += n
+    return out

@@ -60,6 +60,14 @@ class ChatCore:
             raise RequestError(400, "only chat requests are counted")
         return self._fitting(request, shorter, lambda r: len(self._chat_prompt(r)[0]))
 
+    def prompt(self, job: RenderJob) -> tuple[list[int], str]:
+        """The prompt ids `job` renders to and its cache salt, and nothing else of a render (no grammar, no
+        sampling): what a router hashes to count a request's cached prefix on each worker."""
+        request, _, shorter = self._translate(job)
+        if isinstance(request, ChatCompletionRequest):
+            return self._fitting(request, shorter, lambda r: self._chat_prompt(r)[0]), request.cache_salt or ""
+        return self._completion_prompt(request)[0], request.cache_salt or ""
+
     @staticmethod
     def _fitting(request, shorter: Shorter | None, attempt: Callable[[Any], T]) -> T:
         """attempt(request); while its prompt does not fit and the dialect can shorten it (the Responses API's
@@ -128,7 +136,7 @@ class ChatCore:
             perf_metrics=self.perf_metrics,
             stream_interval=self.stream_interval,
             skip_special_tokens=request.skip_special_tokens,
-            include_stop_str_in_output=request.include_stop_str_in_output,
+            include_stop_str_in_output=request.include_stop_str_in_output or request.no_stop_trim,
             n=request.n,
             logprobs=top_logprobs is not None,
             echo=echo,

@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="load generator: `sluice bench serve --help`, `sluice bench sweep --help`",
                    add_help=False)
     sub.add_parser("flags", help="print the README's table of `sluice serve` flags")
+    sub.add_parser("router", help="KV-cache-aware router over Sluice servers: `sluice router --help`",
+                   add_help=False)
     s = sub.add_parser("serve", help="serve a model over HTTP")
     s.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as --model")
     s.add_argument("--config", help="YAML or TOML file with the same keys as these flags (flags win)")
@@ -66,6 +68,7 @@ def config_from_args(args: dict) -> ServerConfig:
     (the checkpoint, its context length, the runtime directory), checked once."""
     values = {k: v for k, v in args.items() if k != "command"}
     values["api_keys"] = list(values.get("api_keys", [])) + envs.api_keys()
+    values.setdefault("disagg_secret", envs.disagg_secret())
     cfg = validated(values)
     path = resolve_model(cfg.model)
     hf = json.loads((path / "config.json").read_text())
@@ -93,6 +96,10 @@ def main(argv: list[str] | None = None) -> None:
         from bench.serve import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["router"]:  # so has the router
+        from router.cli import main as router_main
+
+        return router_main(argv[1:])
     try:
         args = parse_args(argv)
     except (ValueError, OSError) as e:

@@ -93,6 +93,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         "one event per token (per --stream-interval tokens) even when the postproc falls behind the engine "
         "(by default a request's tokens from steps that queued up go in one event)",
         flag="--no-coalesce-frames")] = True
+    max_steps_ahead: Annotated[int, option(
+        "engine steps a postproc worker may have waiting (sent, not yet taken); past it the engine waits for it "
+        "(0: no limit), so a postproc that falls behind neither piles steps up nor coalesces more than that "
+        "many tokens an event", ge=0)] = 2
     kv_timing_output: Annotated[str | None, option("append one JSON line of timings per finished request to this "
                                                    "file")] = None
     log_format: Annotated[Literal["text", "json"], option("log line format")] = "text"
@@ -129,18 +133,20 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         "decodes), both (neither hand-off); every role serves ordinary requests too")] = "both"
     disagg_secret: Annotated[str | None, option(
         "the orchestrator's shared secret: disaggregated_params are taken only with it in the "
-        "x-sluice-disagg-secret header (required with a context or generation --role)")] = None
-    kv_transfer: Annotated[Literal["shm", "nixl"], option(
-        "how a generation worker reads a context worker's KV blocks: shm (one host), nixl (NIXL's UCX "
-        "backend: across hosts)")] = "shm"
+        "x-sluice-disagg-secret header (required with a context or generation --role; also "
+        "SLUICE_DISAGG_SECRET, which keeps it out of the process list)")] = None
+    kv_transfer: Annotated[Literal["shm", "mooncake"], option(
+        "how a generation worker reads a context worker's KV blocks: shm (one host), mooncake (Mooncake's "
+        "transfer engine over TCP: across hosts); the same on every worker")] = "shm"
     kv_lease_timeout: Annotated[float, option(
         "how long a context worker keeps a prompt's KV blocks for a generation worker to read", unit="s",
         gt=0)] = 30.0
     kv_load_failure: Annotated[Literal["recompute", "fail"], option(
         "when a generation worker cannot read the KV (a lease expired, a context worker gone): compute the "
         "prompt itself, or fail the request")] = "recompute"
-    kv_transfer_port: Annotated[int, option("the context engine's KV control port (releases, NIXL metadata)",
-                                            ge=0, le=65535, default_text="a free port")] = 0
+    kv_transfer_port: Annotated[int, option(
+        "the context engine's KV control port (generation workers release leases there)", ge=0, le=65535,
+        default_text="a free port")] = 0
     kv_events: Annotated[bool, option("do not publish the prefix cache's block events for a KV-aware router",
                                       flag="--no-kv-events")] = True
     kv_events_port: Annotated[int, option("port of the prefix cache's block events (ZeroMQ PUB)", ge=0,

@@ -32,6 +32,11 @@ def config_path() -> str | None:
     return os.environ.get("SLUICE_CONFIG")
 
 
+def disagg_secret() -> str | None:
+    """The disaggregation orchestrator's shared secret (SLUICE_DISAGG_SECRET): kept out of `ps`, unlike a flag."""
+    return os.environ.get("SLUICE_DISAGG_SECRET") or None
+
+
 def api_keys() -> list[str]:
     raw = os.environ.get("SLUICE_API_KEY", "")
     return [k for k in raw.split(",") if k]
@@ -68,6 +73,13 @@ def watchdog_seconds() -> float | None:
 def cpu_kernels_enabled() -> bool:
     """SLUICE_CPU_KERNELS=0 keeps the engine on torch's own CPU kernels (no C compiler is run)."""
     return os.environ.get("SLUICE_CPU_KERNELS", "1") != "0"
+
+
+def cpu_hidden_isa() -> frozenset[str]:
+    """SLUICE_CPU_HIDE: instruction sets (as /proc/cpuinfo names them, comma-separated, e.g.
+    `avx512_bf16,avx512_vnni`) the CPU kernels act as if this CPU lacked: runs and tests the paths other
+    CPUs take."""
+    return frozenset(f.strip() for f in os.environ.get("SLUICE_CPU_HIDE", "").split(",") if f.strip())
 
 
 def c_compiler() -> list[str] | None:

@@ -72,3 +72,15 @@ def test_gpt_oss_tool_calls_across_the_split_equal_the_aggregated(harmony_trio, 
     while kv_used(t.ctx) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert kv_used(t.ctx) == 0 and kv_used(t.gen) == 0
+
+
+def test_the_mooncake_transport_hands_over_the_same_kv(tiny_chat_dir):
+    pytest.importorskip("mooncake.engine", reason="pip install mooncake-transfer-engine-non-cuda (+ apt libibverbs1)")
+    t = Trio(("--kv-transfer", "mooncake"), ("--kv-transfer", "mooncake"))
+    try:
+        req = {**CHAT, "n": 2, "temperature": 1.0, "seed": 5}
+        want = comparable(httpx.post(t.agg.url + "/v1/chat/completions", json=req, timeout=60), False)
+        assert comparable(two_hop(t.ctx, t.gen, "/v1/chat/completions", req), False) == want
+        assert t.gen.metrics()["sluice:kv_transfer_bytes_total"] > 0
+    finally:
+        t.stop()

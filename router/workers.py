@@ -1,0 +1,128 @@
+"""The workers behind the router: their health (a worker that stops answering is taken out, and put back
+when it answers again), what they say of themselves (/v1/sluice/worker), and their prefix-cache events
+(a ZeroMQ SUB socket each, feeding the KV index)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import httpx
+import msgspec
+import zmq
+import zmq.asyncio
+
+from ipc.kv import KvEvents
+from router.policy import KvIndex, Load
+
+log = logging.getLogger("sluice.router")
+_events = msgspec.msgpack.Decoder(KvEvents)
+_HEALTH_TIMEOUT_S = 2.0
+
+
+@dataclass
+class Worker:
+    url: str
+    kind: str  # replica, context, generation
+    up: bool = False
+    failures: int = 0
+    block_size: int = 16
+    events_address: str | None = None
+    model_root: str | None = None
+    load: Load = field(default_factory=Load)
+    _sub: zmq.asyncio.Socket | None = None
+    _task: asyncio.Task | None = None
+
+
+class Workers:
+    def __init__(self, urls: dict[str, list[str]], index: KvIndex, interval: float, failures: int) -> None:
+        self.all = [Worker(u.rstrip("/"), kind) for kind, us in urls.items() for u in us]
+        self.index = index
+        self.interval = interval
+        self.failures = failures
+        self._ctx = zmq.asyncio.Context()
+        self._client = httpx.AsyncClient(timeout=_HEALTH_TIMEOUT_S)
+
+    def up(self, kind: str) -> list[Worker]:
+        return [w for w in self.all if w.kind == kind and w.up]
+
+    def by_url(self, url: str) -> Worker:
+        return next(w for w in self.all if w.url == url)
+
+    async def run(self) -> None:
+        """Checks every worker each interval, for the router's life."""
+        while True:
+            await asyncio.gather(*(self.check(w) for w in self.all))
+            await asyncio.sleep(self.interval)
+
+    async def check(self, w: Worker) -> None:
+        try:
+            ok = (await self._client.get(w.url + "/health")).status_code == 200
+            if ok and not w.up:
+                await self._describe(w)
+        except (httpx.HTTPError, OSError, msgspec.MsgspecError, KeyError):
+            ok = False
+        if ok:
+            if not w.up:
+                log.info("worker %s is up", w.url)
+            w.up, w.failures = True, 0
+        else:
+            w.failures += 1
+            if w.up and w.failures >= self.failures:
+                self.take_out(w, "it stopped answering its health checks")
+
+    def take_out(self, w: Worker, why: str) -> None:
+        if w.up:
+            log.warning("worker %s is out: %s", w.url, why)
+        w.up = False
+        self.index.clear(w.url)  # what it holds is unknown until its next snapshot
+
+    async def _describe(self, w: Worker) -> None:
+        r = await self._client.get(w.url + "/v1/sluice/worker")
+        info = r.json() if r.status_code == 200 else {}  # (an older server: no events, routed by load)
+        w.block_size = info.get("block_size", w.block_size)
+        if info.get("kv_events") != w.events_address:
+            self._unsubscribe(w)
+            w.events_address = info.get("kv_events")
+            if w.events_address:
+                self._subscribe(w)
+        try:
+            w.model_root = (await self._client.get(w.url + "/v1/models")).json()["data"][0].get("root")
+        except (httpx.HTTPError, KeyError, IndexError, ValueError):
+            pass
+
+    def _subscribe(self, w: Worker) -> None:
+        assert w.events_address is not None
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(w.events_address)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        w._sub = sock
+        w._task = asyncio.create_task(self._follow(w, sock))
+
+    def _unsubscribe(self, w: Worker) -> None:
+        if w._task is not None:
+            w._task.cancel()
+        if w._sub is not None:
+            w._sub.close()
+        w._sub = w._task = None
+
+    async def _follow(self, w: Worker, sock: zmq.asyncio.Socket) -> None:
+        """The worker's events into the index; a lost message (a gap in seq) asks for a snapshot again."""
+        expect = None
+        while True:
+            events = _events.decode(await sock.recv())
+            if not events.snapshot and expect is not None and events.seq != expect:
+                log.info("worker %s: KV events lost, asking for a snapshot", w.url)
+                sock.setsockopt(zmq.UNSUBSCRIBE, b"")
+                sock.setsockopt(zmq.SUBSCRIBE, b"")
+                expect = None
+                continue
+            if events.snapshot or expect is not None:
+                self.index.apply(w.url, events)
+                expect = events.seq + 1
+
+    async def close(self) -> None:
+        for w in self.all:
+            self._unsubscribe(w)
+        await self._client.aclose()

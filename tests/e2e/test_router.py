@@ -1,0 +1,238 @@
+"""`sluice router` in front of real servers: every dialect relayed, KV-cache-aware choices, workers taken out
+and put back, and disaggregated serving through it giving the aggregated server's tokens."""
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from bench.router import RouterProc
+from bench.server import Server
+from tests.disagg.helpers import SECRET, comparable
+
+MODEL = "builtin:tiny-chat"
+PREFIX = "The history of science is the story of people asking questions and testing answers. " * 10
+
+
+def _counter(text: str, name: str, **labels) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = rf"^{re.escape(name)}(?:\{{{re.escape(want)}\}})? ([0-9.e+-]+)$" if want else \
+        rf"^{re.escape(name)} ([0-9.e+-]+)$"
+    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
+
+
+def _chat(url: str, content: str, **kw) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", timeout=60,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4, **kw})
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_chat_dir):
+    servers = [Server(), Server()]
+    router = RouterProc("--workers", *(s.url for s in servers), "--model", MODEL)
+    yield router, servers
+    assert router.stop() == 0, router.output()
+    for s in servers:
+        s.stop()
+
+
+def test_every_dialect_is_relayed(replicas):
+    router, _ = replicas
+    oa = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    assert oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3).usage
+    assert oa.completions.create(model=MODEL, prompt="hi", max_tokens=3).choices[0].finish_reason
+    chunks = list(oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                             stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 3
+    assert oa.responses.create(model=MODEL, input="hi", max_output_tokens=3).status in ("completed", "incomplete")
+    an = anthropic.Anthropic(base_url=router.url, api_key="x", max_retries=0)
+    assert an.messages.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}]).usage
+    with an.messages.stream(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}]) as s:
+        assert s.get_final_message().stop_reason == "max_tokens"
+    assert [m.id for m in oa.models.list()] == [MODEL]
+    bad = _chat(router.url, "hi", temperature=9)  # the worker's own 400, in the dialect's shape, as it is
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
+    bad = httpx.post(router.url + "/v1/messages", json={"model": MODEL, "messages": []}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["type"] == "error"
+
+
+def test_repeated_prefixes_go_where_they_are_cached(replicas):
+    router, servers = replicas
+    before = router.metrics()
+    cached = 0
+    for i in range(8):
+        r = _chat(router.url, PREFIX + f" Question {i}?")
+        cached += r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    after = router.metrics()
+    hits, prompt = (_counter(after, f"sluice_router:{name}_total") - _counter(before, f"sluice_router:{name}_total")
+                    for name in ("cache_hit_tokens", "prompt_tokens"))
+    assert cached > 0.7 * prompt * 7 / 8  # every request after the first found the prefix where it went
+    assert hits >= 0.9 * cached  # and the router knew it would, from the engines' block events
+
+
+def test_a_worker_that_dies_is_taken_out_and_put_back(tiny_chat_dir, monkeypatch):
+    a, b = Server(), Server()
+    router = RouterProc("--workers", a.url, b.url, "--model", MODEL)
+    try:
+        port = b.port
+        b.stop(signal.SIGKILL)
+        for i in range(6):  # none fails: a refused connection is retried on the other worker
+            assert _chat(router.url, f"hello {i}").status_code == 200
+        assert _counter(router.metrics(), "sluice_router:worker_up", kind="replica", worker=b.url) == 0
+        monkeypatch.setattr("bench.server.free_port", lambda: port)  # back at the address the router knows
+        b = Server()
+        deadline = time.monotonic() + 10
+        while not _counter(router.metrics(), "sluice_router:worker_up", kind="replica", worker=b.url):
+            assert time.monotonic() < deadline, router.output()
+            time.sleep(0.2)
+        served = set()
+        for i in range(8):
+            _chat(router.url, PREFIX[: 40 + 37 * i])
+            served |= {s.url for s in (a, b) if s.metrics().get("sluice:prompt_tokens_total")}
+        assert served == {a.url, b.url}
+    finally:
+        router.stop()
+        for s in (a, b):
+            s.stop()
+
+
+def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error(tiny_chat_dir):
+    slow = Server("--runner", "replay", "--replay-step-ms", "50")
+    router = RouterProc("--workers", slow.url, "--model", MODEL)
+    try:
+        with httpx.stream("POST", router.url + "/v1/chat/completions", timeout=60, json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 500,
+                "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            slow.stop(signal.SIGKILL)
+            rest = list(lines)
+        rest = [line for line in rest if line]
+        assert any('"worker_failed"' in line for line in rest) and rest[-1] == "data: [DONE]"
+    finally:
+        router.stop()
+        slow.stop()
+
+
+def test_a_killed_router_frees_its_requests_on_the_worker(tiny_chat_dir):
+    slow = Server("--runner", "replay", "--replay-step-ms", "50")
+    router = RouterProc("--workers", slow.url, "--model", MODEL)
+    try:
+        with httpx.stream("POST", router.url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "hi " * 100, "max_tokens": 500, "ignore_eos": True, "stream": True}) as r:
+            next(r.iter_lines())
+            assert slow.metrics()["sluice:kv_cache_used_blocks"] > 0
+            router.stop(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while slow.metrics()["sluice:kv_cache_used_blocks"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        router.stop()
+        slow.stop()
+
+
+# ---- disaggregated serving through the router ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def split(tiny_chat_dir):
+    ctx = Server("--role", "context", "--disagg-secret", SECRET)
+    gen = Server("--role", "generation", "--disagg-secret", SECRET)
+    agg = Server()
+    router = RouterProc("--context", ctx.url, "--generation", gen.url, "--disagg-secret", SECRET, "--model", MODEL,
+                        "--max-local-prefill", "0")
+    yield router, ctx, gen, agg
+    router.stop()
+    for s in (ctx, gen, agg):
+        s.stop()
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me of the sea. " * 12}]}),
+    ("/v1/completions", {"prompt": "Once upon a time, far away, " * 8}),
+], ids=["chat", "completions"])
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 9, "n": 2},
+                                      {"temperature": 0.7, "seed": 4, "stream": True}],
+                         ids=["greedy", "seeded-n2", "seeded-stream"])
+def test_router_disaggregation_gives_the_aggregated_tokens(split, path, body, sampling):
+    router, ctx, gen, agg = split
+    req = {"model": MODEL, "max_tokens": 16, "return_token_ids": True, **body, **sampling}
+    unique = f" ({json.dumps(sampling)})"  # a prompt the generation worker has not cached: it is split
+    if "prompt" in req:
+        req["prompt"] += unique
+    else:
+        req["messages"] = [{"role": "user", "content": req["messages"][0]["content"] + unique}]
+    stream = bool(sampling.get("stream"))
+    want = comparable(httpx.post(agg.url + path, json=req, timeout=60), stream)
+    before = _counter(router.metrics(), "sluice_router:decisions_total", kind="disaggregated")
+    assert comparable(httpx.post(router.url + path, json=req, timeout=60), stream) == want
+    assert _counter(router.metrics(), "sluice_router:decisions_total", kind="disaggregated") == before + 1
+
+
+def test_messages_are_split_too_and_a_client_cannot_forge_the_hand_off(split):
+    router, ctx, gen, agg = split
+    body = {"model": MODEL, "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "A long question. " * 20}]}
+    want = httpx.post(agg.url + "/v1/messages", json=body, timeout=60).json()["content"]
+    got = httpx.post(router.url + "/v1/messages", json=body, timeout=60, headers={
+        "x-sluice-disagg-secret": "guess", "x-sluice-disaggregated-params": '{"request_type": "generation_only"}'})
+    assert got.status_code == 200 and got.json()["content"] == want  # the router drops a client's own headers
+    forged = httpx.post(router.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi " * 50}], "max_tokens": 2,
+        "disaggregated_params": {"request_type": "generation_only", "opaque_state": "eA=="}})
+    assert forged.status_code == 403 and forged.json()["error"]["code"] == "forbidden"
+
+
+def test_a_context_worker_down_leaves_the_generation_worker_to_do_it_all(tiny_chat_dir):
+    ctx = Server("--role", "context", "--disagg-secret", SECRET)
+    gen = Server("--role", "generation", "--disagg-secret", SECRET)
+    router = RouterProc("--context", ctx.url, "--generation", gen.url, "--disagg-secret", SECRET, "--model", MODEL,
+                        "--max-local-prefill", "0")
+    try:
+        ctx.stop(signal.SIGKILL)
+        for i in range(3):
+            assert _chat(router.url, f"{i} " + PREFIX).status_code == 200
+        text = router.metrics()
+        assert _counter(text, "sluice_router:decisions_total", kind="disaggregated") == 0
+        assert gen.metrics()["sluice:kv_cache_used_blocks"] == 0
+    finally:
+        router.stop()
+        gen.stop()
+
+
+def test_the_router_counts_transfers(split):
+    router, *_ = split
+    _chat(router.url, "Count me. " * 30)
+    text = router.metrics()
+    assert _counter(text, "sluice_router:kv_transfer_seconds_count") >= 1
+    assert _counter(text, "sluice_router:context_seconds_count") >= 1
+    assert json.loads(httpx.get(router.url + "/health").text) == {}
+
+
+def test_workers_that_refuse_the_hand_off_still_serve(tiny_chat_dir):
+    """Workers restarted without disaggregation (another version, another role): the context one answers 400
+    naming disaggregated_params, and the generation one too; the router serves the request whole instead."""
+    plain_ctx, plain_gen, agg = Server(), Server(), Server()
+    gen = Server("--role", "generation", "--disagg-secret", SECRET)
+    ctx = Server("--role", "context", "--disagg-secret", SECRET)
+    routers = [RouterProc("--context", plain_ctx.url, "--generation", gen.url, "--disagg-secret", SECRET,
+                          "--model", MODEL, "--max-local-prefill", "0"),
+               RouterProc("--context", ctx.url, "--generation", plain_gen.url, "--disagg-secret", SECRET,
+                          "--model", MODEL, "--max-local-prefill", "0")]
+    try:
+        req = {"temperature": 0, "return_token_ids": True, "max_tokens": 8}
+        want = comparable(_chat(agg.url, "Hello there. " * 20, **req), False)
+        for router, kind in zip(routers, ("context_failed", "handoff_refused")):
+            assert comparable(_chat(router.url, "Hello there. " * 20, **req), False) == want
+            assert _counter(router.metrics(), "sluice_router:decisions_total", kind=kind) == 1
+    finally:
+        for r in routers:
+            r.stop()
+        for s in (plain_ctx, plain_gen, agg, gen, ctx):
+            s.stop()

@@ -1,0 +1,131 @@
+"""Context and generation engines wired together without processes: a context engine exports a prompt's KV
+under a lease, a generation engine imports it and decodes on. Every block is accounted for, whatever
+happens to the lease (read, aborted, expired, or a handle that cannot be read)."""
+from __future__ import annotations
+
+import base64
+import itertools
+import os
+import shutil
+import time
+import uuid
+
+import msgspec
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.kv_handoff import IMPORTS
+from engine.worker import Engine
+from ipc.messages import (Abort, EngineRequest, IngressInput, KvExport, KvImport, PostprocSpec, SamplingParams,
+                          ids_to_bytes)
+from ipc.transport import PullChannel
+from sluice.config import ServerConfig
+from sluice.disagg import free_port
+
+_ids = itertools.count()
+LEASE_S = 0.3
+
+
+def make_engine(model_dir, tmp_path, **kw) -> Engine:
+    cfg = ServerConfig(model="m", model_path=str(model_dir), served_model_names=["m"], runtime_dir=str(tmp_path),
+                       max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, num_kv_blocks=96,
+                       block_size=4, disagg_secret="s", kv_lease_timeout=LEASE_S, **kw)
+    os.makedirs(cfg.addresses.shm_dir, exist_ok=True)
+    return Engine(cfg)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_chat_dir, tmp_path_factory):
+    base = tmp_path_factory.mktemp("kv")
+    tag = uuid.uuid4().hex[:8]  # the shared-memory directories are named after the runtime ones
+    ctx = make_engine(tiny_chat_dir, base / f"sluice-ctx-{tag}", role="context",
+                      kv_transfer_port=free_port("127.0.0.1"))
+    gen = make_engine(tiny_chat_dir, base / f"sluice-gen-{tag}", role="generation")
+    strict = make_engine(tiny_chat_dir, base / f"sluice-strict-{tag}", role="generation", kv_load_failure="fail")
+    agg = make_engine(tiny_chat_dir, base / f"sluice-agg-{tag}")
+    inbox: PullChannel[IngressInput] = PullChannel(zmq.Context.instance(), f"ipc://{base}/ingress", IngressInput)
+    yield ctx, gen, strict, agg, inbox, f"ipc://{base}/ingress"
+    for engine in (ctx, gen, strict, agg):
+        shutil.rmtree(engine.cfg.addresses.shm_dir, ignore_errors=True)
+
+
+def request(rid: str, prompt: list[int], n: int, max_tokens: int, seed: int | None, kv=None) -> EngineRequest:
+    spec = PostprocSpec(request_id=rid, endpoint="completions", model="m", created=0, reply_to="", n=n)
+    return EngineRequest(rid, ids_to_bytes(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.9, seed=seed),
+                         0, msgspec.msgpack.encode(spec), n=n, kv=kv)
+
+
+def run(engine: Engine, outputs: dict, ended: dict, steps: int = 400) -> None:
+    """Steps until the engine has nothing left (outputs: (request, choice) -> tokens)."""
+    for _ in range(steps):
+        result, _ = engine.step()
+        for seq, token in result.new_tokens:
+            outputs.setdefault((seq.request_id, seq.index), []).append(token)
+        got = engine.take_ended()
+        for seq, message in got.failed:
+            ended[seq.request_id] = message
+        if not len(engine.scheduler) and not engine.kv._imports and not result.new_tokens:
+            return
+    raise AssertionError("the engine did not settle")
+
+
+def held(engine: Engine) -> int:
+    return engine.scheduler.bm.num_used
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompts=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 3), st.integers(1, 6),
+                                  st.sampled_from(["read", "abort", "expire", "forged", "forged-strict"]),
+                                  st.booleans()), min_size=1, max_size=4))
+def test_blocks_are_accounted_for_whatever_becomes_of_the_lease(engines, prompts):
+    ctx, gen, strict, agg, inbox, reply_to = engines
+    jobs = []
+    for length, n, max_tokens, fate, seeded in prompts:
+        k = next(_ids)
+        rid = f"r{k}"
+        prompt = [(7 * i + 31 * k) % 500 + 3 for i in range(length)]  # (not cached yet on the generation side)
+        seed = 1234 if seeded else None
+        jobs.append((rid, prompt, n, max_tokens, fate, seed))
+        ctx.accept(request(rid, prompt, n, max_tokens, seed, KvExport(reply_to)))
+    for rid, *_, fate, _ in jobs:
+        if fate == "abort":
+            ctx.accept(Abort([rid]))
+    run(ctx, {}, {})
+    answers = {}
+    for frames in iter(lambda: inbox.get(timeout=0.5), None):
+        for f in frames.frames:
+            answers[f.request_id] = msgspec.json.decode(f.data)["disaggregated_params"]
+    assert set(answers) == {j[0] for j in jobs if j[4] != "abort"}
+    assert held(ctx) > 0 or not answers  # each answered request's blocks, under its lease
+    if any(j[4] == "expire" for j in jobs):
+        time.sleep(LEASE_S + 0.05)
+    outputs, want, failed = {}, {}, {}
+    reads = IMPORTS.labels("read")._value.get()
+    for rid, prompt, n, max_tokens, fate, seed in jobs:
+        if fate == "abort":
+            continue
+        p = answers[rid]
+        handle = b"not a handle" if fate.startswith("forged") else base64.b64decode(p["opaque_state"])
+        target = strict if fate == "forged-strict" else gen
+        target.accept(request(rid, prompt, n, max_tokens, seed,
+                              KvImport(handle, ids_to_bytes(p["first_gen_tokens"]))))
+        run(target, outputs, failed)
+        if seed is not None and fate != "forged-strict":
+            agg.accept(request(rid, prompt, n, max_tokens, seed))
+            run(agg, want, {})
+            for i in range(n):
+                assert outputs[(rid, i)] == want[(rid, i)], (rid, fate)
+        if fate == "forged-strict":
+            assert "could not be loaded" in failed[rid]
+    if any(j[4] == "read" and j[3] > 1 for j in jobs):  # a choice that goes on: its KV was read, not recomputed
+        assert IMPORTS.labels("read")._value.get() > reads
+    run(ctx, {}, {})  # releases (and expiries) arrive
+    deadline = time.monotonic() + 2 * LEASE_S + 1
+    while held(ctx) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        run(ctx, {}, {})
+    for engine in (ctx, gen, strict, agg):
+        assert held(engine) == 0 and not any(engine.scheduler.bm.ref_count)
+    assert not ctx.kv._leases and not ctx.kv._exports and not gen.kv._imports
