@@ -2,6 +2,7 @@
 
     python -m bench.step_parts [--model tiny-llama-o200k] [--batches 1,16,64] [--dtype bfloat16] [--prompt-len 130]
                                [--prefill-steps] [--mixed] [--kernels] [--layers] [--no-keep-heap]
+    python -m bench.step_parts --linears [576x576,1536x576,...] [--batches 1,16,64]
 
 Part 1 runs Sluice's scheduler and paged runner on a checkpoint (bench/checkpoints.py's names, or a path;
 the tiny o200k Llama by default) with 130-token prompts by default,
@@ -10,7 +11,10 @@ greedy and at temperature 1. --prefill-steps times, beside batch - 1 decodes, th
 a new request's whole prompt (at concurrency 16 with 64-token answers, one step in four); --mixed times
 decode steps whose rows are half greedy, half at temperature 1, beside all of either. Part 2
 (--kernels) times the choices the runner and sampler make against the plain torch calls they replace, on
-the same shapes.
+the same shapes. --linears alone (no model) times the float32 linear of each weight shape [N, K]: F.linear on
+the float32 weight against Sluice's float32 kernel (the best this CPU runs: AVX-512F or AVX2) on the weight
+in bf16 and in float32, beside the floor a copy of the weight's bytes sets (torch's copy_, the same
+repeated, cache-warm way).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from engine.attention import _attention
 from engine.block_manager import BlockManager
 from engine.cpu import ops
 from engine.cpu.lm_head import onednn_packed
+from engine.cpu.matmul import F32Matmul
 from engine.lm_head import lm_head
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
@@ -189,6 +194,48 @@ def kernels(model, batches: list[int]) -> list[tuple[str, int, float, float]]:
     return rows
 
 
+LINEAR_SHAPES = "576x576,1536x576,576x1536,49152x576,1024x3072"
+
+
+def timed_ms(fn, seconds: float = 0.4) -> float:
+    """ms of fn: the best of 4 means of runs over about `seconds` in all (the least disturbed by other work
+    on the machine)."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    n = max(2, min(500, int(seconds / 4 / max(time.perf_counter() - t0, 1e-6))))
+    return min(bench_ms(fn, n) for _ in range(4))
+
+
+def linears(shapes: list[tuple[int, int]], batches: list[int]) -> list[tuple]:
+    """(N, K, batch, the kernel's instructions, ms of: F.linear on float32, the kernel on bf16, the kernel on
+    float32, a copy of the bf16 weight's bytes, a copy of the float32 weight's bytes) for each shape."""
+    rows = []
+    for n, k in shapes:
+        weight = torch.randn(n, k).bfloat16().float()  # (bf16 values: a bf16 checkpoint served in float32)
+        bf16, fp32 = F32Matmul.build(weight.bfloat16()), F32Matmul.build(weight)
+        if bf16 is None or fp32 is None:
+            raise SystemExit("Sluice's float32 kernel does not run on this CPU")
+        copies = []
+        for nbytes in (bf16.nbytes, fp32.nbytes):
+            src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+            copies.append(timed_ms(lambda: dst.copy_(src)))
+        for b in batches:
+            x = torch.randn(b, k)
+            rows.append((n, k, b, bf16.isa, timed_ms(lambda: F.linear(x, weight)), timed_ms(lambda: bf16(x)),
+                         timed_ms(lambda: fp32(x)), *copies))
+    return rows
+
+
+def print_linears(shapes: str, batches: list[int]) -> None:
+    print(f"{'N x K':>11} {'batch':>5} {'kernel':>8} {'F.linear fp32':>13} {'bf16 weight':>11} {'fp32 weight':>11}"
+          f" {'copy bf16 B':>11} {'copy fp32 B':>11}  (ms; the bf16 weight's GB/s)")
+    parsed = [(int(n), int(k)) for n, k in (s.split("x") for s in shapes.split(","))]
+    for n, k, b, isa, *ms in linears(parsed, batches):
+        print(f"{n:>5} x {k:<5} {b:>5} {isa:>8} {ms[0]:>13.4f} "
+              + " ".join(f"{t:>11.4f}" for t in ms[1:]) + f"  ({2 * n * k / ms[1] / 1e6:.1f})")
+
+
 def layer_parts(model, dtype, batch: int, prompt_len: int = 130, n: int = 20) -> list[tuple[str, float, float]]:
     """(op, torch's ms, Sluice's ms) for each op of one decoder layer (the model's first) at a decode step of
     `batch` rows: torch's path op by op (F.linear, torch's norm, rotary and attention) against the backend's
@@ -272,9 +319,14 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=130, help="tokens of each sequence's prompt")
     parser.add_argument("--no-keep-heap", action="store_true",
                         help="leave glibc's malloc as it is (the engine process keeps large tensors on the heap)")
+    parser.add_argument("--linears", nargs="?", const=LINEAR_SHAPES, metavar="NxK,...",
+                        help=f"only time float32 linears of these weight shapes (default {LINEAR_SHAPES})")
     args = parser.parse_args()
     if not args.no_keep_heap:
         keep_heap_memory()
+    if args.linears:
+        print_linears(args.linears, [int(b) for b in args.batches.split(",")])
+        return
     dtype = getattr(torch, args.dtype)
     path = Path(args.model) if Path(args.model).is_dir() else checkpoint(args.model)
     model = load_model(path, dtype, torch.device("cpu"))

@@ -6,11 +6,14 @@ Which CPUs get which path (chosen at run time from /proc/cpuinfo, logged once a 
   csrc/f32_matmul.c. A weight whose values are bf16 (a bf16 checkpoint) is kept in bf16 and widened in
   registers: float32 math on the same weights, half the bytes. Each decode step's layers run in one call
   (csrc/f32_layers.c: RMSNorm, q/k norms, rotary and the KV store, paged attention, SwiGLU, residuals).
+- float32 activations, AVX2 and FMA without AVX-512F: the linears and the LM head on csrc/f32_matmul_avx2.c
+  (the same values, the same bf16 weights), the layers' other ops as torch runs them (no step in one call).
 - bf16 activations, AVX512-BF16: the bf16 kernels (VDPBF16PS) for the LM head and small linears, a step
   in one call where every linear is small (csrc/decoder_layers.c); with AVX512-VNNI, greedy rows of the
   LM head screened in int8 (csrc/int8_argmax.c).
-- anything else (no AVX-512, float16, no C compiler, SLUICE_CPU_KERNELS=0): torch, with the CPU-specific
-  choices below (oneDNN for the LM head, half-precision rows padded to few shapes).
+- anything else (float32 without AVX2, bf16 without AVX512-BF16, float16, no C compiler,
+  SLUICE_CPU_KERNELS=0): torch, with the CPU-specific choices below (oneDNN for the LM head, half-precision
+  rows padded to few shapes).
 """
 from __future__ import annotations
 
@@ -80,8 +83,7 @@ class CpuBackend(Backend):
         for backbone in backbones:
             backbone.stack = self._stack(backbone, kv_caches)
             one_call |= backbone.stack is not None
-        kinds = Counter(type(m.run).__name__ if m.run is not None else "F.linear"
-                        for m in model.modules() if hasattr(m, "run"))
+        kinds = Counter(_kind(m.run) for m in model.modules() if hasattr(m, "run"))
         log.info("CPU backend (%s activations): linears on %s; the layers of a step in %s", str(self.dtype)[6:],
                  ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())), "one call" if one_call else "torch ops")
         return one_call
@@ -135,6 +137,13 @@ class CpuBackend(Backend):
             return None
         stack = DecoderStack.build(layers)  # type: ignore[arg-type]
         return None if stack is None else StepInOneCall(stack, windows.pop())
+
+
+def _kind(run) -> str:
+    """What runs a linear, for the log: F.linear, or the kernel's class (the float32 one's instructions too)."""
+    if run is None:
+        return "F.linear"
+    return f"F32Matmul ({run.isa})" if isinstance(run, F32Matmul) else type(run).__name__
 
 
 def kernel_weight(weight: torch.Tensor, kernel: F32Matmul) -> torch.Tensor:

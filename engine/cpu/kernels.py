@@ -8,7 +8,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_kernels import _AVX512, _AVX512_BF16, _AVX512_VL, _AVX512_VL_VNNI, _AVX512_VNNI, _forgetters, load
+from engine.cpu_kernels import (_AVX2, _AVX512, _AVX512_BF16, _AVX512_VL, _AVX512_VL_VNNI, _AVX512_VNNI, _forgetters,
+                                load)
 
 P, INT, L, FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 TILE = 16  # output rows a packed tile holds
@@ -125,4 +126,15 @@ def f32_layers():
             ("sluice_f32_matmul", _LINEAR_F32)):
         fn = getattr(lib, symbol)
         fn.restype, fn.argtypes = ctypes.c_int, argtypes
+    return lib
+
+
+@_cached
+def f32_matmul_avx2():
+    """csrc/f32_matmul_avx2.c (f32_layers.c's sluice_f32_matmul for CPUs with AVX2 and FMA) as a library, or
+    None."""
+    lib = load("f32_matmul_avx2", _AVX2)
+    if lib is None:
+        return None
+    lib.sluice_f32_matmul.restype, lib.sluice_f32_matmul.argtypes = ctypes.c_int, _LINEAR_F32
     return lib

@@ -1,9 +1,10 @@
 """The LM head on the CPU. With a small model and a big vocabulary this product is most of a decode step, and
 torch's F.linear runs it at about a third of memory bandwidth here. The first path that applies:
 
-- float32 activations, AVX-512F: csrc/f32_matmul.c on the weight packed once (a bf16 weight kept in bf16 and
-  widened in registers: exact), logits in float32 or each greedy row's argmax without writing them; with
-  AVX512-VNNI, greedy rows screened in int8 first (csrc/f32_int8_argmax.c): the same tokens.
+- float32 activations, AVX-512F (else AVX2 and FMA: csrc/f32_matmul_avx2.c, the same values): csrc/f32_matmul.c
+  on the weight packed once (a bf16 weight kept in bf16 and widened in registers: exact), logits in float32 or
+  each greedy row's argmax without writing them; with AVX512-VNNI, greedy rows screened in int8 first
+  (csrc/f32_int8_argmax.c): the same tokens.
 - bf16 weight and activations, AVX512-BF16: csrc/bf16_matmul.c, which reads the weight at about the
   machine's read bandwidth at batch 1 and finds greedy rows' argmax without writing the logits; with
   AVX512-VNNI too, greedy rows are first screened on an int8 copy of the weight (csrc/int8_argmax.c): the
@@ -50,7 +51,7 @@ class CpuLMHead(LMHead):
         screened = " (greedy rows screened in int8)" if self.screen else ""
         if isinstance(self.kernel, F32Matmul):
             weight = "bf16" if self.kernel.bf16 else "float32"
-            return f"Sluice's float32 kernel (AVX-512F, the weight in {weight}){screened}"
+            return f"Sluice's float32 kernel ({self.kernel.isa}, the weight in {weight}){screened}"
         if self.kernel is not None:
             return "Sluice's AVX512-BF16 kernel" + screened
         return "oneDNN" if self.onednn is not None else "F.linear"

@@ -1,8 +1,9 @@
 """The CPU kernels' linears: a packed weight and the calls that read it.
 
-- `F32Matmul` (csrc/f32_matmul.c, AVX-512F): float32 rows against a bf16 or float32 weight, every linear
-  and the LM head of a model served in float32. A bf16 weight is widened in registers (exact), so a bf16
-  checkpoint served in float32 reads half the bytes of its float32 copy for the same products.
+- `F32Matmul` (csrc/f32_matmul.c, AVX-512F; csrc/f32_matmul_avx2.c on CPUs with AVX2 and FMA only, the same
+  results): float32 rows against a bf16 or float32 weight, every linear and the LM head of a model served in
+  float32. A bf16 weight is widened in registers (exact), so a bf16 checkpoint served in float32 reads half
+  the bytes of its float32 copy for the same products.
 - `Bf16Matmul` (csrc/bf16_matmul.c, AVX512-BF16): bf16 rows against a bf16 weight (VDPBF16PS).
 - `Int8Argmax` (csrc/int8_argmax.c, AVX512-VNNI): greedy rows of the bf16 LM head screened in int8.
 """
@@ -37,9 +38,10 @@ class F32Matmul:
     in float32 for float32 rows x [M, K] (any M), or each row's argmax over N without writing the product.
     The weight is packed once: bf16 as tiles of [K/2][16][2] (Bf16Matmul's layout), float32 as
     [K/2][2][16]. Each output is one float32 multiply-add chain over k in order: a row's values do not
-    depend on its batch."""
+    depend on its batch, nor on the instructions (`isa`) the library runs."""
 
-    def __init__(self, lib, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, lib, isa: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.isa = isa  # "AVX-512F" (f32_layers.c, whose fused step reads the same packed weight) or "AVX2"
         self.n, self.k = weight.shape
         self.bf16 = weight.dtype == torch.bfloat16
         self.packed = tiles(weight.detach(), 2) if self.bf16 else pair_tiles(weight.detach())
@@ -49,12 +51,15 @@ class F32Matmul:
     @classmethod
     def build(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "F32Matmul | None":
         """The kernel for this weight, or None where it does not apply (not a bf16 / float32 CPU weight, odd
-        K) or cannot run (see `engine.cpu_kernels.load`)."""
+        K) or cannot run (see `engine.cpu_kernels.load`): AVX-512F's where the CPU has it, else AVX2's."""
         if (weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32)
                 or weight.dim() != 2 or weight.shape[1] % 2 or not weight.shape[1]):
             return None
-        lib = kernels.f32_layers()
-        return None if lib is None else cls(lib, weight, bias)
+        if (lib := kernels.f32_layers()) is not None:
+            return cls(lib, "AVX-512F", weight, bias)
+        if (lib := kernels.f32_matmul_avx2()) is not None:
+            return cls(lib, "AVX2", weight, bias)
+        return None
 
     @property
     def nbytes(self) -> int:

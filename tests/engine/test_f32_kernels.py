@@ -1,16 +1,19 @@
 """A model served in float32 on the CPU: Sluice's float32 kernels (engine/csrc/f32_matmul.c, f32_layers.c;
-AVX-512F) against torch's float32 path, which the kernels must equal up to the order of their sums.
+AVX-512F; csrc/f32_matmul_avx2.c for the linears on CPUs with AVX2 and FMA only) against torch's float32
+path, which the kernels must equal up to the order of their sums.
 
-- The linears: F.linear's products (float64 reference, float32 rounding of a sum of k terms), for bf16
-  weights widened in registers and float32 ones; a row's values do not depend on its batch (bit for bit);
-  the argmax is the first index of the maximum of those logits.
+- The linears, on each instruction set this CPU has: one float32 multiply-add chain over k in order (bit
+  for bit), so F.linear's products up to the order of the sums (float64 reference), for bf16 weights
+  widened in registers and float32 ones; a row's values depend neither on its batch nor on the threads;
+  the AVX2 kernel gives the AVX-512 kernel's bits; the argmax is the first index of the maximum of those
+  logits.
 - A bf16 checkpoint served in float32 keeps its weights in bf16 (the same values); a float32 one keeps
   float32.
 - Attention, rotary with the KV store, RMSNorm (and Qwen3's q/k norms), SwiGLU: torch's float32 values
   within float32 rounding; a whole step through the layers in one call: the op-by-op torch path's hidden
   states and cache, and the same greedy tokens over whole generations.
-- CPUs without the instructions (SLUICE_CPU_HIDE) and disabled kernels run torch's path with the same
-  tokens.
+- A CPU without AVX-512 (SLUICE_CPU_HIDE=avx512f) runs the linears on the AVX2 kernel and the rest as torch
+  ops; one without AVX2 either, and disabled kernels, run torch's path: the same tokens.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from hypothesis import strategies as st
 
 from engine import cpu_kernels
 from engine.backend import TORCH
-from engine.cpu import ops
+from engine.cpu import kernels, ops
 from engine.cpu.matmul import F32Matmul, bf16_exact, narrowed
 from engine.cpu.stack import DecoderStack
 from engine.lm_head import lm_head
@@ -32,7 +35,13 @@ from sluice.builtin_models import write_llama_family
 from tests.engine.helpers import generate, make_engine, seq
 
 _ISA = {"avx512f", "avx512bw", "avx512vl"}
-pytestmark = pytest.mark.skipif(not _ISA <= cpu_kernels.cpu_flags(), reason="this CPU lacks AVX-512F/BW/VL")
+AVX512 = _ISA <= cpu_kernels.cpu_flags()
+AVX2 = {"avx2", "fma"} <= cpu_kernels.cpu_flags()
+needs_avx512 = pytest.mark.skipif(not AVX512, reason="this CPU lacks AVX-512F/BW/VL")
+needs_avx2 = pytest.mark.skipif(not AVX2, reason="this CPU lacks AVX2/FMA")
+needs_f32_kernel = pytest.mark.skipif(not (AVX512 or AVX2), reason="this CPU lacks AVX-512F/BW/VL and AVX2/FMA")
+# the float32 linears' instruction sets: each test of them runs on every one this CPU has
+ISAS = [pytest.param("AVX-512F", marks=needs_avx512), pytest.param("AVX2", marks=needs_avx2)]
 
 
 @pytest.fixture
@@ -44,24 +53,105 @@ def fresh_kernels(tmp_path, monkeypatch):
     cpu_kernels.clear()
 
 
+def _kernel(isa: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> F32Matmul:
+    """The float32 linear on one instruction set's library (F32Matmul.build takes the best this CPU has)."""
+    lib = kernels.f32_layers() if isa == "AVX-512F" else kernels.f32_matmul_avx2()
+    assert lib is not None, f"the {isa} float32 kernel did not build"
+    return F32Matmul(lib, isa, weight, bias)
+
+
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """float32 a * b + c rounded once (an FMA), from float64 math: the product of two float32 values is exact
+    in float64 and the sum's error is exact (two-sum); float64's rounding is off float32's only where it
+    lands on a float32 midpoint with an error left, which then decides the side."""
+    p, c = a.double() * b.double(), c.double()
+    s = p + c
+    bp = s - p
+    err = (p - (s - bp)) + (c - bp)
+    r = s.float()
+    other = torch.nextafter(r, torch.where(s > r.double(), torch.inf, -torch.inf).float())
+    tie = (r.double() != s) & ((r.double() + other.double()) / 2 == s) & (err != 0)
+    toward = torch.where(err > 0, torch.maximum(r, other), torch.minimum(r, other))
+    return torch.where(tie, toward, r)
+
+
+def _in_order(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T as one float32 FMA chain over k in order, + bias in float32: the kernels'
+    values, bit for bit."""
+    w = weight.float()
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for i in range(x.shape[1]):
+        acc = _fma(x[:, i : i + 1], w[:, i], acc)
+    return acc if bias is None else acc + bias
+
+
 def _order_tolerance(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """A bound on how far two float32 sums of the products x @ w^T in different orders can lie from the
     exact value: k roundings of at most 2^-24 of the running sum of |products|."""
     return x.abs().double() @ w.abs().double().T * x.shape[1] * 2**-23 + 1e-30
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 700), k=st.integers(1, 80).map(lambda h: 2 * h), rows=st.integers(1, 70),
        bf16=st.booleans(), bias=st.booleans(), seed=st.integers(0, 2**16))
-def test_float32_matmul_is_f_linear_up_to_the_order_of_its_sums(n, k, rows, bf16, bias, seed):
+def test_float32_matmul_is_one_fma_chain_over_k_in_order(isa, n, k, rows, bf16, bias, seed):
+    """Bit for bit, whatever the rows (1 to 70: every row block and its tail), the outputs (tails of a tile,
+    of a vector, of a block of tiles), the columns, the bias and the weight's dtype."""
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(n, k, generator=g)
     if bf16:
         weight = weight.bfloat16()
     x = torch.randn(rows, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
-    kernel = F32Matmul.build(weight, b)
-    assert kernel is not None and kernel.bf16 == bf16
+    kernel = _kernel(isa, weight, b)
+    assert kernel.bf16 == bf16
+    assert torch.equal(kernel(x), _in_order(x, weight, b))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_float32_matmul_rows_do_not_depend_on_the_threads(isa):
+    g = torch.Generator().manual_seed(0)
+    weight, x, b = torch.randn(1000, 576, generator=g).bfloat16(), torch.randn(7, 576, generator=g), torch.randn(1000)
+    kernel = _kernel(isa, weight, b)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone, tokens = kernel(x), kernel.argmax(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(kernel(x), alone) and torch.equal(alone, _in_order(x, weight, b))
+    assert torch.equal(kernel.argmax(x), tokens)
+
+
+@needs_avx512
+@needs_avx2
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 3000), k=st.integers(1, 300).map(lambda h: 2 * h), rows=st.integers(1, 70),
+       bf16=st.booleans(), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_avx2_kernel_gives_the_avx512_kernels_bits(n, k, rows, bf16, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=g)
+    if bf16:
+        weight = weight.bfloat16()
+    x = torch.randn(rows, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    avx512, avx2 = _kernel("AVX-512F", weight, b), _kernel("AVX2", weight, b)
+    assert torch.equal(avx2(x), avx512(x)) and torch.equal(avx2.argmax(x), avx512.argmax(x))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 700), k=st.integers(1, 80).map(lambda h: 2 * h), rows=st.integers(1, 70),
+       bf16=st.booleans(), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_float32_matmul_is_f_linear_up_to_the_order_of_its_sums(isa, n, k, rows, bf16, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=g)
+    if bf16:
+        weight = weight.bfloat16()
+    x = torch.randn(rows, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    kernel = _kernel(isa, weight, b)
     out = kernel(x)
     assert out.dtype == torch.float32 and out.shape == (rows, n)
     exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
@@ -73,22 +163,37 @@ def test_float32_matmul_is_f_linear_up_to_the_order_of_its_sums(n, k, rows, bf16
     assert torch.equal(alone, out), "a row's values depend on its batch"
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @settings(max_examples=30, deadline=None)
-@given(vocab=st.integers(1, 3000), rows=st.integers(1, 40), ties=st.integers(0, 5), seed=st.integers(0, 2**16))
-def test_float32_argmax_is_the_first_index_of_the_maximum_of_its_logits(vocab, rows, ties, seed):
+@given(vocab=st.integers(1, 3000), rows=st.integers(1, 70), ties=st.integers(0, 5), bf16=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_float32_argmax_is_the_first_index_of_the_maximum_of_its_logits(isa, vocab, rows, ties, bf16, seed):
     g = torch.Generator().manual_seed(seed)
-    weight = torch.randn(vocab, 64, generator=g).bfloat16()
+    weight = torch.randn(vocab, 64, generator=g)
     hidden = torch.randn(rows, 64, generator=g)
+    if bf16:
+        weight = weight.bfloat16()
     for i in range(min(ties, vocab - 1)):  # equal rows give equal logits: the first index must win
         weight[vocab - 1 - i] = weight[i]
         hidden[i % rows] = weight[i].float() * 4
-    head = lm_head(weight, torch.float32)
-    assert isinstance(head.kernel, F32Matmul)
-    logits = head(hidden)
-    tokens = head.argmax(hidden)
+    logits = _kernel(isa, weight)(hidden)
+    tokens = _kernel(isa, weight, torch.randn(vocab, generator=g)).argmax(hidden)  # (the bias ignored)
     first_max = (logits == logits.amax(dim=1, keepdim=True)).float().argmax(dim=1)
     assert torch.equal(tokens, first_max)
-    assert torch.equal(tokens, torch.cat([head.argmax(hidden[r : r + 1]) for r in range(rows)]))
+    assert torch.equal(tokens, torch.cat([_kernel(isa, weight).argmax(hidden[r : r + 1]) for r in range(rows)]))
+
+
+@needs_f32_kernel
+def test_the_float32_lm_head_runs_the_best_kernel_this_cpu_has_and_says_which():
+    weight = torch.randn(3000, 64).bfloat16()
+    hidden = torch.randn(5, 64)
+    head = lm_head(weight, torch.float32)
+    isa = "AVX-512F" if AVX512 else "AVX2"
+    assert isinstance(head.kernel, F32Matmul) and head.kernel.isa == isa and head.kernel.bf16
+    assert f"({isa}, the weight in bf16)" in head.path
+    logits = head(hidden)
+    assert torch.equal(logits, _in_order(hidden, weight, None))
+    assert torch.equal(head.argmax(hidden), logits.argmax(dim=1))
 
 
 needs_vnni = pytest.mark.skipif(not _ISA | {"avx512_vnni"} <= cpu_kernels.cpu_flags(), reason="no AVX512-VNNI")
@@ -127,6 +232,7 @@ def test_int8_screened_float32_argmax_is_the_float32_kernels(vocab, dim, rows, t
     assert torch.equal(head.screen(hidden), head.kernel.argmax(hidden))
 
 
+@needs_f32_kernel
 def test_bf16_values_in_float32_are_kept_in_bf16_and_others_are_not():
     w = torch.randn(300, 64)
     assert not bf16_exact(w) and narrowed(w).dtype == torch.float32
@@ -165,14 +271,18 @@ def _engines(path, **kw):
     return fast, plain
 
 
+@needs_f32_kernel
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_a_bf16_checkpoint_in_float32_keeps_bf16_weights_and_generates_torch_fp32_tokens(variant, tmp_path):
+    """On AVX-512 the layers of a step in one call; on AVX2 the linears on its kernel between torch ops."""
     path = _bf16_checkpoint(tmp_path / variant, **VARIANTS[variant])
     (runner, sched), (ref, ref_sched) = _engines(path, block_size=8)
-    assert runner.one_call and isinstance(runner.lm_head.kernel, F32Matmul) and runner.lm_head.kernel.bf16
+    isa = "AVX-512F" if AVX512 else "AVX2"
+    assert runner.one_call == AVX512
+    assert isinstance(runner.lm_head.kernel, F32Matmul) and runner.lm_head.kernel.bf16
     linears = [m for m in runner.model.modules() if hasattr(m, "run")]
-    assert linears and all(isinstance(m.run, F32Matmul) and m.run.bf16 and m.weight.dtype == torch.bfloat16
-                           for m in linears)
+    assert linears and all(isinstance(m.run, F32Matmul) and m.run.isa == isa and m.run.bf16
+                           and m.weight.dtype == torch.bfloat16 for m in linears)
     assert all(m.run is None and m.weight.dtype == torch.float32 for m in ref.model.modules() if hasattr(m, "run"))
     requests = [seq(f"r{i}", p, max_tokens=24, temperature=0.0) for i, p in enumerate(PROMPTS)]
     assert generate(runner, sched, requests) == generate(ref, ref_sched, [seq(s.request_id, s.token_ids[:len(p)],
@@ -180,10 +290,11 @@ def test_a_bf16_checkpoint_in_float32_keeps_bf16_weights_and_generates_torch_fp3
                                                                         for s, p in zip(requests, PROMPTS)])
 
 
+@needs_f32_kernel
 def test_a_float32_checkpoint_keeps_float32_weights(tmp_path):
     path = write_llama_family(tmp_path / "m", architecture="LlamaForCausalLM")
     runner, _ = make_engine(path)
-    assert runner.one_call and not runner.lm_head.kernel.bf16
+    assert runner.one_call == AVX512 and not runner.lm_head.kernel.bf16
     assert all(not m.run.bf16 and m.weight.dtype == torch.float32 for m in runner.model.modules() if hasattr(m, "run"))
 
 
@@ -216,22 +327,28 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+@needs_f32_kernel
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_a_float32_decode_step_in_one_call_is_torchs_layers_op_by_op(variant, tmp_path):
+def test_a_float32_decode_step_on_the_kernels_is_torchs_layers_op_by_op(variant, tmp_path):
+    """In one call on AVX-512, the AVX2 linears between torch ops elsewhere: torch's hidden states, cache and
+    logits, up to the order of float32 sums."""
     path = _bf16_checkpoint(tmp_path / variant, **VARIANTS[variant])
     fast, plain = _engines(path, block_size=8)
     runner, batch = _decoding(fast)
     ref, ref_batch = _decoding(plain)
     with mock.patch.object(DecoderStack, "__call__", autospec=True, side_effect=DecoderStack.__call__) as spy:
         hidden, caches = _step(runner, batch)
-    assert spy.called
+    assert spy.called == AVX512
     ref_hidden, ref_caches = _step(ref, ref_batch)
     _close(hidden, ref_hidden)
     for kv, ref_kv in zip(caches, ref_caches):
         for x, y in zip(kv, ref_kv):
             _close(x, y)
+    with torch.inference_mode():
+        _close(runner.lm_head(hidden), ref.lm_head(ref_hidden))
 
 
+@needs_avx512
 def test_float32_steps_with_prefill_chunks_in_one_call_are_torchs(tmp_path):
     """A chunk's rows attend as decodes of their positions (causal, within the window): torch's values."""
     path = _bf16_checkpoint(tmp_path / "m", **VARIANTS["mistral-window-12"])
@@ -252,6 +369,7 @@ def test_float32_steps_with_prefill_chunks_in_one_call_are_torchs(tmp_path):
     assert sum(mixed) >= 2  # steps whose rows include a prompt's chunk ran in one call
 
 
+@needs_avx512
 @settings(max_examples=30, deadline=None)
 @given(batch=st.integers(1, 9), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 3, 4, 6, 8]),
        dim=st.sampled_from([16, 32, 48, 64, 80, 128, 256]), keys=st.integers(1, 100), sinks=st.booleans(),
@@ -280,6 +398,7 @@ def test_float32_decode_attention_is_the_torch_path(batch, kv_heads, group, dim,
     assert (out[untouched] == 0).all()
 
 
+@needs_avx512
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(0, 40), dim=st.integers(1, 300), strided=st.booleans(), seed=st.integers(0, 2**16))
 def test_float32_rms_norm_is_torchs(rows, dim, strided, seed):
@@ -291,6 +410,7 @@ def test_float32_rms_norm_is_torchs(rows, dim, strided, seed):
     torch.testing.assert_close(out, F.rms_norm(x, (dim,), weight, 1e-6), rtol=4e-7, atol=1e-6)
 
 
+@needs_avx512
 @settings(max_examples=30, deadline=None)
 @given(tokens=st.integers(0, 40), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 3, 4]),
        dim=st.integers(1, 150).map(lambda n: 2 * n), seed=st.integers(0, 2**16))
@@ -320,23 +440,31 @@ def test_float32_rope_store_is_torchs_rotary_and_the_cache_writes(tokens, kv_hea
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])  # (nothing written)
 
 
-@pytest.mark.parametrize("hide", ["avx512f", "all"])
-def test_cpus_without_the_instructions_run_torchs_path_with_the_same_tokens(hide, tmp_path, fresh_kernels,
-                                                                            monkeypatch):
-    """SLUICE_CPU_HIDE=avx512f stands for a CPU without AVX-512 (an AVX2 one), SLUICE_CPU_KERNELS=0 for
-    kernels turned off: no kernel runs, and the tokens are the float32 kernels'."""
+@pytest.mark.parametrize("hide", ["avx512f", "avx512f,avx2", "all"])
+def test_cpus_without_the_instructions_run_other_paths_with_the_same_tokens(hide, tmp_path, fresh_kernels,
+                                                                          monkeypatch):
+    """SLUICE_CPU_HIDE=avx512f stands for an AVX2 CPU: the linears on the AVX2 kernel, the rest as torch ops;
+    avx512f,avx2 for an older one and SLUICE_CPU_KERNELS=0 for kernels turned off: no kernel runs. The
+    tokens are those of the best path this CPU has."""
     path = _bf16_checkpoint(tmp_path / "m", **VARIANTS["qwen3-qk-norm"])
     runner, sched = make_engine(path)
     tokens = generate(runner, sched, [seq(f"r{i}", p, max_tokens=16, temperature=0.0) for i, p in enumerate(PROMPTS)])
-    monkeypatch.setenv(*(("SLUICE_CPU_HIDE", "avx512f") if hide == "avx512f" else ("SLUICE_CPU_KERNELS", "0")))
+    monkeypatch.setenv(*(("SLUICE_CPU_HIDE", hide) if hide != "all" else ("SLUICE_CPU_KERNELS", "0")))
     cpu_kernels.clear()
     runner, sched = make_engine(path)
-    assert not runner.one_call and runner.lm_head.kernel is None
-    assert all(m.run is None and m.weight.dtype == torch.float32 for m in runner.model.modules() if hasattr(m, "run"))
+    linears = [m for m in runner.model.modules() if hasattr(m, "run")]
+    assert not runner.one_call
+    if hide == "avx512f" and AVX2:
+        assert isinstance(runner.lm_head.kernel, F32Matmul) and runner.lm_head.kernel.isa == "AVX2"
+        assert all(m.run.isa == "AVX2" and m.weight.dtype == torch.bfloat16 for m in linears)
+    else:
+        assert runner.lm_head.kernel is None
+        assert all(m.run is None and m.weight.dtype == torch.float32 for m in linears)
     assert generate(runner, sched, [seq(f"r{i}", p, max_tokens=16, temperature=0.0)
                                     for i, p in enumerate(PROMPTS)]) == tokens
 
 
+@needs_f32_kernel
 def test_hiding_avx512_bf16_leaves_the_float32_path_and_takes_the_bf16_kernels_away(fresh_kernels, monkeypatch):
     monkeypatch.setenv("SLUICE_CPU_HIDE", "avx512_bf16,avx512_vnni")
     weight = torch.randn(300, 64).bfloat16()
