@@ -330,8 +330,11 @@ async def _respond(send, status: int, body: bytes, content_type: str | bytes | N
 
 def create_app() -> Router:
     """granian's factory: one Router per worker process."""
+    from sluice import procs
     from sluice.logs import setup_logging
 
+    procs.die_with_parent()  # with granian's main process (`sluice router`), however it dies
+    procs.set_title("sluice: router")
     cfg = msgspec.json.decode(os.environ["SLUICE_ROUTER_CONFIG"].encode(), type=RouterConfig)
     setup_logging(f"router[{os.getpid()}]", "text")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # (a line per relayed request otherwise)

@@ -3,6 +3,7 @@ and put back, and disaggregated serving through it giving the aggregated server'
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import time
@@ -12,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from bench.faults import ppid
 from bench.router import RouterProc
 from bench.server import Server
 from tests.disagg.helpers import SECRET, comparable
@@ -120,18 +122,32 @@ def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error(tiny_chat_dir)
         slow.stop()
 
 
-def test_a_killed_router_frees_its_requests_on_the_worker(tiny_chat_dir):
+def _running(pid: int) -> bool:
+    """Whether the process runs (a zombie that its adopter has not reaped yet does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_killed_router_frees_its_requests_and_its_workers(tiny_chat_dir):
     slow = Server("--runner", "replay", "--replay-step-ms", "50")
     router = RouterProc("--workers", slow.url, "--model", MODEL)
     try:
         with httpx.stream("POST", router.url + "/v1/completions", timeout=60, json={
                 "model": MODEL, "prompt": "hi " * 100, "max_tokens": 500, "ignore_eos": True, "stream": True}) as r:
             next(r.iter_lines())
-            assert slow.metrics()["sluice:kv_cache_used_blocks"] > 0
+            deadline = time.monotonic() + 5  # (the engine's gauges are published every so often)
+            while not slow.metrics()["sluice:kv_cache_used_blocks"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            workers = [int(p) for p in os.listdir("/proc") if p.isdigit() and ppid(int(p)) == router.proc.pid]
+            assert workers
             router.stop(signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while slow.metrics()["sluice:kv_cache_used_blocks"]:
-            assert time.monotonic() < deadline
+        while slow.metrics()["sluice:kv_cache_used_blocks"] or any(map(_running, workers)):
+            assert time.monotonic() < deadline, "blocks held, or a router worker outlived its parent"
             time.sleep(0.1)
     finally:
         router.stop()
