@@ -197,7 +197,7 @@ def kernels(model, batches: list[int]) -> list[tuple[str, int, float, float]]:
 LINEAR_SHAPES = "576x576,1536x576,576x1536,49152x576,1024x3072"
 
 
-def timed_ms(fn, seconds: float = 0.4) -> float:
+def timed_ms(fn, seconds: float = 0.25) -> float:
     """ms of fn: the best of 4 means of runs over about `seconds` in all (the least disturbed by other work
     on the machine)."""
     fn()

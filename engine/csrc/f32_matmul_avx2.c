@@ -1,0 +1,247 @@
+/* csrc/f32_matmul.c's sluice_f32_matmul for CPUs with AVX2 and FMA but no AVX-512F: x @ W^T (+ bias) for
+ * float32 rows x, or each row's argmax, on the same packed weight (tiles of 16 output rows, bf16
+ * [K/2][16][2] or float32 [K/2][2][16]) with the same results bit for bit: each output is one chain of
+ * float32 multiply-adds over k in order, whatever the number of rows, the thread or the blocking.
+ *
+ * A tile's 16 rows are two ymm vectors a column. AVX2 has 16 ymm registers, so a block holds 8 accumulators
+ * beside its weight vectors (the loaded pairs and their widened columns, for bf16), a broadcast row value
+ * and the bf16 mask: one tile by up to 4 rows, two tiles by 2 rows, or four tiles by 1 row (a decode's few
+ * rows: more independent chains than one tile gives, to hide the multiply-add's latency). (6 rows, 12
+ * accumulators, spill and run slower.) A bf16 pair is widened as in f32_matmul.c: its 32-bit lane shifted
+ * left 16 bits is the even column in float32, masked to its high half the odd one.
+ *
+ * Blocks, chunks of pairs, threads and the argmax fold are f32_matmul.c's (see there); only the vectors
+ * differ. Tails use AVX2's masked loads and stores.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+enum { F32_TILE = 16, F32_GROUP = 4, F32_ROWS = 4, F32_KP = 64, F32_LD = F32_TILE * F32_GROUP };
+/* multiply-adds below which one thread does it all (waking the other costs more) */
+#define F32_SERIAL_WORK 1.5e6
+
+/* R rows x NT tiles over the pairs [p0, p1): acc (R x 2 NT vectors of 8, F32_LD floats a row of c) starts
+ * from zero when first, else from c, and is left in c. w: the first tile; k: columns (a tile holds k * 16
+ * values); x: rows ldx apart; pf: where to prefetch the same pairs of the next block's tiles, or NULL.
+ * BF16 != 0: the weight is packed bf16, else float32. */
+#define F32_BLOCK(R, NT, BF16)                                                                                \
+    static void f32_block_##R##_##NT##_##BF16(const void *w, int k, int p0, int p1, const float *restrict x,   \
+                                              long ldx, float *restrict c, int first, const char *pf) {       \
+        __m256 acc[R][2 * NT];                                                                                \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                   \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 2 * NT; j++)                                          \
+                acc[r][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + r * F32_LD + j * 8);             \
+        const __m256i high = _mm256_set1_epi32((int)0xffff0000);                                              \
+        const size_t tile = (size_t)k * F32_TILE; /* values a tile */                                         \
+        for (int p = p0; p < p1; p++) {                                                                       \
+            __m256 wv[2 * NT];                                                                                \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 2 * NT; j++) {                                        \
+                const size_t at = (j / 2) * tile + (size_t)p * 32; /* the pair in tile j / 2 */               \
+                if (BF16) {                                                                                   \
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + at + (j % 2) * 16)); \
+                    wv[j] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));                                    \
+                } else {                                                                                      \
+                    wv[j] = _mm256_loadu_ps((const float *)w + at + (j % 2) * 8);                             \
+                }                                                                                             \
+            }                                                                                                 \
+            if (pf)                                                                                           \
+                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                          \
+                    _mm_prefetch(pf + (t * tile + (size_t)p * 32) * (BF16 ? 2 : 4), _MM_HINT_T1);             \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                             \
+                const __m256 xe = _mm256_set1_ps(x[r * ldx + 2 * p]);                                         \
+                _Pragma("GCC unroll 8") for (int j = 0; j < 2 * NT; j++) acc[r][j] = _mm256_fmadd_ps(wv[j], xe, acc[r][j]); \
+            }                                                                                                 \
+            /* (no code: the odd column's pairs are loaded again, from L1, not kept in registers since the    \
+             * even column's loads; with 2 or 4 tiles they would spill accumulators) */                     \
+            __asm__ volatile("" ::: "memory");                                                                \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 2 * NT; j++) {                                        \
+                const size_t at = (j / 2) * tile + (size_t)p * 32;                                            \
+                if (BF16) {                                                                                   \
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + at + (j % 2) * 16)); \
+                    wv[j] = _mm256_castsi256_ps(_mm256_and_si256(v, high));                                   \
+                } else {                                                                                      \
+                    wv[j] = _mm256_loadu_ps((const float *)w + at + 16 + (j % 2) * 8);                        \
+                }                                                                                             \
+            }                                                                                                 \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                             \
+                const __m256 xo = _mm256_set1_ps(x[r * ldx + 2 * p + 1]);                                     \
+                _Pragma("GCC unroll 8") for (int j = 0; j < 2 * NT; j++) acc[r][j] = _mm256_fmadd_ps(wv[j], xo, acc[r][j]); \
+            }                                                                                                 \
+        }                                                                                                     \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                   \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 2 * NT; j++)                                          \
+                _mm256_storeu_ps(c + r * F32_LD + j * 8, acc[r][j]);                                          \
+    }
+#define F32_BLOCKS(R, NT) F32_BLOCK(R, NT, 1) F32_BLOCK(R, NT, 0)
+F32_BLOCKS(1, 1) F32_BLOCKS(2, 1) F32_BLOCKS(3, 1) F32_BLOCKS(4, 1)
+F32_BLOCKS(1, 2) F32_BLOCKS(2, 2) F32_BLOCKS(1, 4)
+
+typedef void (*f32_block_fn)(const void *, int, int, int, const float *, long, float *, int, const char *);
+/* [bf16][tiles][rows]: 1 tile for up to 4 rows, 2 for up to 2 rows, 4 for 1 row */
+static const f32_block_fn F32_BLOCK_FN[2][F32_GROUP + 1][F32_ROWS + 1] = {
+    {{0},
+     {0, f32_block_1_1_0, f32_block_2_1_0, f32_block_3_1_0, f32_block_4_1_0},
+     {0, f32_block_1_2_0, f32_block_2_2_0},
+     {0},
+     {0, f32_block_1_4_0}},
+    {{0},
+     {0, f32_block_1_1_1, f32_block_2_1_1, f32_block_3_1_1, f32_block_4_1_1},
+     {0, f32_block_1_2_1, f32_block_2_2_1},
+     {0},
+     {0, f32_block_1_4_1}},
+};
+
+/* r rows over a group's nt tiles (wg on, tiles tile_bytes apart, into c from the group's first output), as
+ * many tiles at a time as the rows leave registers for. next: the next group's first tile, to prefetch, or
+ * NULL. */
+static void f32_rows(const char *wg, size_t tile_bytes, int bf16, int nt, int r, int k, int p0, int p1,
+                     const float *x, long ldx, float *c, const char *next) {
+    const int most = r == 1 ? 4 : r == 2 ? 2 : 1;
+    for (int t = 0, step; t < nt; t += step) {
+        for (step = most; step > nt - t; step /= 2) {}
+        F32_BLOCK_FN[bf16 != 0][step][r](wg + t * tile_bytes, k, p0, p1, x, ldx, c + t * F32_TILE, p0 == 0,
+                                         next ? next + t * tile_bytes : NULL);
+    }
+}
+
+/* The block's rows c [m][F32_LD] (the outputs from tile0 on) as logits (+ bias) into out, or folded into
+ * each row's per-lane best values and their columns (strictly greater wins: the first column of a lane's
+ * maximum, tiles in column order), 8 lanes at a time. */
+static void f32_finish(const float *c, int m, int tile0, int nt, int n, const float *bias, float *out, long ldo,
+                       float *best, int32_t *where) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int r = 0; r < m; r++) {
+        for (int j = 0; j < 2 * nt; j++) {
+            const int col0 = tile0 * F32_TILE + j * 8, count = n - col0;
+            if (count <= 0) break;
+            const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), lane); /* lanes < count */
+            __m256 v = _mm256_loadu_ps(c + (size_t)r * F32_LD + j * 8);
+            if (out) {
+                float *o = out + (size_t)r * ldo + col0;
+                if (count >= 8) {
+                    if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + col0));
+                    _mm256_storeu_ps(o, v);
+                } else {
+                    if (bias) v = _mm256_add_ps(v, _mm256_maskload_ps(bias + col0, valid));
+                    _mm256_maskstore_ps(o, valid, v);
+                }
+            } else {
+                float *b = best + (size_t)r * F32_TILE + (j % 2) * 8;
+                int32_t *wh = where + (size_t)r * F32_TILE + (j % 2) * 8;
+                const __m256 cur = _mm256_loadu_ps(b);
+                const __m256 gt = _mm256_and_ps(_mm256_cmp_ps(v, cur, _CMP_GT_OQ), _mm256_castsi256_ps(valid));
+                if (!_mm256_movemask_ps(gt)) continue;
+                const __m256 cols = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_set1_epi32(col0), lane));
+                _mm256_storeu_ps(b, _mm256_blendv_ps(cur, v, gt));
+                const __m256 was = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)wh));
+                _mm256_storeu_si256((__m256i *)wh, _mm256_castps_si256(_mm256_blendv_ps(was, cols, gt)));
+            }
+        }
+    }
+}
+
+/* The next `chunk` blocks for the calling thread, [g0, g1) (shared counter *next): 0 when none are left. */
+static inline int f32_take(int *next, int chunk, int groups, int *g0, int *g1) {
+    int g;
+#pragma omp atomic capture
+    {
+        g = *next;
+        *next += chunk;
+    }
+    *g0 = g;
+    *g1 = g + chunk < groups ? g + chunk : groups;
+    return g < groups;
+}
+
+/* The calling thread's share of a product: blocks of F32_GROUP tiles taken from the shared counter *next as
+ * they come, `chunk` at a time. c: m * F32_LD floats of scratch; best / where: this thread's (argmax only). */
+static void f32_matmul_part(const void *w, int bf16, int n, int k, const float *x, long ldx, int m, const float *bias,
+                            float *out, long ldo, float *best, int32_t *where, float *c, int *next, int chunk) {
+    const int tiles = (n + F32_TILE - 1) / F32_TILE, groups = (tiles + F32_GROUP - 1) / F32_GROUP, pairs = k / 2;
+    const size_t tile_bytes = (size_t)k * F32_TILE * (bf16 ? 2 : 4);
+    for (int g0, g1; f32_take(next, chunk, groups, &g0, &g1);) {
+        for (int g = g0; g < g1; g++) {
+            const int tile0 = g * F32_GROUP, nt = tiles - tile0 < F32_GROUP ? tiles - tile0 : F32_GROUP;
+            const char *wg = (const char *)w + (size_t)tile0 * tile_bytes;
+            for (int p0 = 0; p0 < pairs; p0 += F32_KP) {
+                const int p1 = p0 + F32_KP < pairs ? p0 + F32_KP : pairs;
+                for (int r0 = 0; r0 < m; r0 += F32_ROWS) {
+                    const int r = m - r0 < F32_ROWS ? m - r0 : F32_ROWS;
+                    const char *next = r0 == 0 && nt == F32_GROUP && g + 1 < groups ? wg + F32_GROUP * tile_bytes
+                                                                                     : NULL;
+                    f32_rows(wg, tile_bytes, bf16, nt, r, k, p0, p1, x + (size_t)r0 * ldx, ldx,
+                             c + (size_t)r0 * F32_LD, next);
+                }
+            }
+            f32_finish(c, m, tile0, nt, n, bias, out, ldo, best, where);
+        }
+    }
+}
+
+/* blocks handed out at a time: a few per thread and round, at most 8 */
+static inline int f32_chunk(int n, int threads) {
+    const int groups = ((n + F32_TILE - 1) / F32_TILE + F32_GROUP - 1) / F32_GROUP;
+    const int chunk = groups / (threads * 8);
+    return chunk < 1 ? 1 : chunk > 8 ? 8 : chunk;
+}
+
+/* f32_matmul.c's function, the same arguments and results: w: the packed weight of n outputs (bf16 != 0:
+ * bf16 pairs, else float32; zero rows past n to whole tiles); x: m rows of k float32 (k even), ldx apart.
+ * With out set, out [m][ldo] = x @ W^T + bias (bias: NULL or n floats); else tokens[m] = each row's argmax
+ * (bias ignored). Returns 0, or -1 when out of memory. */
+int sluice_f32_matmul(const void *w, int bf16, int n, int k, const float *x, long ldx, int m, const float *bias,
+                      float *out, long ldo, int32_t *tokens) {
+    const int threads = (double)m * n * k >= F32_SERIAL_WORK ? omp_get_max_threads() : 1;
+    const int chunk = f32_chunk(n, threads);
+    float *best = NULL;
+    int32_t *where = NULL;
+    if (!out) {
+        best = malloc(sizeof(float) * (size_t)threads * m * F32_TILE);
+        where = malloc(sizeof(int32_t) * (size_t)threads * m * F32_TILE);
+        if (!best || !where) {
+            free(best);
+            free(where);
+            return -1;
+        }
+        for (size_t i = 0; i < (size_t)threads * m * F32_TILE; i++) {
+            best[i] = -INFINITY;
+            where[i] = INT32_MAX;
+        }
+    }
+    int next = 0, failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        const int th = omp_get_thread_num();
+        float *c = malloc(sizeof(float) * (size_t)m * F32_LD);
+        if (!c) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            f32_matmul_part(w, bf16, n, k, x, ldx, m, bias, out, ldo, best ? best + (size_t)th * m * F32_TILE : NULL,
+                            where ? where + (size_t)th * m * F32_TILE : NULL, c, &next, chunk);
+        }
+        free(c);
+    }
+    if (!out) {
+        for (int r = 0; r < m; r++) {
+            float top = -INFINITY;
+            int32_t at = INT32_MAX;
+            for (int th = 0; th < threads; th++) {
+                const float *b = best + ((size_t)th * m + r) * F32_TILE;
+                const int32_t *wh = where + ((size_t)th * m + r) * F32_TILE;
+                for (int l = 0; l < F32_TILE; l++)
+                    if (b[l] > top || (b[l] == top && wh[l] < at)) {
+                        top = b[l];
+                        at = wh[l];
+                    }
+            }
+            tokens[r] = at == INT32_MAX ? 0 : at;
+        }
+        free(best);
+        free(where);
+    }
+    return failed ? -1 : 0;
+}
