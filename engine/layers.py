@@ -158,7 +158,8 @@ class Backbone(nn.Module):
 
     def __init__(self, vocab_size: int, hidden_size: int, eps: float, layers: list[nn.Module]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        # (no random init: the checkpoint fills it; normal_ on the meta device imports torch's compiler, 1 s)
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden_size, eps)
 

@@ -77,11 +77,14 @@ class Rotary(torch.nn.Module):
     def reset_buffers(self) -> None:
         """Computes the tables on the ambient device (again, after a build on meta)."""
         dim, max_positions, theta, params = self._args
+        self._last: tuple = (None, None, None, None)
+        if torch.empty(0).device.type == "meta":  # shapes only (arange on meta costs torch's whole compiler import)
+            self.cos = self.sin = torch.empty(max_positions, dim // 2)
+            return
         inv_freq, scale = inv_freq_and_scale(dim, theta, params, max_positions)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         self.cos = (freqs.cos() * scale).float()
         self.sin = (freqs.sin() * scale).float()
-        self._last: tuple = (None, None, None, None)
 
     def _at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at `positions` [T, 1, D/2]; every layer of a step asks with the same tensor, and

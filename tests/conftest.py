@@ -37,3 +37,14 @@ def client(server):
 def aclient(server):
     """A factory: an async client belongs to the event loop it is used in."""
     return lambda: openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def trio(tiny_chat_dir):
+    """A context worker, a generation worker and an aggregated server of the real tiny model (shared by the
+    disaggregation and router tests: each leaves them as it found them)."""
+    from tests.disagg.helpers import Trio
+
+    t = Trio(("--kv-lease-timeout", "3"), ())
+    yield t
+    t.stop()

@@ -2,6 +2,7 @@
 server's tokens; the hand-off is the orchestrator's alone; leases end and free their blocks."""
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -84,15 +85,21 @@ def test_a_worker_takes_only_its_roles_request_type(trio):
     assert r.status_code == 400 and "logprobs" in r.json()["error"]["message"]
 
 
+def _expired_leases(server) -> float:
+    m = re.search(r'^sluice:kv_leases_total\{end="expired"\} (\S+)$', httpx.get(server.url + "/metrics").text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
 def test_an_expired_lease_frees_its_blocks_and_the_generation_worker_recomputes(trio):
     req = {**CHAT, "temperature": 0, "return_token_ids": True}
     want = comparable(httpx.post(trio.agg.url + "/v1/chat/completions", json=req, timeout=60), False)
+    expired = _expired_leases(trio.ctx)
     params = context(trio.ctx.url, "/v1/chat/completions", req)
     assert kv_used(trio.ctx) > 0
     assert _settled(trio.ctx, 8.0) == 0  # the lease (3 s here) expired unread
     r = generation(trio.gen.url, "/v1/chat/completions", req, params)
     assert comparable(r, False) == want  # --kv-load-failure recompute (the default)
-    assert 'sluice:kv_leases_total{end="expired"} 1.0' in httpx.get(trio.ctx.url + "/metrics").text
+    assert _expired_leases(trio.ctx) == expired + 1
     assert _settled(trio.gen) == 0
 
 

@@ -16,26 +16,23 @@ CHAT = {"model": "builtin:tiny-chat", "messages": [{"role": "user", "content": "
         "max_tokens": 16, "temperature": 0, "return_token_ids": True}
 
 
-def test_a_context_worker_gone_before_the_read(tiny_chat_dir):
+def test_a_context_worker_gone_before_the_read(trio):
     """SIGKILL: its cache files outlive it, and the KV in them is whole (nothing can change it any more).
     SIGTERM: it removes them; the generation worker recomputes, or fails the request when told to."""
-    gen = Server("--role", "generation", "--disagg-secret", SECRET)
     strict = Server("--role", "generation", "--disagg-secret", SECRET, "--kv-load-failure", "fail")
-    agg = Server()
     try:
-        want = comparable(httpx.post(agg.url + "/v1/chat/completions", json=CHAT, timeout=60), False)
+        want = comparable(httpx.post(trio.agg.url + "/v1/chat/completions", json=CHAT, timeout=60), False)
         for sig in (signal.SIGKILL, signal.SIGTERM):
             ctx = Server("--role", "context", "--disagg-secret", SECRET)
             params = context(ctx.url, "/v1/chat/completions", CHAT)
             ctx.stop(sig)
-            assert comparable(generation(gen.url, "/v1/chat/completions", CHAT, params), False) == want
+            assert comparable(generation(trio.gen.url, "/v1/chat/completions", CHAT, params), False) == want
         r = generation(strict.url, "/v1/chat/completions", CHAT, params)
         assert r.status_code == 500 and "could not be loaded from the context worker" in r.json()["error"]["message"]
-        for s in (gen, strict):
+        for s in (trio.gen, strict):
             assert kv_used(s) == 0
     finally:
-        for s in (gen, strict, agg):
-            s.stop()
+        strict.stop()
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
