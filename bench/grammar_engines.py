@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,9 +211,10 @@ def coverage(engine: Engine, vocab: int, decode: Callable[[list[int]], str], sam
 
 
 def batch_cost(backend: str, temperature: float, dtype: torch.dtype, batch: int = 16,
-               steps: int = 30) -> tuple[float, float]:
-    """Mean ms of a decode step of `batch` sequences on the o200k-vocabulary tiny Llama: all free,
-    then one of them held to a schema (the engine's own runner, scheduler and grammar path)."""
+               steps: int = 40, rounds: int = 3) -> tuple[float, float]:
+    """Median over `rounds` (free and held interleaved) of the mean ms of a decode step of `batch` sequences
+    on the o200k-vocabulary tiny Llama: all free, then one of them held to a schema (the engine's own
+    runner, scheduler and grammar path)."""
     from bench.checkpoints import tiny_llama_o200k
     from bench.step_parts import _engine
     from engine.grammar import Grammars
@@ -227,8 +229,8 @@ def batch_cost(backend: str, temperature: float, dtype: torch.dtype, batch: int 
     grammars = Grammars(str(path), vocab, backend)
     loaded = grammars.load(grammar).result()
     weights = load_model(path, dtype, torch.device("cpu"))
-    out = []
-    for held in (0, 1):
+    out: list[list[float]] = [[], []]
+    for held in (0, 1) * rounds:
         runner, sched, rng = _engine(weights, dtype)
         for i in range(batch):
             seq = Sequence(f"r{i}", rng.integers(0, vocab - 1000, 64).tolist(),
@@ -244,8 +246,8 @@ def batch_cost(backend: str, temperature: float, dtype: torch.dtype, batch: int 
         for _ in range(steps):
             b = sched.schedule()
             sched.update(b, runner.run(b).tokens)
-        out.append((time.perf_counter() - t0) / steps * 1000)
-    return out[0], out[1]
+        out[held].append((time.perf_counter() - t0) / steps * 1000)
+    return statistics.median(out[0]), statistics.median(out[1])
 
 
 def main() -> None:

@@ -110,53 +110,82 @@ def greedy_held(seq: Sequence) -> bool:
                                             or sp.needs_penalties))
 
 
-def process_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+@dataclass
+class _Constraints:
+    """What `process_logits` does to a batch, row by row."""
+
+    allowed: list[tuple[int, list[int]]]
+    grammar_rows: list[int]
+    banned_rows: list[int]
+    banned_ids: list[int]
+    bias_rows: list[int]
+    bias_ids: list[int]
+    bias_vals: list[float]
+    penalized: list[int]
+
+    @classmethod
+    def of(cls, seqs: list[Sequence]) -> "_Constraints":
+        c = cls([(r, s.sampling.allowed_token_ids) for r, s in enumerate(seqs) if s.sampling.allowed_token_ids],
+                [r for r, s in enumerate(seqs) if s.grammar is not None and s.grammar.active], [], [], [], [], [], [])
+        grammar_rows = set(c.grammar_rows)
+        for r, s in enumerate(seqs):
+            sp = s.sampling
+            out = s.output_ids
+            for word in sp.bad_words_ids:
+                if len(word) == 1 or out[len(out) - len(word) + 1 :] == word[:-1]:
+                    c.banned_rows.append(r)
+                    c.banned_ids.append(word[-1])
+            if len(out) < sp.min_tokens and r not in grammar_rows:  # a grammar decides where its output ends
+                c.banned_rows += [r] * len(sp.stop_token_ids)
+                c.banned_ids += sp.stop_token_ids
+            for tok, bias in sp.logit_bias.items():
+                c.bias_rows.append(r)
+                c.bias_ids.append(tok)
+                c.bias_vals.append(bias)
+            if sp.needs_penalties:
+                c.penalized.append(r)
+        return c
+
+    def masks_only(self) -> bool:
+        """Whether every constraint only rules tokens out: -inf is exact in any dtype, so they can go in place
+        on the model's logits (no float32 copy of the whole batch for one held row)."""
+        return not (self.bias_rows or self.penalized)
+
+    def rows(self) -> list[int]:
+        return sorted({r for r, _ in self.allowed} | set(self.grammar_rows) | set(self.banned_rows)
+                      | set(self.bias_rows) | set(self.penalized))
+
+    def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """In place, in vLLM's order."""
+        vocab, dev = logits.shape[1], logits.device
+        if self.grammar_rows:
+            apply_grammars(logits, self.grammar_rows, [seqs[r].grammar for r in self.grammar_rows])
+        if self.allowed:
+            rows = torch.tensor([r for r, _ in self.allowed], device=dev)
+            keep = torch.zeros(len(self.allowed), vocab + 1, dtype=torch.bool, device=dev)
+            keep.scatter_(1, _padded([ids for _, ids in self.allowed], vocab, dev).clamp_(max=vocab), True)
+            logits[rows] = logits[rows].masked_fill(~keep[:, :vocab], _NEG_INF)
+        if self.banned_rows:
+            ids = torch.tensor(self.banned_ids, device=dev)
+            ok = ids < vocab
+            logits[torch.tensor(self.banned_rows, device=dev)[ok], ids[ok]] = _NEG_INF
+        if self.bias_rows:
+            ids = torch.tensor(self.bias_ids, device=dev)
+            ok = ids < vocab
+            logits[torch.tensor(self.bias_rows, device=dev)[ok], ids[ok]] += \
+                torch.tensor(self.bias_vals, device=dev)[ok]
+        if self.penalized:
+            _apply_penalties(logits, [seqs[r] for r in self.penalized], torch.tensor(self.penalized, device=dev))
+
+
+def process_logits(logits: torch.Tensor, seqs: list[Sequence], c: _Constraints | None = None) -> torch.Tensor:
     """Applies each request's constraints and penalties to logits [B, V] (a new float32 tensor when any
     applies)."""
-    vocab = logits.shape[1]
-    allowed = [(r, s.sampling.allowed_token_ids) for r, s in enumerate(seqs) if s.sampling.allowed_token_ids]
-    constrained = [r for r, s in enumerate(seqs) if s.grammar is not None and s.grammar.active]
-    grammar_rows = set(constrained)
-    banned_rows, banned_ids = [], []
-    bias_rows, bias_ids, bias_vals = [], [], []
-    penalized = []
-    for r, s in enumerate(seqs):
-        sp = s.sampling
-        out = s.output_ids
-        for word in sp.bad_words_ids:
-            if len(word) == 1 or out[len(out) - len(word) + 1 :] == word[:-1]:
-                banned_rows.append(r)
-                banned_ids.append(word[-1])
-        if len(out) < sp.min_tokens and r not in grammar_rows:  # a grammar decides where its output ends
-            banned_rows += [r] * len(sp.stop_token_ids)
-            banned_ids += sp.stop_token_ids
-        for tok, bias in sp.logit_bias.items():
-            bias_rows.append(r)
-            bias_ids.append(tok)
-            bias_vals.append(bias)
-        if sp.needs_penalties:
-            penalized.append(r)
-    if not (allowed or constrained or banned_rows or bias_rows or penalized):
+    c = c or _Constraints.of(seqs)
+    if not c.rows():
         return logits
     logits = logits.to(torch.float32, copy=True)
-    dev = logits.device
-    if constrained:
-        apply_grammars(logits, constrained, [seqs[r].grammar for r in constrained])
-    if allowed:
-        rows = torch.tensor([r for r, _ in allowed], device=dev)
-        keep = torch.zeros(len(allowed), vocab + 1, dtype=torch.bool, device=dev)
-        keep.scatter_(1, _padded([ids for _, ids in allowed], vocab, dev).clamp_(max=vocab), True)
-        logits[rows] = logits[rows].masked_fill(~keep[:, :vocab], _NEG_INF)
-    if banned_rows:
-        ids = torch.tensor(banned_ids, device=dev)
-        ok = ids < vocab
-        logits[torch.tensor(banned_rows, device=dev)[ok], ids[ok]] = _NEG_INF
-    if bias_rows:
-        ids = torch.tensor(bias_ids, device=dev)
-        ok = ids < vocab
-        logits[torch.tensor(bias_rows, device=dev)[ok], ids[ok]] += torch.tensor(bias_vals, device=dev)[ok]
-    if penalized:
-        _apply_penalties(logits, [seqs[r] for r in penalized], torch.tensor(penalized, device=dev))
+    c.apply(logits, seqs)
     return logits
 
 
@@ -178,9 +207,25 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: torch.Ten
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """logits: [B, V] in the model's dtype (values are compared and scaled in float32) -> token ids [B]."""
-    if sb.seqs is not None:
-        logits = process_logits(logits, sb.seqs)
+    """logits: [B, V] in the model's dtype (values are compared and scaled in float32) -> token ids [B].
+    The request's constraints apply first; logits are as they came when it returns (logprobs read them)."""
+    c = _Constraints.of(sb.seqs) if sb.seqs is not None else None
+    rows = c.rows() if c is not None else []
+    if not rows:
+        return _sample(logits, sb)
+    assert c is not None and sb.seqs is not None
+    if not c.masks_only():
+        return _sample(process_logits(logits, sb.seqs, c), sb)
+    index = torch.tensor(rows, device=logits.device)
+    raw = logits[index]  # (a copy of the rows masked, put back after)
+    c.apply(logits, sb.seqs)
+    try:
+        return _sample(logits, sb)
+    finally:
+        logits[index] = raw
+
+
+def _sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     if sb.all_greedy:
         return argmax(logits)
     is_greedy = sb.temperature < _GREEDY_EPS

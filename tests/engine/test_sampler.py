@@ -106,6 +106,31 @@ def test_penalties():
     assert out[2].tolist() == [1.0, -4.0, 1.0, 0.5]
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.sampled_from(["free", "allowed", "banned", "min_tokens", "bias"]), min_size=1, max_size=6),
+       st.sampled_from([0.0, 0.7, 1.0]), st.integers(0, 2**32 - 1),
+       st.sampled_from([torch.float32, torch.bfloat16]))
+def test_masks_go_in_place_and_leave_the_logits_as_they_came(kinds, temperature, seed, dtype):
+    """Rows whose constraints only rule tokens out are masked on the model's logits, not on a float32 copy of
+    the batch: the same tokens as that copy gives, and the logits (logprobs read them) come back unchanged."""
+    from engine.sampler import process_logits
+
+    vocab = 1500
+    per_kind = {"free": {}, "allowed": {"allowed_token_ids": [3, 700, 1499]},
+                "banned": {"bad_words_ids": [[5], [9]]}, "min_tokens": {"min_tokens": 4, "stop_token_ids": (7,)},
+                "bias": {"logit_bias": {11: 3.0}}}
+    seqs = [_seq(output=[1], temperature=temperature, **per_kind[k]) for k in kinds]
+    for i, s in enumerate(seqs):
+        s.seed = seed + i
+    logits = torch.randn(len(seqs), vocab, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    raw = logits.clone()
+    got = sample(logits, SamplingBatch.for_seqs(seqs, torch.device("cpu")))
+    assert torch.equal(logits, raw)
+    plain = SamplingBatch.for_seqs(seqs, torch.device("cpu"))
+    plain.seqs = None
+    assert got.tolist() == sample(process_logits(raw, seqs), plain).tolist()
+
+
 def test_logprobs_are_raw_with_ranks():
     from engine.sampler import logprobs_of
 
