@@ -185,7 +185,8 @@ def apply_grammars(logits: torch.Tensor, rows: list[int], states: list[GrammarSt
     bitmask = torch.zeros(len(rows), -(-vocab // 32), dtype=torch.int32)  # [R, V/32]
     for i, state in enumerate(states):
         state.fill(bitmask, i)
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(rows), -1)[:, :vocab]  # [R, V]
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+    # token 32 w + j is bit j of word w: bytes in little-endian order, bits from the least significant
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")  # [R, V]
+    banned = torch.from_numpy(bits == 0).to(logits.device)
+    for i, r in enumerate(rows):  # row by row, in place (no gathered copy of the rows)
+        logits[r].masked_fill_(banned[i], float("-inf"))
