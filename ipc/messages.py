@@ -302,6 +302,7 @@ class PostprocSpec(msgspec.Struct, **_WIRE):
     include_usage: bool = False
     continuous_usage: bool = False  # usage so far in every chunk (with include_usage)
     parallel_tool_calls: bool = True  # False: the output ends after its first tool call
+    include_reasoning: bool = True  # False: the reasoning parsed out of the output is not sent
     user: str | None = None  # the client's end-user id, for the request's log line
     stop: list[str] = []
     output_mode: Literal["text", "tokens"] = "text"

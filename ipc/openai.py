@@ -168,6 +168,12 @@ class ChatCompletionRequest(_Sampling, **_STRICT):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the final message left open, the output continues it
+    # SGLang's, which its router and vLLM's send with every request: reasoning apart from the answer, streamed
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    return_hidden_states: bool = False
+    include_reasoning: bool = True  # vLLM's: False leaves the reasoning out of the response
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
     prompt_token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None

@@ -59,6 +59,8 @@ class OpenAIFramer:
         """SSE bytes for one choice this step (empty when there is nothing to say); with continuous usage,
         each chunk carries the usage so far (`completion_tokens` of the whole request)."""
         out = b""
+        if not self.spec.include_reasoning:
+            piece.reasoning = ""
         opening = not self._opened[index]
         usage = self.usage(completion_tokens) if self.spec.continuous_usage else None
         if opening:
@@ -94,6 +96,8 @@ class OpenAIFramer:
 
     def add(self, index: int, piece: Piece, logprobs: list[tuple[int, tuple]], token_ids: list[int],
             finish_reason: str | None) -> None:
+        if not self.spec.include_reasoning:
+            piece.reasoning = ""
         self._messages[index].extend(piece)
         self._logprobs[index] += logprobs
         self._token_ids[index] += token_ids

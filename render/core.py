@@ -124,6 +124,7 @@ class ChatCore:
             continuous_usage=bool(request.stream_options and request.stream_options.include_usage
                                   and request.stream_options.continuous_usage_stats),
             parallel_tool_calls=getattr(request, "parallel_tool_calls", None) is not False,
+            include_reasoning=getattr(request, "include_reasoning", True),
             user=request.user,
             stop=[request.stop] if isinstance(request.stop, str) else list(request.stop or []),
             output_mode=self.ext.output_mode if chat else "text",

@@ -123,11 +123,20 @@ def _message_dict(m: ChatMessage) -> dict[str, Any]:
     return d
 
 
-def common_unsupported(request: ChatCompletionRequest, options: ExtensionOptions) -> list[Unsupported]:
+def common_unsupported(request: ChatCompletionRequest, options: ExtensionOptions,
+                       reasoning: bool) -> list[Unsupported]:
+    """`reasoning`: whether the model's output is parsed into reasoning and answer."""
     out = []
     if any(isinstance(m.content, list) and any(p.type != "text" for p in m.content) for m in request.messages):
         out.append(Unsupported("multimodal_input", "this model takes text only; send content parts of type 'text'",
                                "messages"))
+    for name, value, what in (("separate_reasoning", request.separate_reasoning, "kept apart"),
+                              ("stream_reasoning", request.stream_reasoning, "streamed")):
+        if not value and reasoning:
+            out.append(Unsupported(name, f"this server's reasoning is always {what}", name))
+    if request.return_hidden_states:
+        out.append(Unsupported("return_hidden_states", "this server does not return hidden states",
+                               "return_hidden_states"))
     if request.chat_template is not None and not options.trust_request_chat_template:
         out.append(Unsupported("request_chat_template", "start the server with --trust-request-chat-template to "
                                                         "allow a chat_template in requests", "chat_template"))
@@ -162,12 +171,29 @@ def render_template(template: str, request: ChatCompletionRequest, bundle: Token
         **(request.chat_template_kwargs or {}),  # over the defaults above, as in vLLM
         "messages": [_message_dict(m) for m in request.messages],
     }
+    if request.continue_final_message and request.add_generation_prompt:
+        raise RequestError(400, "continue_final_message and add_generation_prompt cannot both be true: set "
+                                "add_generation_prompt to false to continue the final message",
+                           param="continue_final_message")
     try:
-        return render_chat(template, context, budget.max_chars)
+        text = render_chat(template, context, budget.max_chars)
     except TemplateOutputTooLong as e:
         raise budget.too_long(e.chars) from None
     except ChatTemplateError as e:
         raise RequestError(400, str(e), param="messages" if request.chat_template is None else "chat_template") from e
+    return _open_final_message(text, request.messages[-1]) if request.continue_final_message else text
+
+
+def _open_final_message(text: str, final: ChatMessage) -> str:
+    """The rendered chat cut right after the final message's content (what follows it, the template's end
+    of turn, goes), as transformers' continue_final_message does: the output continues that message."""
+    content = message_text(final)
+    loc = text.rfind(content.strip()) if content.strip() else -1
+    if loc < 0:
+        raise RequestError(400, "continue_final_message needs a final message with text that the chat template "
+                                "renders", param="messages")
+    body = content.lstrip()
+    return text[: loc + (len(body) if text.startswith(body, loc) else len(content.strip()))]
 
 
 class HfChatTemplateExtension:
@@ -205,7 +231,7 @@ class HfChatTemplateExtension:
         return ()
 
     def unsupported_features(self, request: ChatCompletionRequest) -> list[Unsupported]:
-        out = common_unsupported(request, self.options)
+        out = common_unsupported(request, self.options, self.options.reasoning_parser is not None)
         if request.thinking_token_budget is not None:
             out.append(Unsupported("thinking_token_budget", "this server does not enforce a thinking budget; "
                                                             "use max_tokens", "thinking_token_budget"))

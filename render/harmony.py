@@ -98,11 +98,14 @@ class HarmonyExtension:
         return tuple(self.enc.stop_tokens_for_assistant_actions())  # <|return|>, <|call|>
 
     def unsupported_features(self, request: ChatCompletionRequest) -> list[Unsupported]:
-        out = common_unsupported(request, self.options)
+        out = common_unsupported(request, self.options, True)
         if request.thinking_token_budget is not None:
             out.append(Unsupported("thinking_token_budget", "gpt-oss has no thinking budget; "
                                                             "use reasoning_effort (low, medium or high)",
                                    "thinking_token_budget"))
+        if request.continue_final_message and request.chat_template is None:
+            out.append(Unsupported("continue_final_message", "gpt-oss's harmony rendering cannot leave a message "
+                                   "open", "continue_final_message"))
         return out
 
     def structured_output_format(self, request: ChatCompletionRequest) -> list[int]:

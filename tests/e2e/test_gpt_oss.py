@@ -155,6 +155,17 @@ def test_think_and_hermes_parsers_end_to_end(text_parsers):
     s = _merge(client.chat.completions.create(stream=True, **kw))
     assert (s["content"], s["reasoning"], s["finish"]) == ("Sure.", "Plan: call the tool.", "tool_calls")
     assert s["calls"][0]["name"] == "get_weather" and json.loads(s["calls"][0]["arguments"]) == {"city": "Paris"}
+    # vLLM's include_reasoning=false: the answer without the reasoning; SGLang's fields as its router sends them
+    quiet = {"include_reasoning": False, "separate_reasoning": True, "stream_reasoning": True,
+             "continue_final_message": False, "return_hidden_states": False}
+    m = client.chat.completions.create(extra_body=quiet, **kw).choices[0].message
+    assert m.content == "Sure." and not m.model_extra.get("reasoning_content") and m.tool_calls
+    s = _merge(client.chat.completions.create(stream=True, extra_body=quiet, **kw))
+    assert (s["content"], s["reasoning"], s["finish"]) == ("Sure.", "", "tool_calls")
+    for field, value in [("separate_reasoning", False), ("stream_reasoning", False), ("return_hidden_states", True)]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(extra_body={field: value}, **kw)
+        assert e.value.body["param"] == field
     # The replay engine runs far ahead of the postproc; --no-coalesce-frames still sends a token per event.
     chunks = client.completions.create(model=kw["model"], prompt="Weather?", max_tokens=200, stream=True,
                                        extra_body={"return_token_ids": True})

@@ -56,6 +56,27 @@ def test_prompt_equals_transformers_chat_template(core, tiny_chat_dir):
     assert bytes_to_ids(req.prompt_token_ids).tolist() == list(expected)
 
 
+@pytest.mark.parametrize("final", ["Once upon a", "  Once upon a time,  ", "Sunny.\n"])
+def test_continue_final_message_leaves_it_open_as_transformers_does(core, tiny_chat_dir, final):
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_chat_dir)
+    msgs = [{"role": "user", "content": "Tell me a story"}, {"role": "assistant", "content": final}]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True, tokenize=False)
+    assert not text.endswith("<|im_end|>\n")
+    req = core.render(job("chat", messages=msgs, add_generation_prompt=False, continue_final_message=True))
+    assert bytes_to_ids(req.prompt_token_ids).tolist() == tok.encode(text, add_special_tokens=False)
+
+
+def test_continue_final_message_refusals(core):
+    msgs = [{"role": "user", "content": "Tell me a story"}, {"role": "assistant", "content": "Once"}]
+    for body, param in [({"continue_final_message": True}, "continue_final_message"),  # + a generation prompt
+                        ({"continue_final_message": True, "add_generation_prompt": False,
+                          "messages": msgs[:1] + [{"role": "assistant", "content": " "}]}, "messages")]:
+        with pytest.raises(RequestError) as e:
+            core.render(job("chat", **{"messages": msgs, **body}))
+        assert e.value.status == 400 and e.value.param == param, e.value
+
+
 def test_sampling_spec_and_shard(core):
     req = core.render(job("chat", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0,
                           stop=["\n"], stop_token_ids=[3], stream=True, stream_options={"include_usage": True}))

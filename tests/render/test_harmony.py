@@ -86,6 +86,7 @@ def test_named_tool_choice_forces_the_call(gpt_oss_dir):
 @pytest.mark.parametrize("body, feature", [
     ({"thinking_token_budget": 100}, "thinking_token_budget"),
     ({"chat_template": "{{ messages }}"}, "request_chat_template"),
+    ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),
 ])
 def test_what_gpt_oss_rejects_and_why(gpt_oss_dir, body, feature):
     core = make_core(gpt_oss_dir)
