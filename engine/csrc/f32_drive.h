@@ -1,0 +1,75 @@
+/* The threads and the argmax fold of sluice_f32_matmul, the same for every instruction set: included by
+ * f32_matmul.c (AVX-512F) and f32_matmul_avx2.c after their F32_TILE, F32_GROUP, F32_LD, F32_SERIAL_WORK
+ * and f32_matmul_part (one thread's share of the blocks, taken `chunk` at a time from *next). */
+#ifndef SLUICE_F32_DRIVE_H
+#define SLUICE_F32_DRIVE_H
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* blocks handed out at a time: a few per thread and round, at most 8 */
+static inline int f32_chunk(int n, int threads) {
+    const int groups = ((n + F32_TILE - 1) / F32_TILE + F32_GROUP - 1) / F32_GROUP;
+    const int chunk = groups / (threads * 8);
+    return chunk < 1 ? 1 : chunk > 8 ? 8 : chunk;
+}
+
+/* w: the packed weight of n outputs (bf16 != 0: bf16 pairs, else float32; zero rows past n to whole
+ * tiles); x: m rows of k float32 (k even), ldx apart. With out set, out [m][ldo] = x @ W^T + bias (bias:
+ * NULL or n floats); else tokens[m] = each row's argmax (bias ignored). Returns 0, or -1 when out of
+ * memory. */
+int sluice_f32_matmul(const void *w, int bf16, int n, int k, const float *x, long ldx, int m, const float *bias,
+                      float *out, long ldo, int32_t *tokens) {
+    const int threads = (double)m * n * k >= F32_SERIAL_WORK ? omp_get_max_threads() : 1;
+    const int chunk = f32_chunk(n, threads);
+    float *best = NULL;
+    int32_t *where = NULL;
+    if (!out) {
+        best = malloc(sizeof(float) * (size_t)threads * m * F32_TILE);
+        where = malloc(sizeof(int32_t) * (size_t)threads * m * F32_TILE);
+        if (!best || !where) {
+            free(best);
+            free(where);
+            return -1;
+        }
+        for (size_t i = 0; i < (size_t)threads * m * F32_TILE; i++) {
+            best[i] = -INFINITY;
+            where[i] = INT32_MAX;
+        }
+    }
+    int next = 0, failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        const int th = omp_get_thread_num();
+        float *c = malloc(sizeof(float) * (size_t)m * F32_LD);
+        if (!c) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            f32_matmul_part(w, bf16, n, k, x, ldx, m, bias, out, ldo, best ? best + (size_t)th * m * F32_TILE : NULL,
+                            where ? where + (size_t)th * m * F32_TILE : NULL, c, &next, chunk);
+        }
+        free(c);
+    }
+    if (!out) {
+        for (int r = 0; r < m; r++) {
+            float top = -INFINITY;
+            int32_t at = INT32_MAX;
+            for (int th = 0; th < threads; th++) {
+                const float *b = best + ((size_t)th * m + r) * F32_TILE;
+                const int32_t *wh = where + ((size_t)th * m + r) * F32_TILE;
+                for (int l = 0; l < F32_TILE; l++)
+                    if (b[l] > top || (b[l] == top && wh[l] < at)) {
+                        top = b[l];
+                        at = wh[l];
+                    }
+            }
+            tokens[r] = at == INT32_MAX ? 0 : at;
+        }
+        free(best);
+        free(where);
+    }
+    return failed ? -1 : 0;
+}
+#endif
