@@ -8,6 +8,7 @@ flag table are all derived from these fields (sluice/cli.py).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -32,6 +33,16 @@ def option(help: str, *, flag: str | None = None, unit: Literal["bytes", "s", "m
 
 
 Count = Annotated[int, Meta(ge=1)]
+AUTO_WORKERS = "1; 2 on 16 or more cores"
+
+
+def auto_workers() -> int:
+    """Processes of each front stage for this machine's cores. Each is one single-threaded Python process that
+    keeps up with ~140k tokens/s on a core of its own (bench/RESULTS.md: 6.7-7.2 CPU-ms per 1,000 tokens for
+    the ingress and the postproc); a second one of each halves their load where cores are plenty, and where
+    they are few costs more than it gives (2 cores: 0.63-0.79x the tokens/s of one of each)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return 2 if cores >= 16 else 1
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -43,9 +54,12 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     runtime_dir: Annotated[str, option("this server's private directory of IPC sockets", derived=True)] = ""
     host: Annotated[str, option("address to listen on")] = "127.0.0.1"
     port: Annotated[int, option("port to listen on", ge=0, le=65535)] = 8000
-    ingress_workers: Annotated[int, option("HTTP worker processes", ge=1)] = 1
-    render_workers: Annotated[int, option("processes that render and tokenize prompts", ge=1)] = 1
-    postproc_workers: Annotated[int, option("processes that detokenize and frame outputs", ge=1)] = 1
+    ingress_workers: Annotated[int, option("HTTP worker processes (0: from the core count)", ge=0,
+                                           default_text=AUTO_WORKERS)] = 0
+    render_workers: Annotated[int, option("processes that render and tokenize prompts (0: from the core count)",
+                                          ge=0, default_text=AUTO_WORKERS)] = 0
+    postproc_workers: Annotated[int, option("processes that detokenize and frame outputs (0: from the core "
+                                            "count)", ge=0, default_text=AUTO_WORKERS)] = 0
     max_model_len: Annotated[int, option("context length", ge=0, default_text="the checkpoint's")] = 0
     max_num_seqs: Annotated[int, option("sequences in the running batch", ge=1)] = 256
     max_num_batched_tokens: Annotated[int, option("tokens per step (decodes first, then prefill chunks)", ge=1)] = 2048
@@ -153,6 +167,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
                                           le=65535, default_text="a free port")] = 0
     advertise_host: Annotated[str | None, option(
         "the address other hosts reach this server's KV ports at", default_text="--host")] = None
+
+    def __post_init__(self) -> None:
+        for name in ("ingress_workers", "render_workers", "postproc_workers"):
+            if not getattr(self, name):  # 0: from the core count
+                msgspec.structs.force_setattr(self, name, auto_workers())
 
     @property
     def connection_limit(self) -> int:

@@ -79,3 +79,13 @@ def test_runtime_directory_is_private():
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
     finally:
         shutil.rmtree(path)
+
+
+def test_front_stage_workers_default_to_the_core_count(monkeypatch):
+    from sluice.config import ServerConfig
+
+    for cores, want in ((2, 1), (8, 1), (16, 2), (64, 2)):
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        cfg = ServerConfig()
+        assert (cfg.ingress_workers, cfg.render_workers, cfg.postproc_workers) == (want, want, want)
+        assert ServerConfig(ingress_workers=3, postproc_workers=1).ingress_workers == 3
