@@ -25,6 +25,7 @@
 #include <omp.h>
 #include <stdlib.h>
 
+#include "argmax_fold.h"
 #include "simd.h"
 
 enum { TILE = 16, GROUP = 4, ROWS = 6, CHUNK = 8 };
@@ -168,20 +169,7 @@ int sluice_bf16_matmul(const uint16_t *w, int n, int k, const uint16_t *h, int m
         }
     }
     if (!logits) {
-        for (int r = 0; r < m; r++) {
-            float top = -INFINITY;
-            int32_t at = INT32_MAX;
-            for (int th = 0; th < threads; th++) {
-                const float *b = best + ((size_t)th * m + r) * TILE;
-                const int32_t *wh = where + ((size_t)th * m + r) * TILE;
-                for (int l = 0; l < TILE; l++)
-                    if (b[l] > top || (b[l] == top && wh[l] < at)) {
-                        top = b[l];
-                        at = wh[l];
-                    }
-            }
-            tokens[r] = at == INT32_MAX ? 0 : at;
-        }
+        fold_argmax(best, where, threads, m, TILE, tokens);
         free(best);
         free(where);
     }

@@ -8,6 +8,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "argmax_fold.h"
+
 /* blocks handed out at a time: a few per thread and round, at most 8 */
 static inline int f32_chunk(int n, int threads) {
     const int groups = ((n + F32_TILE - 1) / F32_TILE + F32_GROUP - 1) / F32_GROUP;
@@ -53,20 +55,7 @@ int sluice_f32_matmul(const void *w, int bf16, int n, int k, const float *x, lon
         free(c);
     }
     if (!out) {
-        for (int r = 0; r < m; r++) {
-            float top = -INFINITY;
-            int32_t at = INT32_MAX;
-            for (int th = 0; th < threads; th++) {
-                const float *b = best + ((size_t)th * m + r) * F32_TILE;
-                const int32_t *wh = where + ((size_t)th * m + r) * F32_TILE;
-                for (int l = 0; l < F32_TILE; l++)
-                    if (b[l] > top || (b[l] == top && wh[l] < at)) {
-                        top = b[l];
-                        at = wh[l];
-                    }
-            }
-            tokens[r] = at == INT32_MAX ? 0 : at;
-        }
+        fold_argmax(best, where, threads, m, F32_TILE, tokens);
         free(best);
         free(where);
     }
