@@ -11,7 +11,7 @@ pool of their own gathers those layers' keys from that pool.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -26,6 +26,9 @@ class AttentionGroup:
     out_index: torch.Tensor  # [B, Q] where results go (pads go to the dummy row T)
     kv_slots: dict[int | None, torch.Tensor]  # window -> [B, K] cache slots of each sequence's keys (pads: 0)
     masks: dict[int | None, torch.Tensor]  # window -> [B, 1, Q, K] bool, True = attend
+    # window -> the mask is plain causal from position 0 (every sequence's queries from its first token, and
+    # no window they reach past): SDPA's is_causal then skips the masked blocks, ~1.8x faster on a long prompt
+    causal: dict[int | None, bool] = field(default_factory=dict)
 
 
 @dataclass
@@ -70,7 +73,9 @@ def paged_attention(
         mask = g.masks[window]
         # Batched decodes on the CPU: torch's SDPA there is 2-4x slower than a few matmuls for one query each.
         cpu_decodes = q.device.type == "cpu" and qg.shape[2] == 1 and qg.shape[0] > 1
-        if sinks is None and not cpu_decodes:
+        if sinks is None and not cpu_decodes and g.causal.get(window):
+            o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale, enable_gqa=True)
+        elif sinks is None and not cpu_decodes:
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True)
         else:
             o = _attention(qg, kg, vg, mask, scale, sinks)

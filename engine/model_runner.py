@@ -254,11 +254,15 @@ class ModelRunner:
             mask[:, :, 0] |= ~valid_q  # a pad query attends to one key, so softmax stays finite
             kv_slots[w] = torch.from_numpy(slot_rows).to(dev)
             masks[w] = torch.from_numpy(mask).unsqueeze(1).to(dev)
+        # Keys at positions 0..K-1 and queries at 0..Q-1 (pad queries' rows are thrown away): is_causal's
+        # top-left mask is this mask wherever a real query looks
+        causal = {w: int(starts.max()) == 0 and (w is None or q_max <= w) for w in tables}
         return AttentionGroup(
             q_index=torch.from_numpy(q_index).to(dev),
             out_index=torch.from_numpy(out_index).to(dev),
             kv_slots=kv_slots,
             masks=masks,
+            causal=causal,
         )
 
     def _row_group(self, tables: dict[int | None, np.ndarray], starts: np.ndarray, ends: np.ndarray,
