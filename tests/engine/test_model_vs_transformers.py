@@ -44,6 +44,25 @@ def test_logits_match_through_prefill_and_decode(checkpoint, budget):
     assert assert_logits_match(runner, sched, hf, seqs, tol=1e-4) == len(PROMPTS) * 6
 
 
+def test_prompts_from_their_first_token_take_the_causal_fast_path(checkpoint):
+    """The logits above matched through SDPA's is_causal for whole prompts (padded to the longest, within any
+    sliding window), and through the explicit mask for a chunk whose keys begin before its queries."""
+    path, _ = checkpoint
+    runner, sched = make_engine(path, block_size=8)
+    for i, p in enumerate(PROMPTS):
+        sched.add(seq(f"r{i}", p, max_tokens=1, temperature=0.0))
+    (group,) = runner._prepare(sched.schedule())["meta"].groups
+    assert group.causal == {w: w is None or w >= 37 for w in runner.windows}  # the longest prompt: 37
+    runner, sched = make_engine(path, budget=16, block_size=8)
+    for i, p in enumerate(PROMPTS):
+        sched.add(seq(f"r{i}", p, max_tokens=1, temperature=0.0))
+    batch = sched.schedule()  # r0 whole, r1's first 11 tokens
+    logits, _ = runner.forward(batch)
+    sched.update(batch, logits.argmax(-1).tolist())
+    (group,) = runner._prepare(sched.schedule())["meta"].groups  # r1 from position 11
+    assert not any(group.causal.values())
+
+
 def test_greedy_equals_transformers_generate(checkpoint):
     path, hf = checkpoint
     runner, sched = make_engine(path, block_size=16)
