@@ -30,7 +30,7 @@ from bench.server import Server, free_port, wait_healthy
 
 class VllmServer:
     def __init__(self, python: str, model: str, dtype: str, max_num_seqs: int | None = None,
-                 timeout: float = 900) -> None:
+                 timeout: float = 900, memory_utilization: float = 0.3) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
@@ -39,7 +39,7 @@ class VllmServer:
         self.proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                                       "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", "4096",
                                       "--distributed-executor-backend", "uni", "--dtype", dtype,
-                                      "--gpu-memory-utilization", "0.3", *extra],
+                                      "--gpu-memory-utilization", str(memory_utilization), *extra],
                                      env=env, stdout=self.log, stderr=subprocess.STDOUT)
         try:
             wait_healthy(self.proc, self.url, timeout)
@@ -92,6 +92,9 @@ def main() -> None:
     parser.add_argument("--vllm-python", required=True)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--vllm-max-num-seqs", type=int, help="vLLM's --max-num-seqs (its default otherwise)")
+    parser.add_argument("--vllm-memory-utilization", type=float, default=0.3,
+                        help="vLLM's --gpu-memory-utilization: on the CPU, its share of the node's memory (weights "
+                             "and KV cache); a float32 0.6B model needs ~0.5 on 24 GiB")
     parser.add_argument("--concurrencies", default="16,64")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--temperatures", default="0,1")
@@ -140,7 +143,8 @@ def main() -> None:
                 print(json.dumps(results[-1]), flush=True)
 
     for _ in range(args.rounds):
-        vllm = VllmServer(args.vllm_python, path, args.dtype, args.vllm_max_num_seqs)
+        vllm = VllmServer(args.vllm_python, path, args.dtype, args.vllm_max_num_seqs,
+                      memory_utilization=args.vllm_memory_utilization)
         try:
             load("vllm", vllm.url)
         finally:
