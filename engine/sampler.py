@@ -181,7 +181,8 @@ class _Constraints:
 def process_logits(logits: torch.Tensor, seqs: list[Sequence], c: _Constraints | None = None) -> torch.Tensor:
     """Applies each request's constraints and penalties to logits [B, V] (a new float32 tensor when any
     applies)."""
-    c = c or _Constraints.of(seqs)
+    if c is None:
+        c = _Constraints.of(seqs)
     if not c.rows():
         return logits
     logits = logits.to(torch.float32, copy=True)
@@ -209,11 +210,12 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: torch.Ten
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """logits: [B, V] in the model's dtype (values are compared and scaled in float32) -> token ids [B].
     The request's constraints apply first; logits are as they came when it returns (logprobs read them)."""
-    c = _Constraints.of(sb.seqs) if sb.seqs is not None else None
-    rows = c.rows() if c is not None else []
+    if sb.seqs is None:
+        return _sample(logits, sb)
+    c = _Constraints.of(sb.seqs)
+    rows = c.rows()
     if not rows:
         return _sample(logits, sb)
-    assert c is not None and sb.seqs is not None
     if not c.masks_only():
         return _sample(process_logits(logits, sb.seqs, c), sb)
     index = torch.tensor(rows, device=logits.device)

@@ -130,19 +130,7 @@ int sluice_bf16_matmul(const uint16_t *w, int n, int k, const uint16_t *h, int m
     const int threads = omp_get_max_threads();
     float *best = NULL;
     int32_t *where = NULL;
-    if (!logits) {
-        best = malloc(sizeof(float) * (size_t)threads * m * TILE);
-        where = malloc(sizeof(int32_t) * (size_t)threads * m * TILE);
-        if (!best || !where) {
-            free(best);
-            free(where);
-            return -1;
-        }
-        for (size_t i = 0; i < (size_t)threads * m * TILE; i++) {
-            best[i] = -INFINITY;
-            where[i] = INT32_MAX;
-        }
-    }
+    if (!logits && alloc_candidates(threads, m, TILE, &best, &where)) return -1;
     int next = 0; /* the next block group to hand out */
 #pragma omp parallel num_threads(threads) if ((double)m * n * k >= SERIAL_WORK)
     {

@@ -27,19 +27,7 @@ int sluice_f32_matmul(const void *w, int bf16, int n, int k, const float *x, lon
     const int chunk = f32_chunk(n, threads);
     float *best = NULL;
     int32_t *where = NULL;
-    if (!out) {
-        best = malloc(sizeof(float) * (size_t)threads * m * F32_TILE);
-        where = malloc(sizeof(int32_t) * (size_t)threads * m * F32_TILE);
-        if (!best || !where) {
-            free(best);
-            free(where);
-            return -1;
-        }
-        for (size_t i = 0; i < (size_t)threads * m * F32_TILE; i++) {
-            best[i] = -INFINITY;
-            where[i] = INT32_MAX;
-        }
-    }
+    if (!out && alloc_candidates(threads, m, F32_TILE, &best, &where)) return -1;
     int next = 0, failed = 0;
 #pragma omp parallel num_threads(threads)
     {
