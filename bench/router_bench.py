@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import shlex
 import shutil
@@ -26,6 +27,7 @@ import time
 
 import httpx
 
+from bench.faults import ppid
 from bench.router import RouterProc
 from bench.server import Server, free_port, wait_healthy
 
@@ -73,6 +75,25 @@ async def load(url: str, jobs: list[tuple[str, int]], concurrency: int) -> list[
             async with sem:
                 return await one(client, url, *job)
         return await asyncio.gather(*(run(j) for j in jobs))
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of a process and its live descendants (a router's granian workers)."""
+    parents = {int(entry): ppid(int(entry)) for entry in os.listdir("/proc") if entry.isdigit()}
+    tree, grew = {pid}, True
+    while grew:
+        more = {p for p, q in parents.items() if q in tree} - tree
+        tree |= more
+        grew = bool(more)
+    total = 0
+    for p in tree:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except OSError:
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -125,8 +146,8 @@ def routing(args) -> None:
     serve = shlex.split(args.serve_args)
     print(f"{args.requests} requests over {args.prefixes} shared prefixes of ~{args.prefix_words} words, "
           f"concurrency {args.concurrency}; replicas: sluice serve {args.serve_args}")
-    print("| router | cache-hit tokens | of prompt tokens | TTFT p50 ms | TTFT p90 ms |")
-    print("|---|---|---|---|---|")
+    print("| router | cache-hit tokens | of prompt tokens | TTFT p50 ms | TTFT p90 ms | router CPU-ms / request |")
+    print("|---|---|---|---|---|---|")
     for name in args.routers:
         replicas = [Server(*serve), Server(*serve)]
         try:
@@ -134,15 +155,17 @@ def routing(args) -> None:
                 router = start()
                 try:
                     asyncio.run(load(router.url, jobs[:4], 1))  # warm: connections, the first tokenization
+                    cpu = tree_cpu(router.proc.pid)
                     out = asyncio.run(load(router.url, jobs[4:], args.concurrency))
+                    cpu = tree_cpu(router.proc.pid) - cpu
                 except RuntimeError as e:
-                    print(f"| {label} | failed: {e} | | | |")
+                    print(f"| {label} | failed: {e} | | | | |")
                     continue
                 finally:
                     router.stop()
                 ttft = [o["ttft"] * 1000 for o in out]
                 print(f"| {label} | {sum(o['cached'] for o in out):,} | {sum(o['prompt'] for o in out):,} | "
-                      f"{statistics.median(ttft):.1f} | {pct(ttft, 90):.1f} |")
+                      f"{statistics.median(ttft):.1f} | {pct(ttft, 90):.1f} | {1000 * cpu / len(out):.2f} |")
         finally:
             for s in replicas:
                 s.stop()

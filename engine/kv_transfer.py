@@ -196,10 +196,9 @@ class ShmImporter:
 
     def _peer(self, handle: KvHandle) -> _Peer:
         key = handle.location.get("leases", "")
+        for gone in [k for k, p in self._peers.items() if not p.alive()]:  # unmapped: their memory goes back
+            del self._peers[gone]
         peer = self._peers.get(key)
-        if peer is not None and not peer.alive():
-            del self._peers[key]
-            peer = None
         if peer is None:
             try:
                 peer = _Peer(handle)

@@ -8,7 +8,7 @@ import logging
 import os
 import time
 
-import httpx
+import aiohttp
 import msgspec
 
 from ipc.kv import block_hashes
@@ -34,6 +34,17 @@ class _Failed(Exception):
     """A worker could not take the request (connection refused, reset before an answer)."""
 
 
+class _Refused(msgspec.Struct):
+    """A context worker's 4xx for the request itself: relayed to the client as it is."""
+
+    status: int
+    body: bytes
+    content_type: str | None
+
+
+_TRANSPORT = (aiohttp.ClientError, asyncio.TimeoutError)  # a worker that cannot be reached, or failed mid-answer
+
+
 class Router:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
@@ -42,8 +53,7 @@ class Router:
         kinds = {"replica": cfg.workers, "context": cfg.context, "generation": cfg.generation}
         self.workers = Workers(kinds, self.index, cfg.health_interval, cfg.health_failures)
         self.prompts = Prompts(cfg.model)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout, connect=5.0),
-                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        self.client: aiohttp.ClientSession | None = None  # (made in the event loop, at start)
         self._started: asyncio.Future | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -54,6 +64,12 @@ class Router:
         await asyncio.shield(self._started)
 
     async def _start(self) -> None:
+        # aiohttp: its C parser relays a streamed response for a fraction of httpx's CPU (bench/RESULTS.md)
+        self.client = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout, connect=5.0),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30), auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"), cookie_jar=aiohttp.DummyCookieJar())
+        self.workers.client = self.client
         await asyncio.gather(*(self.workers.check(w) for w in self.workers.all))
         self.prompts.start([w.model_root for w in self.workers.all])
         self._tasks = [asyncio.create_task(self.workers.run())]
@@ -139,8 +155,8 @@ class Router:
             return await self._relay_or_fail(gen, path, body, headers, receive, send, new)
         ctx, _, ctx_new = self._choose(ctxs, ids, salt)
         params = await self._context(ctx, path, body, headers, ctx_new)
-        if isinstance(params, httpx.Response):  # the request itself is wrong: the client hears why
-            return await _respond(send, params.status_code, params.content, params.headers.get("content-type"))
+        if isinstance(params, _Refused):  # the request itself is wrong: the client hears why
+            return await _respond(send, params.status, params.body, params.content_type)
         if params is None:  # the context worker failed: the generation worker does it all
             DECISIONS.labels("context_failed").inc()
             return await self._relay_or_fail(gen, path, body, headers, receive, send, new)
@@ -154,7 +170,7 @@ class Router:
                                          transfer=True, plain=body)
 
     async def _context(self, ctx: Worker, path: str, body: bytes, headers: list,
-                       blocks: int) -> dict | httpx.Response | None:
+                       blocks: int) -> dict | _Refused | None:
         """The context worker's disaggregated_params; its answer when it refuses the request (4xx); None when
         it failed."""
         ctx_body, ctx_headers = _with_params(path, body, headers, {"request_type": "context_only"})
@@ -162,19 +178,25 @@ class Router:
         t0 = time.perf_counter()
         ctx.load.add(blocks)
         try:
-            r = await self.client.post(ctx.url + path, content=ctx_body, headers=ctx_headers + self._secret())
-        except httpx.TransportError as e:
+            async with self._post(ctx.url + path, ctx_body, ctx_headers + self._secret()) as r:
+                status, content, ctype = r.status, await r.read(), r.headers.get("content-type")
+        except _TRANSPORT as e:
             self.workers.take_out(ctx, f"a request failed: {e!r}")
             return None
         finally:
             ctx.load.done(blocks)
         CONTEXT_SECONDS.observe(time.perf_counter() - t0)
-        if 400 <= r.status_code < 500 and b"disaggregated_params" not in r.content:
-            return r  # (a worker that does not know the field, an older one, is skipped: None below)
+        if 400 <= status < 500 and b"disaggregated_params" not in content:
+            return _Refused(status, content, ctype)  # (a worker that does not know the field, an older one, is
+            # skipped: None below)
         try:
-            return r.json()["disaggregated_params"] if r.status_code == 200 else None
-        except (ValueError, KeyError):
+            return msgspec.json.decode(content)["disaggregated_params"] if status == 200 else None
+        except (msgspec.DecodeError, KeyError, TypeError):
             return None
+
+    def _post(self, url: str, body: bytes, headers: list[tuple[bytes, bytes]]):
+        assert self.client is not None
+        return self.client.post(url, data=body, headers=_str_headers(headers))
 
     def _secret(self) -> list[tuple[bytes, bytes]]:
         return [(SECRET_HEADER, (self.cfg.disagg_secret or "").encode())]
@@ -195,52 +217,55 @@ class Router:
         t0 = time.perf_counter()
         try:
             try:
-                resp = await self.client.send(self.client.build_request("POST", worker.url + path, content=body,
-                                                                        headers=headers), stream=True)
-            except httpx.TransportError as e:
+                resp = await self._post(worker.url + path, body, headers)
+            except _TRANSPORT as e:
                 self.workers.take_out(worker, f"a request failed: {e!r}")
                 raise _Failed() from e
             if transfer:
                 TRANSFER_SECONDS.observe(time.perf_counter() - t0)  # the KV read and the first token
-            if plain is not None and resp.status_code in (400, 403) and b"disaggregated_params" in await resp.aread():
-                await resp.aclose()
-                DECISIONS.labels("handoff_refused").inc()
-                headers = [(k, v) for k, v in headers if k not in (SECRET_HEADER, PARAMS_HEADER)]
-                return await self._relay(worker, path, plain, headers, receive, send, 0)
-            return await self._stream(resp, path, receive, send)
+            first = b""
+            if plain is not None and resp.status in (400, 403):
+                first = await resp.read()
+                if b"disaggregated_params" in first:
+                    resp.release()
+                    DECISIONS.labels("handoff_refused").inc()
+                    headers = [(k, v) for k, v in headers if k not in (SECRET_HEADER, PARAMS_HEADER)]
+                    return await self._relay(worker, path, plain, headers, receive, send, 0)
+            return await self._stream(resp, first, path, receive, send)
         finally:
             worker.load.done(blocks)
 
-    async def _stream(self, resp: httpx.Response, path: str, receive, send) -> int:
+    async def _stream(self, resp: aiohttp.ClientResponse, first: bytes, path: str, receive, send) -> int:
         """Relays a response's bytes; a client that leaves closes the worker's connection (the worker aborts)."""
-        relay = asyncio.create_task(self._copy(resp, path, send))
+        relay = asyncio.create_task(self._copy(resp, first, path, send))
         gone = asyncio.create_task(_disconnected(receive))
         try:
             await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
             if relay.done():
                 return relay.result()
             relay.cancel()
-            return resp.status_code
+            resp.close()  # (not released to the pool: the worker sees the connection close)
+            return resp.status
         finally:
             gone.cancel()
-            await resp.aclose()
+            resp.release()
 
-    async def _copy(self, resp: httpx.Response, path: str, send) -> int:
-        headers = [(k, v) for k, v in resp.headers.raw if k.lower() not in _HOP]
-        await send({"type": "http.response.start", "status": resp.status_code, "headers": headers})
-        if resp.is_stream_consumed:  # (read already: an error body looked at)
-            await send({"type": "http.response.body", "body": resp.content, "more_body": False})
-            return resp.status_code
+    async def _copy(self, resp: aiohttp.ClientResponse, first: bytes, path: str, send) -> int:
+        headers = [(k, v) for k, v in resp.raw_headers if k.lower() not in _HOP]
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        if first:  # (read already: an error body looked at)
+            await send({"type": "http.response.body", "body": first, "more_body": False})
+            return resp.status
         try:
-            async for chunk in resp.aiter_raw():
+            async for chunk in resp.content.iter_any():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.TransportError:  # the worker died mid-response: the client hears it in its dialect
+        except _TRANSPORT:  # the worker died mid-response: the client hears it in its dialect
             log.warning("a worker failed mid-response on %s", path)
             await send({"type": "http.response.body", "more_body": False, "body": errors.stream_event(
                 path, 502, "the worker serving this request failed; retry it", "worker_failed")})
-            return resp.status_code
+            return resp.status
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-        return resp.status_code
+        return resp.status
 
     # ---- everything else --------------------------------------------------------------------------------------
 
@@ -252,22 +277,27 @@ class Router:
         query = scope.get("query_string", b"").decode("latin-1")
         url_path = path + ("?" + query if query else "")
         workers = self.workers.up("replica") or self.workers.up("generation")
-        resp = None
+        assert self.client is not None
+        answer = None
         for w in workers:
             try:
-                resp = await self.client.request(method, w.url + url_path, content=body,
-                                                 headers=_forwarded(scope["headers"]))
-            except httpx.TransportError as e:
+                async with self.client.request(method, w.url + url_path, data=body,
+                                               headers=_str_headers(_forwarded(scope["headers"]))) as r:
+                    answer = r.status, [(k, v) for k, v in r.raw_headers if k.lower() not in _HOP], await r.read()
+            except _TRANSPORT as e:
                 self.workers.take_out(w, f"a request failed: {e!r}")
                 continue
-            if resp.status_code != 404:
+            if answer[0] != 404:
                 break
-        if resp is None:
+        if answer is None:
             return await _respond(send, 503, errors.body(path, 503, "no worker is up; retry shortly"), retry=True)
-        headers = [(k, v) for k, v in resp.headers.raw if k.lower() not in _HOP]
-        await send({"type": "http.response.start", "status": resp.status_code, "headers": headers})
-        await send({"type": "http.response.body", "body": resp.content})
-        return resp.status_code
+        await send({"type": "http.response.start", "status": answer[0], "headers": answer[1]})
+        await send({"type": "http.response.body", "body": answer[2]})
+        return answer[0]
+
+
+def _str_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
 
 
 def _forwarded(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -337,6 +367,5 @@ def create_app() -> Router:
     procs.set_title("sluice: router")
     cfg = msgspec.json.decode(os.environ["SLUICE_ROUTER_CONFIG"].encode(), type=RouterConfig)
     setup_logging(f"router[{os.getpid()}]", "text")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # (a line per relayed request otherwise)
     return Router(cfg)
 

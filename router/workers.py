@@ -7,7 +7,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 import msgspec
 import zmq
 import zmq.asyncio
@@ -41,7 +41,7 @@ class Workers:
         self.interval = interval
         self.failures = failures
         self._ctx = zmq.asyncio.Context()
-        self._client = httpx.AsyncClient(timeout=_HEALTH_TIMEOUT_S)
+        self.client: aiohttp.ClientSession | None = None  # the router's, once its event loop runs
 
     def up(self, kind: str) -> list[Worker]:
         return [w for w in self.all if w.kind == kind and w.up]
@@ -57,10 +57,10 @@ class Workers:
 
     async def check(self, w: Worker) -> None:
         try:
-            ok = (await self._client.get(w.url + "/health")).status_code == 200
+            ok = await self._get(w.url + "/health") is not None
             if ok and not w.up:
                 await self._describe(w)
-        except (httpx.HTTPError, OSError, msgspec.MsgspecError, KeyError):
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, msgspec.MsgspecError, KeyError):
             ok = False
         if ok:
             if not w.up:
@@ -77,9 +77,15 @@ class Workers:
         w.up = False
         self.index.clear(w.url)  # what it holds is unknown until its next snapshot
 
+    async def _get(self, url: str) -> bytes | None:
+        """The body of a 200 answer (None: another status)."""
+        assert self.client is not None
+        async with self.client.get(url, timeout=aiohttp.ClientTimeout(total=_HEALTH_TIMEOUT_S)) as r:
+            return await r.read() if r.status == 200 else None
+
     async def _describe(self, w: Worker) -> None:
-        r = await self._client.get(w.url + "/v1/sluice/worker")
-        info = r.json() if r.status_code == 200 else {}  # (an older server: no events, routed by load)
+        raw = await self._get(w.url + "/v1/sluice/worker")
+        info = msgspec.json.decode(raw) if raw else {}  # (an older server: no events, routed by load)
         w.block_size = info.get("block_size", w.block_size)
         if info.get("kv_events") != w.events_address:
             self._unsubscribe(w)
@@ -87,8 +93,9 @@ class Workers:
             if w.events_address:
                 self._subscribe(w)
         try:
-            w.model_root = (await self._client.get(w.url + "/v1/models")).json()["data"][0].get("root")
-        except (httpx.HTTPError, KeyError, IndexError, ValueError):
+            w.model_root = msgspec.json.decode(await self._get(w.url + "/v1/models") or b"{}")["data"][0].get("root")
+        except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.MsgspecError, KeyError, IndexError,
+                AttributeError):
             pass
 
     def _subscribe(self, w: Worker) -> None:
@@ -125,4 +132,3 @@ class Workers:
     async def close(self) -> None:
         for w in self.all:
             self._unsubscribe(w)
-        await self._client.aclose()

@@ -7,6 +7,8 @@ SIGTERM / SIGINT: drain (new requests get 503, in-flight ones finish within
 """
 from __future__ import annotations
 
+import fcntl
+import glob
 import logging
 import multiprocessing as mp
 import os
@@ -24,6 +26,7 @@ import zmq
 from ingress.server_options import granian_args
 from ipc.messages import (ControlInput, Drain, DrainTimedOut, EngineDied, IngressGone, IngressStatus, PostprocInput,
                           Ready, StageDied, SupervisorInput)
+from ipc.shm import shm_base
 from ipc.stats import EngineStats
 from ipc.transport import PubChannel, PullChannel, PushChannel
 from sluice import envs, procs
@@ -71,12 +74,50 @@ def make_runtime_dir() -> str:
     return tempfile.mkdtemp(prefix="sluice-", dir=envs.runtime_base())  # mode 0700
 
 
+_OWNER = "owner"
+
+
+def claim(shm_dir: str) -> int:
+    """Locks a server's shared-memory directory for as long as this process lives: the kernel drops the lock
+    however the process ends, so a directory whose lock can be taken was left by a server killed outright."""
+    fd = os.open(os.path.join(shm_dir, _OWNER + ".new"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, str(os.getpid()).encode())
+    os.rename(os.path.join(shm_dir, _OWNER + ".new"), os.path.join(shm_dir, _OWNER))  # locked before it is seen
+    return fd
+
+
+def sweep_orphans() -> list[str]:
+    """Removes what servers killed outright (SIGKILL, the OOM killer) left behind: their shared-memory files
+    (a context worker's KV cache, which is RAM on tmpfs) and their runtime directories. A live server holds
+    its directory's lock; another user's directories cannot be opened; both are left alone."""
+    removed = []
+    for shm_dir in glob.glob(os.path.join(shm_base(), "sluice-*")):
+        try:
+            fd = os.open(os.path.join(shm_dir, _OWNER), os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        shutil.rmtree(shm_dir, ignore_errors=True)
+        shutil.rmtree(os.path.join(envs.runtime_base(), os.path.basename(shm_dir)), ignore_errors=True)
+        os.close(fd)
+        removed.append(shm_dir)
+    return removed
+
+
 class Supervisor:
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
         self.config_path = str(Path(cfg.runtime_dir) / "config.json")
         cfg.dump(Path(self.config_path))
         os.makedirs(cfg.addresses.shm_dir, mode=0o700)
+        self._owner = claim(cfg.addresses.shm_dir)
+        if removed := sweep_orphans():
+            log.info("removed %d directories that killed servers left in %s", len(removed), shm_base())
         metrics_dir = os.path.join(cfg.runtime_dir, "metrics")
         os.makedirs(metrics_dir)
         envs.set_prometheus_dir(metrics_dir)  # inherited by every stage and the granian workers

@@ -2,11 +2,13 @@
 and put back, and disaggregated serving through it giving the aggregated server's tokens."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import httpx
@@ -16,7 +18,9 @@ import pytest
 from bench.faults import ppid
 from bench.router import RouterProc
 from bench.server import Server, free_port
-from tests.disagg.helpers import SECRET, comparable
+from ipc.shm import shm_base
+from sluice.supervisor import sweep_orphans
+from tests.disagg.helpers import SECRET, comparable, kv_used
 
 MODEL = "builtin:tiny-chat"
 PREFIX = "The history of science is the story of people asking questions and testing answers. " * 10
@@ -212,6 +216,46 @@ def test_a_context_worker_down_leaves_the_generation_worker_to_do_it_all(split):
         assert gen.metrics()["sluice:kv_cache_used_blocks"] == 0
     finally:
         router.stop()
+
+
+def test_a_context_worker_killed_mid_transfer(trio):
+    """kill -9 of the context worker while requests are at every stage of the hand-off: at the context worker,
+    between it and the generation worker, in the KV read, decoding, and not yet sent. Every request ends with
+    the aggregated server's tokens (the router falls back to the generation worker alone; a read of the dead
+    worker's cache finds it whole), no block stays held, and the next server to start removes what the killed
+    one left in shared memory."""
+    ctx = Server("--role", "context", "--disagg-secret", SECRET)
+    router = RouterProc("--context", ctx.url, "--generation", trio.gen.url, "--disagg-secret", SECRET,
+                        "--model", MODEL, "--max-local-prefill", "0")
+    try:
+        reqs = [{"model": MODEL, "max_tokens": 12, "temperature": 0, "return_token_ids": True, "stream": i % 2 == 1,
+                 "messages": [{"role": "user", "content": f"Storm {i}. " + PREFIX}]} for i in range(24)]
+        wants = [comparable(httpx.post(trio.agg.url + "/v1/chat/completions", json=r, timeout=60), r["stream"])
+                 for r in reqs]
+        with ThreadPoolExecutor(4) as pool:
+            sent = [pool.submit(httpx.post, router.url + "/v1/chat/completions", json=r, timeout=60) for r in reqs]
+            sent[0].result()  # one through: three are somewhere in the hand-off, twenty to come
+            ctx.stop(signal.SIGKILL)
+            got = [f.result() for f in sent]
+        assert [comparable(g, r["stream"]) for g, r in zip(got, reqs)] == wants
+        text = router.metrics()
+        kinds = {k: _counter(text, "sluice_router:decisions_total", kind=k)
+                 for k in ("disaggregated", "context_failed", "local_prefill")}
+        assert sum(kinds.values()) == len(reqs) and kinds["disaggregated"] >= 1, kinds
+        assert kinds["context_failed"] + kinds["local_prefill"] >= 1, kinds
+        deadline = time.monotonic() + 10
+        while kv_used(trio.gen):
+            assert time.monotonic() < deadline, "the generation worker holds blocks"
+            time.sleep(0.1)
+        left = [os.path.dirname(p) for p in glob.glob(os.path.join(shm_base(), "sluice-*", "owner"))
+                if open(p).read() == str(ctx.proc.pid)]
+        assert len(left) == 1 and os.path.exists(os.path.join(left[0], "kv-0"))  # its KV cache, in RAM
+        live = {os.path.dirname(p) for p in glob.glob(os.path.join(shm_base(), "sluice-*", "owner"))} - set(left)
+        assert left[0] in sweep_orphans() and not os.path.exists(left[0])
+        assert all(os.path.isdir(d) for d in live)  # a live server's directory stays
+    finally:
+        router.stop()
+        ctx.stop()
 
 
 def test_the_router_counts_transfers(split):
