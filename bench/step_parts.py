@@ -3,6 +3,7 @@
     python -m bench.step_parts [--model tiny-llama-o200k] [--batches 1,16,64] [--dtype bfloat16] [--prompt-len 130]
                                [--prefill-steps] [--mixed] [--kernels] [--layers] [--no-keep-heap]
     python -m bench.step_parts --linears [576x576,1536x576,...] [--batches 1,16,64]
+    python -m bench.step_parts --causal [9/3x64,16/8x128,...] --batches 500,2000
 
 Part 1 runs Sluice's scheduler and paged runner on a checkpoint (bench/checkpoints.py's names, or a path;
 the tiny o200k Llama by default) with 130-token prompts by default,
@@ -14,7 +15,8 @@ decode steps whose rows are half greedy, half at temperature 1, beside all of ei
 the same shapes. --linears alone (no model) times the float32 linear of each weight shape [N, K]: F.linear on
 the float32 weight against Sluice's float32 kernel (the best this CPU runs: AVX-512F or AVX2) on the weight
 in bf16 and in float32, beside the floor a copy of the weight's bytes sets (torch's copy_, the same
-repeated, cache-warm way).
+repeated, cache-warm way). --causal alone times whole prompts' attention (float32, one sequence of each
+--batches length): torch's causal SDPA against csrc/causal_attention.c.
 """
 from __future__ import annotations
 
@@ -227,6 +229,29 @@ def linears(shapes: list[tuple[int, int]], batches: list[int]) -> list[tuple]:
     return rows
 
 
+CAUSAL_SHAPES = "9/3x64,16/8x128,32/8x64"  # heads / kv heads x head dim: the 135M, Qwen3-0.6B, Llama-3.2-1B shapes
+
+
+def print_causal(shapes: str, lengths: list[int]) -> None:
+    """Whole prompts' attention, one sequence, float32: torch's causal SDPA against csrc/causal_attention.c."""
+    print(f"{'heads':>9} {'dim':>4} {'tokens':>6} {'SDPA ms':>8} {'kernel ms':>9} {'SDPA GFLOP/s':>12} "
+          f"{'kernel GFLOP/s':>14}")
+    for shape in shapes.split(","):
+        heads, rest = shape.split("/")
+        kv_heads, dim = (int(x) for x in rest.split("x"))
+        for n in lengths:
+            q = torch.randn(1, n, int(heads), dim)
+            k, v = torch.randn(1, n, kv_heads, dim), torch.randn(1, n, kv_heads, dim)
+            sdpa = timed_ms(lambda: F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True), 1.0)
+            if ops.causal_attention(q, k, v, 1.0) is None:
+                raise SystemExit("csrc/causal_attention.c does not run on this CPU (it needs AVX-512F)")
+            kernel = timed_ms(lambda: ops.causal_attention(q, k, v, dim ** -0.5), 1.0)
+            flops = 2 * n * (n + 1) * int(heads) * dim  # q.k and p.v over the keys each query attends
+            print(f"{heads + '/' + str(kv_heads):>9} {dim:>4} {n:>6} {sdpa:>8.2f} {kernel:>9.2f} "
+                  f"{flops / sdpa / 1e6:>12.0f} {flops / kernel / 1e6:>14.0f}")
+
+
 def print_linears(shapes: str, batches: list[int]) -> None:
     print(f"{'N x K':>11} {'batch':>5} {'kernel':>8} {'F.linear fp32':>13} {'bf16 weight':>11} {'fp32 weight':>11}"
           f" {'copy bf16 B':>11} {'copy fp32 B':>11}  (ms; the bf16 weight's GB/s)")
@@ -321,9 +346,15 @@ def main() -> None:
                         help="leave glibc's malloc as it is (the engine process keeps large tensors on the heap)")
     parser.add_argument("--linears", nargs="?", const=LINEAR_SHAPES, metavar="NxK,...",
                         help=f"only time float32 linears of these weight shapes (default {LINEAR_SHAPES})")
+    parser.add_argument("--causal", nargs="?", const=CAUSAL_SHAPES, metavar="H/HKVxD,...",
+                        help=f"only time whole prompts' attention of these head shapes, --batches as prompt lengths "
+                             f"(default {CAUSAL_SHAPES})")
     args = parser.parse_args()
     if not args.no_keep_heap:
         keep_heap_memory()
+    if args.causal:
+        print_causal(args.causal, [int(b) for b in args.batches.split(",")])
+        return
     if args.linears:
         print_linears(args.linears, [int(b) for b in args.batches.split(",")])
         return

@@ -29,6 +29,10 @@ class AttentionGroup:
     # window -> the mask is plain causal from position 0 (every sequence's queries from its first token, and
     # no window they reach past): SDPA's is_causal then skips the masked blocks, ~1.8x faster on a long prompt
     causal: dict[int | None, bool] = field(default_factory=dict)
+    # window -> key k of each sequence is at position k and each query attends the keys at positions 0..its
+    # own (no window cuts them): a causal kernel needs only where each sequence's queries begin (q_starts [B])
+    by_position: dict[int | None, bool] = field(default_factory=dict)
+    q_starts: torch.Tensor | None = None
 
 
 @dataclass
@@ -61,15 +65,20 @@ def paged_attention(
     window: int | None = None,
     sinks: torch.Tensor | None = None,  # [H] learned logits of a "sink" key (gpt-oss)
     decode: Callable[..., bool] | None = None,  # a backend's kernel for groups of one query each (see Backend)
+    causal: Callable[..., torch.Tensor | None] | None = None,  # a backend's kernel for whole prompts (Backend)
 ) -> torch.Tensor:
     out = q.new_empty(meta.num_tokens + 1, q.shape[1], q.shape[2])
     for g in meta.groups:
         if decode is not None and g.q_index.shape[1] == 1 and decode(
                 q, k_cache, v_cache, g.q_index.view(-1), g.kv_slots[window], g.masks[window], scale, sinks, out):
             continue  # decodes, read where they lie in the cache
-        qg = _rows(q, g.q_index).transpose(1, 2)  # [B, H, Q, D]
-        kg = _rows(k_cache, g.kv_slots[window]).transpose(1, 2)  # [B, Hkv, K, D]
-        vg = _rows(v_cache, g.kv_slots[window]).transpose(1, 2)
+        qr, kr, vr = (_rows(x, i) for x, i in ((q, g.q_index), (k_cache, g.kv_slots[window]),
+                                                (v_cache, g.kv_slots[window])))  # [B, Q or K, H or Hkv, D]
+        if causal is not None and sinks is None and g.by_position.get(window) and \
+                (o := causal(qr, kr, vr, scale, g.q_starts)) is not None:
+            out[g.out_index] = o
+            continue
+        qg, kg, vg = qr.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2)  # [B, H or Hkv, Q or K, D]
         mask = g.masks[window]
         # Batched decodes on the CPU: torch's SDPA there is 2-4x slower than a few matmuls for one query each.
         cpu_decodes = q.device.type == "cpu" and qg.shape[2] == 1 and qg.shape[0] > 1

@@ -89,9 +89,17 @@ class Backend:
         (nothing written) where this backend has no such kernel: `attention.paged_attention` then gathers."""
         return False
 
+    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                         starts: torch.Tensor | None) -> torch.Tensor | None:
+        """Prompts' and prompt chunks' attention (q [B, Lq, H, D], k and v [B, Lk, Hkv, D], key i at position i):
+        sequence b's query i, at position starts[b] + i, over the keys 0..that. The output [B, Lq, H, D], or
+        None where this backend has no such kernel (torch's SDPA then runs it)."""
+        return None
+
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                         scale: float, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
-        return attention.paged_attention(q, k_cache, v_cache, meta, scale, window, sinks, self.decode_attention)
+        return attention.paged_attention(q, k_cache, v_cache, meta, scale, window, sinks, self.decode_attention,
+                                         self.causal_attention)
 
 
 TORCH = Backend()

@@ -257,12 +257,17 @@ class ModelRunner:
         # Keys at positions 0..K-1 and queries at 0..Q-1 (pad queries' rows are thrown away): is_causal's
         # top-left mask is this mask wherever a real query looks
         causal = {w: int(starts.max()) == 0 and (w is None or q_max <= w) for w in tables}
+        # Keys from position 0, none a window drops (a real query attends keys 0..its position): a kernel takes
+        # each sequence's first query position for the mask
+        by_position = {w: w is None or int((starts + lens).max()) <= w for w in tables}
         return AttentionGroup(
             q_index=torch.from_numpy(q_index).to(dev),
             out_index=torch.from_numpy(out_index).to(dev),
             kv_slots=kv_slots,
             masks=masks,
             causal=causal,
+            by_position=by_position,
+            q_starts=torch.from_numpy(starts.astype(np.int64)).to(dev),
         )
 
     def _row_group(self, tables: dict[int | None, np.ndarray], starts: np.ndarray, ends: np.ndarray,

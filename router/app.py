@@ -66,7 +66,7 @@ class Router:
     async def _start(self) -> None:
         # aiohttp: its C parser relays a streamed response for a fraction of httpx's CPU (bench/RESULTS.md)
         self.client = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout, connect=5.0),
+            timeout=aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=self.cfg.request_timeout),
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30), auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"), cookie_jar=aiohttp.DummyCookieJar())
         self.workers.client = self.client

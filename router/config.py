@@ -58,7 +58,9 @@ _FLAGS: list[tuple[str, dict]] = [
     ("--health-interval", dict(type=float, default=1.0, help="seconds between health checks (default: 1)")),
     ("--health-failures", dict(type=int, default=2,
                                help="failed checks in a row that take a worker out (default: 2)")),
-    ("--request-timeout", dict(type=float, default=600.0, help="seconds a relayed request may take (default: 600)")),
+    ("--request-timeout", dict(type=float, default=600.0,
+                               help="seconds a worker may stay silent on a relayed request (no byte of its answer; a "
+                                    "stream that keeps coming is not cut) before the router gives up (default: 600)")),
     ("--router-workers", dict(type=int, default=1, help="HTTP worker processes (default: 1)")),
 ]
 

@@ -5,7 +5,9 @@ Which CPUs get which path (chosen at run time from /proc/cpuinfo, logged once a 
 - float32 activations (the CPU default, `--dtype auto`), AVX-512F: every linear and the LM head on
   csrc/f32_matmul.c. A weight whose values are bf16 (a bf16 checkpoint) is kept in bf16 and widened in
   registers: float32 math on the same weights, half the bytes. Each decode step's layers run in one call
-  (csrc/f32_layers.c: RMSNorm, q/k norms, rotary and the KV store, paged attention, SwiGLU, residuals).
+  (csrc/f32_layers.c: RMSNorm, q/k norms, rotary and the KV store, paged attention, SwiGLU, residuals);
+  prompts' and prompt chunks' attention on csrc/causal_attention.c (flash-attention style, grouped-query
+  heads together).
 - float32 activations, AVX2 and FMA without AVX-512F: the linears and the LM head on csrc/f32_matmul_avx2.c
   (the same values, the same bf16 weights), the layers' other ops as torch runs them (no step in one call).
 - bf16 activations, AVX512-BF16: the bf16 kernels (VDPBF16PS) for the LM head and small linears, a step
@@ -119,6 +121,9 @@ class CpuBackend(Backend):
 
     def decode_attention(self, q, k_cache, v_cache, rows, slots, mask, scale, sinks, out) -> bool:
         return ops.decode_attention(q, k_cache, v_cache, rows, slots, mask, scale, sinks, out)
+
+    def causal_attention(self, q, k, v, scale, starts) -> torch.Tensor | None:
+        return ops.causal_attention(q, k, v, scale, starts)
 
     def _narrow_embeddings(self, model: nn.Module) -> None:
         """Float32 embedding tables whose values are bf16 kept in bf16 (the rows read are widened: exact),

@@ -130,6 +130,14 @@ def f32_layers():
 
 
 @_cached
+def causal_attention_f32():
+    """csrc/causal_attention.c's attention for prompts and their chunks (float32, AVX-512F), or None where it
+    cannot run."""
+    return _function("causal_attention", _AVX512, "sluice_f32_causal_attention",
+                     [P, P, P, P, INT, INT, INT, INT, INT, INT, FLOAT, P])
+
+
+@_cached
 def f32_matmul_avx2():
     """csrc/f32_matmul_avx2.c (f32_layers.c's sluice_f32_matmul for CPUs with AVX2 and FMA) as a library, or
     None."""

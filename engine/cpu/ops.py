@@ -53,6 +53,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return True
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     starts: torch.Tensor | None = None) -> torch.Tensor | None:
+    """csrc/causal_attention.c: prompts' (and prompt chunks') attention, float32, for q [B, Lq, H, D] and k, v
+    [B, Lk, Hkv, D] with key i at position i: sequence b's query i is at position starts[b] + i (starts None:
+    0) and attends keys 0..that. The output [B, Lq, H, D]; None where it does not apply (not float32, a
+    shape it does not take, no kernel here)."""
+    b, n, heads, dim = q.shape
+    if (_one_dtype(q, k, v) != torch.float32 or not attention_shape_ok(heads, k.shape[2], dim) or not k.shape[1]
+            or (fn := kernels.causal_attention_f32()) is None):
+        return None
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    starts = None if starts is None else starts.to(torch.int64).contiguous()
+    out = torch.empty_like(q)
+    status = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if starts is None else starts.data_ptr(), b, n,
+                k.shape[1], heads, k.shape[2], dim, scale, out.data_ptr())
+    if status:
+        raise MemoryError("the causal attention kernel could not allocate its workspace")
+    return out
+
+
 def rope_store(qk: torch.Tensor, v: torch.Tensor, heads: int, positions: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor) -> torch.Tensor | None:

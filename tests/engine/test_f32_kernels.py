@@ -290,6 +290,25 @@ def test_a_bf16_checkpoint_in_float32_keeps_bf16_weights_and_generates_torch_fp3
                                                                         for s, p in zip(requests, PROMPTS)])
 
 
+@needs_avx512
+@pytest.mark.parametrize("variant", ["qwen3-qk-norm", "llama-gqa"])
+@pytest.mark.parametrize("budget", [2048, 256])  # whole prompts, or chunks of them
+def test_long_prompts_take_the_causal_kernel_and_generate_torch_fp32_tokens(variant, budget, tmp_path):
+    """Prompts too long for the step in one call (rows x keys past 65,536) run their attention on
+    csrc/causal_attention.c, whole and padded to the longest in their group, or in chunks from a later
+    position: torch's float32 tokens."""
+    path = _bf16_checkpoint(tmp_path / variant, **VARIANTS[variant])
+    (runner, sched), (ref, ref_sched) = _engines(path, block_size=16, num_blocks=512, budget=budget)
+    prompts = [[(3 * i) % 390 + 5 for i in range(600)], [(5 * i) % 400 for i in range(181)],
+               list(range(40, 300))[::-1]]
+    with mock.patch.object(ops, "causal_attention", wraps=ops.causal_attention) as kernel:
+        got = generate(runner, sched, [seq(f"r{i}", p, max_tokens=8, temperature=0.0) for i, p in enumerate(prompts)])
+    assert kernel.call_count and all(c.args[1].shape[1] >= 181 for c in kernel.call_args_list)
+    assert any(int(c.args[4].max()) > 0 for c in kernel.call_args_list) == (budget < 600)  # chunks after the first
+    assert got == generate(ref, ref_sched, [seq(f"r{i}", p, max_tokens=8, temperature=0.0)
+                                            for i, p in enumerate(prompts)])
+
+
 @needs_f32_kernel
 def test_a_float32_checkpoint_keeps_float32_weights(tmp_path):
     path = write_llama_family(tmp_path / "m", architecture="LlamaForCausalLM")
@@ -396,6 +415,39 @@ def test_float32_decode_attention_is_the_torch_path(batch, kv_heads, group, dim,
     untouched = torch.ones(t + 1, dtype=torch.bool)
     untouched[rows] = False
     assert (out[untouched] == 0).all()
+
+
+@needs_avx512
+@settings(max_examples=40, deadline=None)
+@given(chunks=st.lists(st.tuples(st.integers(0, 150), st.integers(1, 90)), min_size=1, max_size=3),
+       kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 2, 3, 5, 16]),
+       dim=st.sampled_from([16, 32, 48, 64, 128, 256]), seed=st.integers(0, 2**16))
+def test_float32_causal_attention_is_the_masked_torch_path(chunks, kv_heads, group, dim, seed):
+    """Prompts and prompt chunks (csrc/causal_attention.c): each sequence's queries from position `start`,
+    padded to the longest, over its keys from position 0: torch's values for every real query within float32
+    rounding, across the kernel's blocks of 64 keys and tiles of 16 queries, every grouping of query heads;
+    whole prompts give SDPA's is_causal."""
+    from engine.attention import _attention
+
+    g = torch.Generator().manual_seed(seed)
+    heads, b = kv_heads * group, len(chunks)
+    q_len = max(n for _, n in chunks)
+    k_len = max(start + n for start, n in chunks)
+    q = torch.randn(b, q_len, heads, dim, generator=g)
+    k, v = (torch.randn(b, k_len, kv_heads, dim, generator=g) for _ in range(2))
+    starts = torch.tensor([start for start, _ in chunks])
+    out = ops.causal_attention(q, k, v, dim ** -0.5, starts)
+    assert out is not None and out.shape == q.shape
+    q_pos = starts[:, None] + torch.arange(q_len)[None, :]
+    mask = (torch.arange(k_len)[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)  # [B, 1, Q, K]
+    ref = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, dim ** -0.5).transpose(1, 2)
+    for i, (_, n) in enumerate(chunks):  # the real queries (pads attend whatever keys there are)
+        torch.testing.assert_close(out[i, :n], ref[i, :n], rtol=1e-5, atol=1e-5)
+    k, v = k[:, :q_len], v[:, :q_len]  # whole prompts: keys and queries from position 0
+    torch.testing.assert_close(ops.causal_attention(q, k, v, dim ** -0.5), F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=dim ** -0.5,
+        enable_gqa=True).transpose(1, 2), rtol=1e-5, atol=1e-5)
+    assert ops.causal_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 1.0) is None  # (float32 only)
 
 
 @needs_avx512

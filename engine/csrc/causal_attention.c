@@ -1,0 +1,192 @@
+/* Causal attention for prompts and prompt chunks on CPUs with AVX-512F, float32: the query at position p
+ * of a sequence attends its keys at positions 0..p, flash-attention style (the scores of a block of keys
+ * at a time, the softmax kept online), so no [queries x keys] matrix is ever made and no key block past
+ * the diagonal is read.
+ *
+ * torch's SDPA multiplies small blocks, and with grouped-query attention each query head reads its kv
+ * head again (figures in bench/RESULTS.md). Here a job is one (sequence, kv head,
+ * tile of QT query positions): the rows are the tile's positions for every query head of the group, so a
+ * block of keys, transposed once into [D][64], serves them all. Scores: for each of the D dimensions one
+ * broadcast query value times the 64 keys' values (FMAs, no horizontal sums); values: for each key, one
+ * broadcast probability times the key's D values.
+ *
+ * q, out [B][Lq][H][D]; k, v [B][Lk][Hkv][D], key i at position i (contiguous); starts[b] the position of
+ * sequence b's first query (NULL: 0, a whole prompt), its query i at starts[b] + i (a query past its
+ * sequence's keys, a pad, attends them all). D a multiple of 16 up to 256, H / Hkv at most 16. Returns
+ * 0, -1 when out of memory, -2 for shapes it does not take.
+ */
+#include <float.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#include "simd.h"
+
+enum { KB = 64, QT = 16, MAX_GROUP = 16, MAX_VECS = 16, SR = 6 }; /* keys a block, positions a tile */
+
+/* the first `count` lanes of 16, none for count <= 0 */
+static inline __mmask16 lanes(int count) { return count <= 0 ? 0 : first_lanes(count); }
+
+/* S[r][0..63] = scale * q_r . key (the block's 64 keys, transposed: kt[d][64]) for rr <= SR rows */
+static void scores(const float *const *qrow, int rr, const float *kt, int dim, float scale, float *s) {
+    __m512 acc[SR][4];
+    for (int i = 0; i < SR; i++)
+        for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();
+    for (int d = 0; d < dim; d++) {
+        const __m512 k0 = _mm512_loadu_ps(kt + d * KB), k1 = _mm512_loadu_ps(kt + d * KB + 16),
+                     k2 = _mm512_loadu_ps(kt + d * KB + 32), k3 = _mm512_loadu_ps(kt + d * KB + 48);
+#pragma GCC unroll 6
+        for (int i = 0; i < SR; i++) {
+            if (i >= rr) break;
+            const __m512 x = _mm512_set1_ps(qrow[i][d]);
+            acc[i][0] = _mm512_fmadd_ps(x, k0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(x, k1, acc[i][1]);
+            acc[i][2] = _mm512_fmadd_ps(x, k2, acc[i][2]);
+            acc[i][3] = _mm512_fmadd_ps(x, k3, acc[i][3]);
+        }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int i = 0; i < rr; i++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(s + (size_t)i * KB + c * 16, _mm512_mul_ps(acc[i][c], sc));
+}
+
+/* acc[r][0..16V) += sum over the block's `keys` keys of p[r][i] * v_i[0..16V), for rr <= R rows (acc's rows
+ * `dim` apart) */
+#define PV_FN(V, R)                                                                                            \
+    static void pv_##V(const float *p, int rr, int keys, const float *v, size_t v_stride, float *acc, int dim) { \
+        __m512 a[R][V];                                                                                        \
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                                                  \
+            if (i >= rr) break;                                                                                \
+            _Pragma("GCC unroll 16") for (int c = 0; c < V; c++) a[i][c] = _mm512_loadu_ps(acc + (size_t)i * dim + c * 16); \
+        }                                                                                                      \
+        for (int k = 0; k < keys; k++) {                                                                       \
+            __m512 x[V];                                                                                       \
+            _Pragma("GCC unroll 16") for (int c = 0; c < V; c++) x[c] = _mm512_loadu_ps(v + (size_t)k * v_stride + c * 16); \
+            _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                                              \
+                if (i >= rr) break;                                                                            \
+                const __m512 w = _mm512_set1_ps(p[(size_t)i * KB + k]);                                        \
+                _Pragma("GCC unroll 16") for (int c = 0; c < V; c++) a[i][c] = _mm512_fmadd_ps(w, x[c], a[i][c]); \
+            }                                                                                                  \
+        }                                                                                                      \
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                                                  \
+            if (i >= rr) break;                                                                                \
+            _Pragma("GCC unroll 16") for (int c = 0; c < V; c++) _mm512_storeu_ps(acc + (size_t)i * dim + c * 16, a[i][c]); \
+        }                                                                                                      \
+    }
+PV_FN(1, 8) PV_FN(2, 8) PV_FN(4, 6) PV_FN(8, 3) PV_FN(16, 1)
+
+typedef void (*pv_fn)(const float *, int, int, const float *, size_t, float *, int);
+static const pv_fn PV[5] = {pv_1, pv_2, pv_4, pv_8, pv_16};
+static const int PV_ROWS[5] = {8, 8, 6, 3, 1};
+
+/* one job: the queries [p0, p1) of sequence b (the first at position `start`) for kv head j's query heads */
+static void tile(const float *q, const float *kt, const float *v, float *out, int b, int j, int p0, int p1,
+                 int q_len, int k_len, long start, int heads, int kv_heads, int dim, float scale, float *s,
+                 float *acc, float *m, float *l) {
+    const int group = heads / kv_heads, np = p1 - p0, rows = group * np;
+    const float *qrow[MAX_GROUP * QT];
+    for (int r = 0; r < rows; r++) {
+        qrow[r] = q + (((size_t)b * q_len + p0 + r % np) * heads + (size_t)j * group + r / np) * dim;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)rows * dim);
+    const size_t v_stride = (size_t)kv_heads * dim;
+    const long last = start + p1 - 1 < k_len - 1 ? start + p1 - 1 : k_len - 1; /* the tile's last key */
+    for (int k0 = 0; k0 <= last; k0 += KB) {
+        const float *block = kt + (size_t)(k0 / KB) * dim * KB;
+        for (int r0 = 0; r0 < rows; r0 += SR)
+            scores(qrow + r0, rows - r0 < SR ? rows - r0 : SR, block, dim, scale, s + (size_t)r0 * KB);
+        int keys = 0; /* keys of this block any row attends */
+        for (int r = 0; r < rows; r++) {
+            float *sr = s + (size_t)r * KB;
+            long pos = start + p0 + r % np; /* keys k0..pos */
+            pos = pos < k_len - 1 ? pos : k_len - 1;
+            const int n = pos - k0 + 1 < KB ? (int)(pos - k0 + 1) : KB;
+            if (n <= 0) { /* the whole block is above this row's diagonal */
+                memset(sr, 0, sizeof(float) * KB);
+                continue;
+            }
+            keys = n > keys ? n : keys;
+            __m512 top = _mm512_set1_ps(-INFINITY);
+            for (int c = 0; c < KB; c += 16)
+                top = _mm512_mask_max_ps(top, lanes(n - c), top, _mm512_loadu_ps(sr + c));
+            const float new_max = fmaxf(m[r], _mm512_reduce_max_ps(top));
+            const float keep = m[r] == -INFINITY ? 0.0f : exp1(m[r] - new_max);
+            const __m512 mx = _mm512_set1_ps(new_max);
+            __m512 sum = _mm512_setzero_ps();
+            for (int c = 0; c < KB; c += 16) {
+                const __m512 e = _mm512_maskz_mov_ps(lanes(n - c),
+                                                     exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + c), mx)));
+                _mm512_storeu_ps(sr + c, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            l[r] = l[r] * keep + _mm512_reduce_add_ps(sum);
+            m[r] = new_max;
+            if (keep != 1.0f) {
+                const __m512 kv = _mm512_set1_ps(keep);
+                for (int c = 0; c < dim; c += 16)
+                    _mm512_storeu_ps(acc + (size_t)r * dim + c, _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)r * dim + c), kv));
+            }
+        }
+        const float *vb = v + ((size_t)b * k_len + k0) * v_stride + (size_t)j * dim;
+        for (int off = 0; off < dim;) { /* the head's values in power-of-two runs of vectors (48: 32 + 16) */
+            const int lv = 31 - __builtin_clz((dim - off) / 16 < 16 ? (dim - off) / 16 : 16), rows_at_once = PV_ROWS[lv];
+            for (int r0 = 0; r0 < rows; r0 += rows_at_once) {
+                const int rr = rows - r0 < rows_at_once ? rows - r0 : rows_at_once;
+                PV[lv](s + (size_t)r0 * KB, rr, keys, vb + off, v_stride, acc + (size_t)r0 * dim + off, dim);
+            }
+            off += 16 << lv;
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+        float *o = out + (((size_t)b * q_len + p0 + r % np) * heads + (size_t)j * group + r / np) * dim;
+        for (int c = 0; c < dim; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)r * dim + c), inv));
+    }
+}
+
+int sluice_f32_causal_attention(const float *q, const float *k, const float *v, const int64_t *starts, int batch,
+                                int q_len, int k_len, int heads, int kv_heads, int dim, float scale, float *out) {
+    if (dim % 16 || dim > 16 * MAX_VECS || heads % kv_heads || heads / kv_heads > MAX_GROUP || k_len <= 0)
+        return q_len == 0 ? 0 : -2;
+    const int blocks = (k_len + KB - 1) / KB, tiles = (q_len + QT - 1) / QT, group = heads / kv_heads;
+    const size_t per_head = (size_t)blocks * dim * KB; /* one (sequence, kv head)'s keys, transposed */
+    float *kt = malloc(sizeof(float) * per_head * batch * kv_heads);
+    if (!kt) return -1;
+    int failed = 0;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (long job = 0; job < (long)batch * kv_heads * blocks; job++) { /* kt[b][j][block][d][64] */
+            const int b = (int)(job / ((long)kv_heads * blocks)), j = (int)(job / blocks % kv_heads),
+                      blk = (int)(job % blocks);
+            float *dst = kt + ((size_t)b * kv_heads + j) * per_head + (size_t)blk * dim * KB;
+            for (int i = 0; i < KB; i++) {
+                const int key = blk * KB + i;
+                const float *src = k + (((size_t)b * k_len + key) * kv_heads + j) * dim;
+                for (int d = 0; d < dim; d++) dst[(size_t)d * KB + i] = key < k_len ? src[d] : 0.0f;
+            }
+        }
+        float *s = malloc(sizeof(float) * (size_t)group * QT * KB);
+        float *acc = malloc(sizeof(float) * (size_t)group * QT * dim);
+        float *m = malloc(sizeof(float) * group * QT * 2);
+        if (!s || !acc || !m) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* the longest tiles (the last positions) first: the dynamic schedule then evens out the threads */
+#pragma omp for schedule(dynamic, 1)
+        for (long job = 0; job < (long)batch * kv_heads * tiles; job++) {
+            if (!s || !acc || !m) continue;
+            const int t = tiles - 1 - (int)(job / ((long)batch * kv_heads)), rest = (int)(job % ((long)batch * kv_heads));
+            const int b = rest / kv_heads, j = rest % kv_heads, p0 = t * QT, p1 = p0 + QT < q_len ? p0 + QT : q_len;
+            tile(q, kt + ((size_t)b * kv_heads + j) * per_head, v, out, b, j, p0, p1, q_len, k_len,
+                 starts ? (long)starts[b] : 0, heads, kv_heads, dim, scale, s, acc, m, m + group * QT);
+        }
+        free(s);
+        free(acc);
+        free(m);
+    }
+    free(kt);
+    return failed ? -1 : 0;
+}
