@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import shlex
 import shutil
@@ -27,7 +26,7 @@ import time
 
 import httpx
 
-from bench.faults import ppid
+from bench.ceiling import children, cpu_seconds
 from bench.router import RouterProc
 from bench.server import Server, free_port, wait_healthy
 
@@ -79,21 +78,7 @@ async def load(url: str, jobs: list[tuple[str, int]], concurrency: int) -> list[
 
 def tree_cpu(pid: int) -> float:
     """CPU seconds (user + system) of a process and its live descendants (a router's granian workers)."""
-    parents = {int(entry): ppid(int(entry)) for entry in os.listdir("/proc") if entry.isdigit()}
-    tree, grew = {pid}, True
-    while grew:
-        more = {p for p, q in parents.items() if q in tree} - tree
-        tree |= more
-        grew = bool(more)
-    total = 0
-    for p in tree:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-        except OSError:
-            pass
-    return total / os.sysconf("SC_CLK_TCK")
+    return cpu_seconds(pid) + sum(tree_cpu(child) for child in children(pid))
 
 
 def pct(values: list[float], q: float) -> float:

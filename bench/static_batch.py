@@ -4,6 +4,7 @@ read, at the width they read it, and the KV cache its rows attend to) at this ru
 
     python -m bench.static_batch [--model tiny-llama-o200k] [--batches 1,8,32] [--new-tokens 64]
                                  [--prompt-len 32] [--dtype float32] [--no-transformers]
+    python -m bench.static_batch --model llama-135m --continuous 64 --batches 16 --prompt-len 100 --new-tokens 128
 """
 from __future__ import annotations
 
@@ -84,6 +85,28 @@ def sluice_decode(model, batch: int, prompt_len: int, new_tokens: int, dtype) ->
     return batch * len(decode) / sum(decode), 1000 * float(np.mean(decode))
 
 
+def continuous(model, concurrency: int, requests: int, prompt_len: int, new_tokens: int, dtype) -> float:
+    """Output tokens/s of the engine alone (scheduler and paged runner, no server) under bench/peer.py's load:
+    `requests` prompts, a new one admitted as soon as one finishes, `concurrency` at a time (prefills beside
+    decodes, as a server runs them): the most a server on this engine can stream."""
+    runner, sched = _engine(model, dtype)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, min(199_000, model.config.vocab_size), prompt_len).tolist() for _ in range(requests)]
+    admitted = running = tokens = 0
+    t0 = time.perf_counter()
+    while admitted < requests or running:
+        while running < concurrency and admitted < requests:
+            sched.add(Sequence(f"c{admitted}", prompts[admitted], SamplingParams(max_tokens=new_tokens,
+                                                                                temperature=0.0), seed=admitted))
+            admitted += 1
+            running += 1
+        b = sched.schedule()
+        update = sched.update(b, runner.run(b).tokens)
+        tokens += len(update.new_tokens)
+        running -= len(update.finished)
+    return tokens / (time.perf_counter() - t0)
+
+
 def hf_generate(path, batch: int, prompt_len: int, new_tokens: int, dtype) -> float:
     from transformers import AutoModelForCausalLM
 
@@ -109,11 +132,20 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--no-transformers", action="store_true", help="Sluice and the floors alone")
+    parser.add_argument("--continuous", type=int, metavar="N", help="instead: N requests kept at each --batches "
+                        "concurrency (new prompts beside decodes), the engine's output tokens/s")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     keep_heap_memory()  # as the engine process does
     path = Path(args.model) if Path(args.model).is_dir() else checkpoint(args.model)
     model = load_model(path, dtype, torch.device("cpu"))
+    if args.continuous:
+        continuous(model, 4, 4, args.prompt_len, 4, dtype)  # warm-up
+        for batch in (int(b) for b in args.batches.split(",")):
+            tps = continuous(model, batch, args.continuous, args.prompt_len, args.new_tokens, dtype)
+            print(f"{path.name}, {args.dtype}: {args.continuous} requests at concurrency {batch}, {args.prompt_len}-"
+                  f"token prompts, {args.new_tokens} tokens each: {tps:.0f} output tok/s")
+        return
     weights = weight_bytes(_engine(model, dtype)[0])
     copy_gbps, read_gbps = bandwidth_gbps()
     print(f"{path.name}, {args.dtype}, {torch.get_num_threads()} threads: a step reads {weights / 1e6:.0f} MB of "

@@ -84,6 +84,8 @@ class Router:
                     await self.start()
                     await send({"type": "lifespan.startup.complete"})
                 elif msg["type"] == "lifespan.shutdown":
+                    if self.client is not None:
+                        await self.client.close()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         if scope["type"] != "http":
@@ -186,9 +188,9 @@ class Router:
         finally:
             ctx.load.done(blocks)
         CONTEXT_SECONDS.observe(time.perf_counter() - t0)
+        # (a worker that does not know the field, an older one, is skipped: None below)
         if 400 <= status < 500 and b"disaggregated_params" not in content:
-            return _Refused(status, content, ctype)  # (a worker that does not know the field, an older one, is
-            # skipped: None below)
+            return _Refused(status, content, ctype)
         try:
             return msgspec.json.decode(content)["disaggregated_params"] if status == 200 else None
         except (msgspec.DecodeError, KeyError, TypeError):
