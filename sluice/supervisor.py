@@ -78,8 +78,9 @@ _OWNER = "owner"
 
 
 def claim(shm_dir: str) -> int:
-    """Locks a server's shared-memory directory for as long as this process lives: the kernel drops the lock
-    however the process ends, so a directory whose lock can be taken was left by a server killed outright."""
+    """Locks the shared-memory directory this server has just made, for as long as this process lives: the
+    kernel drops the lock however the process ends, so a directory whose lock can be taken was left by a
+    server killed outright."""
     fd = os.open(os.path.join(shm_dir, _OWNER + ".new"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     os.write(fd, str(os.getpid()).encode())

@@ -66,3 +66,35 @@ def test_a_spawned_process_dies_when_its_parent_is_killed(tmp_path):
             time.sleep(0.05)
     finally:
         parent.kill()
+
+
+def test_what_a_killed_server_left_in_shared_memory_is_swept_and_nothing_else():
+    """A server's supervisor holds a lock on its shared-memory directory while it lives (sluice/supervisor.py
+    claim): the next server removes the directories whose lock it can take (and their runtime directories),
+    never a live server's, nor one without an owner file (one being made, or an older version's)."""
+    from ipc.shm import shm_base
+    from sluice import envs
+    from sluice.supervisor import sweep_orphans
+
+    made = {}
+    for name in ("dead", "live", "ownerless"):
+        made[name] = Path(shm_base()) / f"sluice-test{name}{os.getpid()}"
+        made[name].mkdir()
+        (made[name] / "kv-0").write_bytes(b"\0" * 4096)
+    runtime = Path(envs.runtime_base()) / made["dead"].name
+    runtime.mkdir()
+    holder = _python("-c", f"from sluice.supervisor import claim; claim({str(made['live'])!r}); "
+                     "print('ok', flush=True); import time; time.sleep(60)")
+    try:
+        assert holder.stdout.readline().strip() == "ok"
+        dead = _python("-c", f"from sluice.supervisor import claim; claim({str(made['dead'])!r})")
+        assert dead.wait(30) == 0  # (its lock went with it)
+        removed = sweep_orphans()
+        assert str(made["dead"]) in removed and not made["dead"].exists() and not runtime.exists()
+        assert (made["live"] / "kv-0").exists() and (made["ownerless"] / "kv-0").exists()
+        assert str(made["live"]) not in sweep_orphans()
+    finally:
+        holder.kill()
+        holder.wait()
+        for d in made.values():
+            subprocess.run(["rm", "-rf", str(d)], check=False)
