@@ -123,6 +123,28 @@ def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error(tiny_chat_dir)
         slow.stop()
 
 
+def test_a_client_that_leaves_mid_stream_frees_the_workers_request(tiny_chat_dir):
+    """The router closes its connection to the worker when its client goes: the worker aborts the request and
+    frees its blocks, and the router serves the next request on a fresh connection."""
+    slow = Server("--runner", "replay", "--replay-step-ms", "50")
+    router = RouterProc("--workers", slow.url, "--model", MODEL)
+    try:
+        with httpx.stream("POST", router.url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "hi " * 100, "max_tokens": 500, "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(lines)
+            assert slow.metrics()["sluice:kv_cache_used_blocks"]
+        deadline = time.monotonic() + 10  # (the stream closed: the client left)
+        while slow.metrics()["sluice:kv_cache_used_blocks"]:
+            assert time.monotonic() < deadline, "the worker still holds the request's blocks"
+            time.sleep(0.1)
+        assert not slow.metrics().get("sluice:prompt_tokens_total")  # aborted: no request finished
+        assert _chat(router.url, "again").status_code == 200
+    finally:
+        router.stop()
+        slow.stop()
+
+
 def _running(pid: int) -> bool:
     """Whether the process runs (a zombie that its adopter has not reaped yet does not)."""
     try:
