@@ -8,6 +8,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import deque
 
 import zmq
 import zmq.asyncio
@@ -27,29 +28,50 @@ TIMED_OUT = object()  # or its --request-timeout passed
 log = logging.getLogger("sluice.ingress")
 
 
-class FrameQueue(asyncio.Queue):
+class FrameQueue:
     """One request's frames (and sentinels) on their way to its client, with the frame bytes waiting in it.
 
-    `owner` is the task writing them out. Stuck in a send to a client that does not read, it sees neither
-    the queue nor anything else: cancelling it is the one way to end that response."""
+    `owner` is the task writing them out, the one reader (asyncio.Queue's machinery for many readers and
+    joins cost a few microseconds an event, and a stream's events are the ingress's hot path). Stuck in a
+    send to a client that does not read, the owner sees neither the queue nor anything else: cancelling it
+    is the one way to end that response."""
+
+    __slots__ = ("owner", "nbytes", "sending_since", "cut", "_items", "_waiter")
 
     def __init__(self, owner: asyncio.Task) -> None:
-        super().__init__()
         self.owner = owner
         self.nbytes = 0
         self.sending_since: float | None = None  # when the owner's current send began (set around each send)
         self.cut = False  # the stream was cut for its slow client: drop its frames, the owner ends it
+        self._items: deque = deque()
+        self._waiter: asyncio.Future | None = None  # the owner's, while it waits for an item
 
-    def _put(self, item) -> None:
+    def put_nowait(self, item) -> None:
         if isinstance(item, Frame):
             self.nbytes += len(item.data)
-        super()._put(item)
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
-    def _get(self):
-        item = super()._get()
+    def empty(self) -> bool:
+        return not self._items
+
+    def get_nowait(self):
+        if not self._items:
+            raise asyncio.QueueEmpty
+        item = self._items.popleft()
         if isinstance(item, Frame):
             self.nbytes -= len(item.data)
         return item
+
+    async def get(self):
+        while not self._items:  # (a cancelled wait leaves the items where they are)
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self.get_nowait()
 
     def stalled(self) -> bool:
         """The owner has been stuck in a send for a while: its client takes nothing. (A full queue alone is
