@@ -68,9 +68,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     out = torch.empty_like(q)
     status = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if starts is None else starts.data_ptr(), b, n,
                 k.shape[1], heads, k.shape[2], dim, scale, out.data_ptr())
-    if status:
+    if status == -1:
         raise MemoryError("the causal attention kernel could not allocate its workspace")
-    return out
+    return None if status else out
 
 
 def rope_store(qk: torch.Tensor, v: torch.Tensor, heads: int, positions: torch.Tensor, cos: torch.Tensor,

@@ -133,7 +133,10 @@ def test_a_client_that_leaves_mid_stream_frees_the_workers_request(tiny_chat_dir
                 "model": MODEL, "prompt": "hi " * 100, "max_tokens": 500, "ignore_eos": True, "stream": True}) as r:
             lines = r.iter_lines()
             next(lines)
-            assert slow.metrics()["sluice:kv_cache_used_blocks"]
+            deadline = time.monotonic() + 15
+            while not slow.metrics()["sluice:kv_cache_used_blocks"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
         deadline = time.monotonic() + 10  # (the stream closed: the client left)
         while slow.metrics()["sluice:kv_cache_used_blocks"]:
             assert time.monotonic() < deadline, "the worker still holds the request's blocks"
