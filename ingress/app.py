@@ -304,7 +304,7 @@ def _uncancel() -> None:
         task.uncancel()
 
 
-async def _watch_disconnect(receive, q: asyncio.Queue) -> None:
+async def _watch_disconnect(receive, q: FrameQueue) -> None:
     while True:
         msg = await receive()
         if msg["type"] == "http.disconnect":
