@@ -26,13 +26,17 @@ class AttentionGroup:
     out_index: torch.Tensor  # [B, Q] where results go (pads go to the dummy row T)
     kv_slots: dict[int | None, torch.Tensor]  # window -> [B, K] cache slots of each sequence's keys (pads: 0)
     masks: dict[int | None, torch.Tensor]  # window -> [B, 1, Q, K] bool, True = attend
-    # window -> the mask is plain causal from position 0 (every sequence's queries from its first token, and
-    # no window they reach past): SDPA's is_causal then skips the masked blocks, ~1.8x faster on a long prompt
-    causal: dict[int | None, bool] = field(default_factory=dict)
     # window -> key k of each sequence is at position k and each query attends the keys at positions 0..its
-    # own (no window cuts them): a causal kernel needs only where each sequence's queries begin (q_starts [B])
+    # own (no window cuts them): a causal kernel needs only where each sequence's queries begin
     by_position: dict[int | None, bool] = field(default_factory=dict)
-    q_starts: torch.Tensor | None = None
+    q_starts: torch.Tensor | None = None  # [B] int64 on the host, each sequence's first query position
+    # window -> that, and every sequence's queries from its first token: plain causal from position 0, where
+    # SDPA's is_causal skips the masked blocks (derived at construction)
+    causal: dict[int | None, bool] = field(init=False)
+
+    def __post_init__(self) -> None:
+        from_zero = self.q_starts is None or not bool(self.q_starts.any())
+        self.causal = {w: ok and from_zero for w, ok in self.by_position.items()}
 
 
 @dataclass

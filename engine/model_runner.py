@@ -254,20 +254,17 @@ class ModelRunner:
             mask[:, :, 0] |= ~valid_q  # a pad query attends to one key, so softmax stays finite
             kv_slots[w] = torch.from_numpy(slot_rows).to(dev)
             masks[w] = torch.from_numpy(mask).unsqueeze(1).to(dev)
-        # Keys at positions 0..K-1 and queries at 0..Q-1 (pad queries' rows are thrown away): is_causal's
-        # top-left mask is this mask wherever a real query looks
-        causal = {w: int(starts.max()) == 0 and (w is None or q_max <= w) for w in tables}
-        # Keys from position 0, none a window drops (a real query attends keys 0..its position): a kernel takes
-        # each sequence's first query position for the mask
+        # Keys from position 0, none a window drops (a real query attends keys 0..its position; pad queries'
+        # rows are thrown away): a kernel takes each sequence's first query position for the mask, and where
+        # they are all 0 this is is_causal's top-left mask
         by_position = {w: w is None or int((starts + lens).max()) <= w for w in tables}
         return AttentionGroup(
             q_index=torch.from_numpy(q_index).to(dev),
             out_index=torch.from_numpy(out_index).to(dev),
             kv_slots=kv_slots,
             masks=masks,
-            causal=causal,
             by_position=by_position,
-            q_starts=torch.from_numpy(starts.astype(np.int64)).to(dev),
+            q_starts=torch.from_numpy(starts.astype(np.int64)),
         )
 
     def _row_group(self, tables: dict[int | None, np.ndarray], starts: np.ndarray, ends: np.ndarray,

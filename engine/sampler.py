@@ -151,6 +151,10 @@ class _Constraints:
         on the model's logits (no float32 copy of the whole batch for one held row)."""
         return not (self.bias_rows or self.penalized)
 
+    def __bool__(self) -> bool:
+        """Whether any constraint applies."""
+        return bool(self.allowed or self.grammar_rows or self.banned_rows or self.bias_rows or self.penalized)
+
     def rows(self) -> list[int]:
         return sorted({r for r, _ in self.allowed} | set(self.grammar_rows) | set(self.banned_rows)
                       | set(self.bias_rows) | set(self.penalized))
@@ -183,7 +187,7 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence], c: _Constraints |
     applies)."""
     if c is None:
         c = _Constraints.of(seqs)
-    if not c.rows():
+    if not c:
         return logits
     logits = logits.to(torch.float32, copy=True)
     c.apply(logits, seqs)
@@ -213,12 +217,11 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     if sb.seqs is None:
         return _sample(logits, sb)
     c = _Constraints.of(sb.seqs)
-    rows = c.rows()
-    if not rows:
+    if not c:
         return _sample(logits, sb)
     if not c.masks_only():
         return _sample(process_logits(logits, sb.seqs, c), sb)
-    index = torch.tensor(rows, device=logits.device)
+    index = torch.tensor(c.rows(), device=logits.device)
     raw = logits[index]  # (a copy of the rows masked, put back after)
     c.apply(logits, sb.seqs)
     try:

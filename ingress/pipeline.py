@@ -31,8 +31,8 @@ log = logging.getLogger("sluice.ingress")
 class FrameQueue:
     """One request's frames (and sentinels) on their way to its client, with the frame bytes waiting in it.
 
-    `owner` is the task writing them out, the one reader (asyncio.Queue's machinery for many readers and
-    joins cost a few microseconds an event, and a stream's events are the ingress's hot path). Stuck in a
+    `owner` is the task writing them out, its one reader: a deque and the reader's one waiting future, not
+    asyncio.Queue's machinery for many readers and joins on every event (bench/frame_queue.py). Stuck in a
     send to a client that does not read, the owner sees neither the queue nor anything else: cancelling it
     is the one way to end that response."""
 

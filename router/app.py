@@ -84,6 +84,9 @@ class Router:
                     await self.start()
                     await send({"type": "lifespan.startup.complete"})
                 elif msg["type"] == "lifespan.shutdown":
+                    for task in self._tasks:
+                        task.cancel()
+                    self.workers.close()
                     if self.client is not None:
                         await self.client.close()
                     await send({"type": "lifespan.shutdown.complete"})

@@ -129,6 +129,6 @@ class Workers:
                 self.index.apply(w.url, events)
                 expect = events.seq + 1
 
-    async def close(self) -> None:
+    def close(self) -> None:
         for w in self.all:
             self._unsubscribe(w)
