@@ -11,20 +11,29 @@ default, vLLM's CPU default) or float32 (Sluice's CPU default, `--dtype auto`: S
 defaults). `--model`: a path, or a name of bench/checkpoints.py (the real models' shapes). Each load point
 is preceded by 32 uncounted requests (--warmup). `--greedy-check N` first sends N prompts at temperature 0
 to each server and compares their text with transformers' `generate` in float32 on the same checkpoint;
-`--ttft-len L` times single requests with L-token prompts (time to the first token, each server alone).
+`--ttft-len L` times single requests with L-token prompts (time to the first token, each server alone);
+with `--ttft-interleaved`, both servers are up at once and take the same prompts in turn (ABBA), one request
+in flight at a time: a machine whose speed drifts by tens of percent over minutes (these do) then weighs on both
+alike, where rounds minutes apart cannot tell a 5% difference. Each server's CPU while idle is reported, so
+that one's background work cannot pass unseen.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import statistics
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
 
+from bench.ceiling import cpu_seconds, children
 from bench.checkpoints import CHECKPOINTS, checkpoint
-from bench.serve import add_load_args, serve
+from bench.client import Connection
+from bench.serve import _body, add_load_args, random_requests, serve
 from bench.server import Server, free_port, wait_healthy
 
 
@@ -104,6 +113,8 @@ def main() -> None:
     parser.add_argument("--greedy-tokens", type=int, default=32)
     parser.add_argument("--ttft-len", type=int, default=0, metavar="L", help="time single L-token prompts")
     parser.add_argument("--ttft-requests", type=int, default=3)
+    parser.add_argument("--ttft-interleaved", action="store_true",
+                        help="both servers up at once, the same prompts to each in turn (see above); no load points")
     parser.add_argument("--json")
     # Each server's first load after it starts is not its steady state (a greedy-16 round of Sluice's once
     # ran 1,717 tok/s against 2,5xx-2,6xx in the rounds after it): 32 requests at 32 first, not counted.
@@ -142,6 +153,9 @@ def main() -> None:
                                 "ttft_p50": s["ttft_ms"]["median"], "errors": s["errors"]})
                 print(json.dumps(results[-1]), flush=True)
 
+    if args.ttft_interleaved:
+        results += ttft_interleaved(args, path, flags)
+        args.rounds = 0
     for _ in range(args.rounds):
         vllm = VllmServer(args.vllm_python, path, args.dtype, args.vllm_max_num_seqs,
                       memory_utilization=args.vllm_memory_utilization)
@@ -160,6 +174,47 @@ def main() -> None:
             json.dump(results, f, indent=2)
 
 
+def ttft_interleaved(args, path: str, flags: list[str]) -> list[dict]:
+    """TTFT of --ttft-requests prompts of --ttft-len tokens, each sent to both servers in turn (ABBA order), both
+    up the whole time; their idle CPU first (each server's process tree over 5 s)."""
+    vllm = VllmServer(args.vllm_python, path, args.dtype, args.vllm_max_num_seqs,
+                      memory_utilization=args.vllm_memory_utilization)
+    sluice = Server("--model", path, "--max-model-len", "4096", *flags)
+    servers = {"vllm": (vllm.url, vllm.proc.pid), "sluice": (sluice.url, sluice.proc.pid)}
+    try:
+        def tree_cpu(pid: int) -> float:
+            return cpu_seconds(pid) + sum(tree_cpu(c) for c in children(pid))
+
+        before = {name: tree_cpu(pid) for name, (_, pid) in servers.items()}
+        time.sleep(5)
+        idle = {name: (tree_cpu(pid) - before[name]) / 5 for name, (_, pid) in servers.items()}
+        print(json.dumps({"idle_cpu_cores": idle}), flush=True)
+        point = argparse.Namespace(**{**vars(args), "temperature": 0.0})
+        prompts = random_requests(args.ttft_requests + 1, args.ttft_len, 2, 0.0, 7, args.tokenizer)
+        ttft: dict[str, list[float]] = {name: [] for name in servers}
+
+        async def run() -> None:
+            names = list(servers)
+            for i, (prompt, _) in enumerate(prompts):
+                for name in (names if i % 2 else names[::-1]):
+                    # a connection each (uvicorn drops a keep-alive idle for 5 s: the other server's turn)
+                    r = await Connection(servers[name][0]).post_sse("/v1/chat/completions", _body(point, prompt, 2))
+                    if not r.ok:
+                        raise RuntimeError(f"{name}: {r.error}")
+                    if i:  # the first prompt warms each server up
+                        ttft[name].append(r.ttft * 1000)
+
+        asyncio.run(run())
+    finally:
+        vllm.stop()
+        sluice.stop()
+    out = [{"server": name, "ttft_len": args.ttft_len, "ttft_p50": statistics.median(v), "ttft_ms": v,
+            "interleaved": True} for name, v in ttft.items()]
+    for r in out:
+        print(json.dumps(r), flush=True)
+    return out
+
+
 def _report(results: list[dict]) -> None:
     print(f"{'server':8} {'temp':>4} {'conc':>5} {'tok/s (per round)':>26} {'ITL p50 ms':>11} {'sluice/vllm':>11}")
     loads = [r for r in results if "concurrency" in r]
@@ -175,6 +230,11 @@ def _report(results: list[dict]) -> None:
     for r in results:
         if "ttft_len" in r:
             print(f"{r['server']:8} TTFT of a {r['ttft_len']}-token prompt: {r['ttft_p50']:.0f} ms (p50)")
+    paired = {r["server"]: r["ttft_ms"] for r in results if r.get("interleaved")}
+    if len(paired) == 2:  # each prompt's Sluice / vLLM, sent back to back
+        ratios = sorted(s / v for s, v in zip(paired["sluice"], paired["vllm"]))
+        print(f"sluice / vllm TTFT, prompt by prompt: median {statistics.median(ratios):.3f} "
+              f"(range {ratios[0]:.3f}-{ratios[-1]:.3f}, {len(ratios)} prompts)")
         if "greedy_equal_to_transformers" in r:
             print(f"{r['server']:8} greedy text equal to transformers' float32: {r['greedy_equal_to_transformers']}"
                   f" of {r['of']}")

@@ -69,19 +69,18 @@ def paged_attention(
     window: int | None = None,
     sinks: torch.Tensor | None = None,  # [H] learned logits of a "sink" key (gpt-oss)
     decode: Callable[..., bool] | None = None,  # a backend's kernel for groups of one query each (see Backend)
-    causal: Callable[..., torch.Tensor | None] | None = None,  # a backend's kernel for whole prompts (Backend)
+    causal: Callable[..., bool] | None = None,  # a backend's kernel for prompts and their chunks (Backend)
 ) -> torch.Tensor:
     out = q.new_empty(meta.num_tokens + 1, q.shape[1], q.shape[2])
     for g in meta.groups:
         if decode is not None and g.q_index.shape[1] == 1 and decode(
                 q, k_cache, v_cache, g.q_index.view(-1), g.kv_slots[window], g.masks[window], scale, sinks, out):
             continue  # decodes, read where they lie in the cache
+        if causal is not None and sinks is None and g.by_position.get(window) and causal(
+                q, k_cache, v_cache, g.q_index, g.kv_slots[window], g.out_index, scale, g.q_starts, out):
+            continue  # prompts, read where they lie
         qr, kr, vr = (_rows(x, i) for x, i in ((q, g.q_index), (k_cache, g.kv_slots[window]),
                                                 (v_cache, g.kv_slots[window])))  # [B, Q or K, H or Hkv, D]
-        if causal is not None and sinks is None and g.by_position.get(window) and \
-                (o := causal(qr, kr, vr, scale, g.q_starts)) is not None:
-            out[g.out_index] = o
-            continue
         qg, kg, vg = qr.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2)  # [B, H or Hkv, Q or K, D]
         mask = g.masks[window]
         # Batched decodes on the CPU: torch's SDPA there is 2-4x slower than a few matmuls for one query each.

@@ -68,6 +68,11 @@ class Backend:
     def lm_head(self, weight: torch.Tensor) -> LMHead:
         return LMHead(weight)
 
+    def swiglu(self, gate_up: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a stacked gate-and-up linear (gate outputs first) on rows x [T, D]: [T, I]."""
+        gate, up = gate_up(x).chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.device.type == "cpu" and x.dtype == weight.dtype:
             # torch's CPU kernel computes half-precision rows in float32: the same bits as below, three
@@ -89,12 +94,14 @@ class Backend:
         (nothing written) where this backend has no such kernel: `attention.paged_attention` then gathers."""
         return False
 
-    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                         starts: torch.Tensor | None) -> torch.Tensor | None:
-        """Prompts' and prompt chunks' attention (q [B, Lq, H, D], k and v [B, Lk, Hkv, D], key i at position i):
-        sequence b's query i, at position starts[b] + i, over the keys 0..that. The output [B, Lq, H, D], or
-        None where this backend has no such kernel (torch's SDPA then runs it)."""
-        return None
+    def causal_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_index: torch.Tensor,
+                         kv_slots: torch.Tensor, out_index: torch.Tensor, scale: float, starts: torch.Tensor | None,
+                         out: torch.Tensor) -> bool:
+        """Prompts' and prompt chunks' attention where they lie: sequence b's query i, row q_index[b, i] of q
+        [T, H, D] at position starts[b] + i (None: i), over its keys 0..that, key j in cache slot kv_slots[b, j],
+        into row out_index[b, i] of out; False (nothing written) where this backend has no such kernel (torch's
+        SDPA then runs it on gathered copies)."""
+        return False
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                         scale: float, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:

@@ -75,14 +75,15 @@ class RMSNorm(nn.Module):
 class GatedMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one stacked projection (gate rows first)."""
 
+    backend: Backend = TORCH
+
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(self.backend.swiglu(self.gate_up_proj, x))
 
 
 # Projections that read the same input run as one matmul: the model holds one stacked weight, which the

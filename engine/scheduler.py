@@ -68,6 +68,18 @@ class Scheduler:
     def __len__(self) -> int:
         return len(self._by_id)
 
+    @property
+    def tail_tokens(self) -> int:
+        """A prompt whose last chunk would be this many tokens or fewer takes it in the step before, over the
+        budget: a step reads every weight and the prompt's keys whatever its size, so a step for a small tail
+        costs several times its tokens (bench/RESULTS.md). None with a sliding window, whose pool holds a window
+        and one budget."""
+        return 0 if self.sliding_window else self.max_num_batched_tokens // 8
+
+    @property
+    def max_step_tokens(self) -> int:
+        return self.max_num_batched_tokens + self.tail_tokens
+
     def add(self, seq: Sequence) -> None:
         group = self._by_id.setdefault(seq.request_id, [])
         assert all(s.index != seq.index for s in group), f"duplicate request {seq.request_id}/{seq.index}"
@@ -87,9 +99,9 @@ class Scheduler:
         self._budget = self.max_num_batched_tokens
         self.running.sort(key=_order)
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING or self._budget == 0:
+            if seq.status is not Status.RUNNING or self._budget <= 0:
                 continue
-            n = min(seq.num_uncomputed, self._budget)
+            n = self._chunk(seq.num_uncomputed)
             if self.sliding_window:  # this step's first query sees keys from here on
                 first_seen = seq.num_computed_tokens - self.sliding_window + 1
                 (self.window_pool or self.bm).free_outside_window(seq, first_seen)
@@ -105,7 +117,7 @@ class Scheduler:
                 i += 1  # wait for the leader's prompt to be cached, then reuse it
                 continue
             hits, window_hits = self._prefix_hits(seq)
-            n = min(seq.num_tokens - len(hits) * self.bm.block_size, self._budget)
+            n = self._chunk(seq.num_tokens - len(hits) * self.bm.block_size)
             if not self._make_room(seq, n, hits, window_hits):
                 break
             self.waiting.remove(seq)
@@ -120,6 +132,12 @@ class Scheduler:
             self._take(seq, n)
         step, self._step = self._step, {}
         return ScheduledBatch(list(step), list(step.values())) if step else None
+
+    def _chunk(self, uncomputed: int) -> int:
+        """This step's tokens of a sequence with `uncomputed` tokens to compute: what the budget leaves, or all of
+        them where the rest would be a tail (`tail_tokens`)."""
+        n = min(uncomputed, self._budget)
+        return uncomputed if uncomputed - n <= self.tail_tokens else n
 
     def _prefix_hits(self, seq: Sequence) -> tuple[list[int], tuple[list[int], int]]:
         """Cached blocks of seq's prompt: the main pool's, and (when the window layers keep a pool of their

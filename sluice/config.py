@@ -62,7 +62,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
                                             "count)", ge=0, default_text=AUTO_WORKERS)] = 0
     max_model_len: Annotated[int, option("context length", ge=0, default_text="the checkpoint's")] = 0
     max_num_seqs: Annotated[int, option("sequences in the running batch", ge=1)] = 256
-    max_num_batched_tokens: Annotated[int, option("tokens per step (decodes first, then prefill chunks)", ge=1)] = 2048
+    max_num_batched_tokens: Annotated[int, option(
+        "tokens per step (decodes first, then prefill chunks; a prompt's last chunk of up to an eighth of this "
+        "joins the chunk before it)", ge=1)] = 2048
     block_size: Annotated[int, option("tokens per KV block", ge=1)] = 16
     enable_prefix_caching: Annotated[bool, option("do not reuse the KV blocks of earlier prompts",
                                                   flag="--no-prefix-caching")] = True

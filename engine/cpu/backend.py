@@ -7,7 +7,8 @@ Which CPUs get which path (chosen at run time from /proc/cpuinfo, logged once a 
   registers: float32 math on the same weights, half the bytes. Each decode step's layers run in one call
   (csrc/f32_layers.c: RMSNorm, q/k norms, rotary and the KV store, paged attention, SwiGLU, residuals);
   prompts' and prompt chunks' attention on csrc/causal_attention.c (flash-attention style, grouped-query
-  heads together).
+  heads together, the step's rows and the cache's slots read where they lie), their SwiGLU in the gate-and-up
+  product's epilogue (the [T, 2I] product never written).
 - float32 activations, AVX2 and FMA without AVX-512F: the linears and the LM head on csrc/f32_matmul_avx2.c
   (the same values, the same bf16 weights), the layers' other ops as torch runs them (no step in one call).
 - bf16 activations, AVX512-BF16: the bf16 kernels (VDPBF16PS) for the LM head and small linears, a step
@@ -111,6 +112,12 @@ class CpuBackend(Backend):
         log.info("LM head: %s", head.path)
         return head
 
+    def swiglu(self, gate_up: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        kernel = gate_up.run
+        if isinstance(kernel, F32Matmul) and kernel.swiglu_ok and x.dtype == torch.float32 and x.device.type == "cpu":
+            return kernel.swiglu(x)
+        return super().swiglu(gate_up, x)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         out = ops.rms_norm(x, weight, eps)
         return super().rms_norm(x, weight, eps) if out is None else out
@@ -122,8 +129,8 @@ class CpuBackend(Backend):
     def decode_attention(self, q, k_cache, v_cache, rows, slots, mask, scale, sinks, out) -> bool:
         return ops.decode_attention(q, k_cache, v_cache, rows, slots, mask, scale, sinks, out)
 
-    def causal_attention(self, q, k, v, scale, starts) -> torch.Tensor | None:
-        return ops.causal_attention(q, k, v, scale, starts)
+    def causal_attention(self, q, k_cache, v_cache, q_index, kv_slots, out_index, scale, starts, out) -> bool:
+        return ops.paged_causal_attention(q, k_cache, v_cache, q_index, kv_slots, out_index, scale, starts, out)
 
     def _narrow_embeddings(self, model: nn.Module) -> None:
         """Float32 embedding tables whose values are bf16 kept in bf16 (the rows read are widened: exact),

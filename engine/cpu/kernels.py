@@ -123,7 +123,8 @@ def f32_layers():
             ("sluice_f32_rope_store", [P, L, P, L, INT, INT, INT, INT, P, P, FLOAT, P, P, P, INT, P, L, P, P, P]),
             ("sluice_f32_decode_attention", [P, L, P, P, P, P, P, P, INT, INT, INT, INT, INT, FLOAT, P]),
             ("sluice_f32_embed", [P, INT, L, INT, P, INT, P]),
-            ("sluice_f32_matmul", _LINEAR_F32)):
+            ("sluice_f32_matmul", _LINEAR_F32),
+            ("sluice_f32_matmul_swiglu", _LINEAR_F32[:-1])):
         fn = getattr(lib, symbol)
         fn.restype, fn.argtypes = ctypes.c_int, argtypes
     return lib
@@ -134,7 +135,7 @@ def causal_attention_f32():
     """csrc/causal_attention.c's attention for prompts and their chunks (float32, AVX-512F), or None where it
     cannot run."""
     return _function("causal_attention", _AVX512, "sluice_f32_causal_attention",
-                     [P, P, P, P, INT, INT, INT, INT, INT, INT, FLOAT, P])
+                     [P, P, P, P, P, P, INT, INT, INT, INT, INT, INT, FLOAT, P, P, L])
 
 
 @_cached

@@ -47,6 +47,8 @@ class F32Matmul:
         self.packed = tiles(weight.detach(), 2) if self.bf16 else pair_tiles(weight.detach())
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.fn = lib.sluice_f32_matmul
+        # SwiGLU in the product's epilogue (gate rows, then up rows, each half whole groups of 64 columns)
+        self._swiglu = getattr(lib, "sluice_f32_matmul_swiglu", None) if self.n % 128 == 0 else None
 
     @classmethod
     def build(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "F32Matmul | None":
@@ -78,6 +80,25 @@ class F32Matmul:
         out = torch.empty(*x.shape[:-1], self.n, dtype=torch.float32)
         if out.numel():
             self._run(rows, out, None)
+        return out
+
+    @property
+    def swiglu_ok(self) -> bool:
+        return self._swiglu is not None
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this stacked product (gate outputs first) for float32 rows x [M, K], as [M, N / 2],
+        the [M, N] product never written (only where `swiglu_ok`)."""
+        assert self._swiglu is not None
+        rows = x.reshape(-1, self.k).float()
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(*x.shape[:-1], self.n // 2, dtype=torch.float32)
+        if out.numel() and self._swiglu(self.packed.data_ptr(), self.bf16, self.n, self.k, rows.data_ptr(),
+                                        rows.stride(0), rows.shape[0],
+                                        None if self.bias is None else self.bias.data_ptr(), out.data_ptr(),
+                                        self.n // 2):
+            raise MemoryError("the float32 SwiGLU kernel could not allocate its workspace")
         return out
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:

@@ -60,17 +60,46 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     0) and attends keys 0..that. The output [B, Lq, H, D]; None where it does not apply (not float32, a
     shape it does not take, no kernel here)."""
     b, n, heads, dim = q.shape
-    if (_one_dtype(q, k, v) != torch.float32 or not attention_shape_ok(heads, k.shape[2], dim) or not k.shape[1]
-            or (fn := kernels.causal_attention_f32()) is None):
-        return None
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    starts = None if starts is None else starts.to(torch.int64).contiguous()
     out = torch.empty_like(q)
-    status = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if starts is None else starts.data_ptr(), b, n,
-                k.shape[1], heads, k.shape[2], dim, scale, out.data_ptr())
+    ok = _causal(q.contiguous(), None, k.contiguous(), v.contiguous(), None, starts, b, n, k.shape[1], scale, out,
+                 None, -1)
+    return out if ok else None
+
+
+def paged_causal_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_index: torch.Tensor,
+                           kv_slots: torch.Tensor, out_index: torch.Tensor, scale: float,
+                           starts: torch.Tensor | None, out: torch.Tensor) -> bool:
+    """`causal_attention` reading where things lie: sequence b's query i is row q_index[b, i] of a step's q
+    [T, H, D], its key i the cache slot kv_slots[b, i] of k_cache and v_cache [slots, Hkv, D], its output
+    row out_index[b, i] of out [T + 1, H, D] (the last row, the pads', is not written). False, nothing
+    written, where it does not apply."""
+    if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()):
+        return False
+    b, n = q_index.shape
+    return _causal(q, _int64(q_index), k_cache, v_cache, _int64(kv_slots), starts, b, n, kv_slots.shape[1], scale,
+                   out, _int64(out_index), out.shape[0] - 1)
+
+
+def _int64(index: torch.Tensor) -> torch.Tensor:
+    return index.to(torch.int64).contiguous()
+
+
+def _causal(q, q_rows, k, v, kv_rows, starts, batch: int, q_len: int, k_len: int, scale: float, out, out_rows,
+            skip_row: int) -> bool:
+    heads, dim = q.shape[-2:]
+    if (_one_dtype(q, k, v, out) != torch.float32 or not attention_shape_ok(heads, k.shape[-2], dim) or not k_len
+            or (fn := kernels.causal_attention_f32()) is None):
+        return False
+    starts = None if starts is None else _int64(starts)
+    status = fn(q.data_ptr(), _ptr(q_rows), k.data_ptr(), v.data_ptr(), _ptr(kv_rows), _ptr(starts), batch, q_len,
+                k_len, heads, k.shape[-2], dim, scale, out.data_ptr(), _ptr(out_rows), skip_row)
     if status == -1:
         raise MemoryError("the causal attention kernel could not allocate its workspace")
-    return None if status else out
+    return not status
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def rope_store(qk: torch.Tensor, v: torch.Tensor, heads: int, positions: torch.Tensor, cos: torch.Tensor,

@@ -10,7 +10,10 @@
  * broadcast query value times the 64 keys' values (FMAs, no horizontal sums); values: for each key, one
  * broadcast probability times the key's D values.
  *
- * q, out [B][Lq][H][D]; k, v [B][Lk][Hkv][D], key i at position i (contiguous); starts[b] the position of
+ * Sequence b's query i is row q_rows[b * Lq + i] of q [rows][H][D] and its output goes to row
+ * out_rows[b * Lq + i] of out (none where that is skip_row: a pad's); its key i (at position i) is row
+ * kv_rows[b * Lk + i] of k and v [rows][Hkv][D]: a step's rows and the paged cache's slots, read where they
+ * lie (NULL: the dense layouts q, out [B][Lq][H][D] and k, v [B][Lk][Hkv][D]). starts[b] is the position of
  * sequence b's first query (NULL: 0, a whole prompt), its query i at starts[b] + i (a query past its
  * sequence's keys, a pad, attends them all). D a multiple of 16 up to 256, H / Hkv at most 16. Returns
  * 0, -1 when out of memory, -2 for shapes it does not take.
@@ -78,19 +81,24 @@ typedef void (*pv_fn)(const float *, int, int, const float *, size_t, float *, i
 static const pv_fn PV[5] = {pv_1, pv_2, pv_4, pv_8, pv_16};
 static const int PV_ROWS[5] = {8, 8, 6, 3, 1};
 
-/* one job: the queries [p0, p1) of sequence b (the first at position `start`) for kv head j's query heads */
-static void tile(const float *q, const float *kt, const float *v, float *out, int b, int j, int p0, int p1,
-                 int q_len, int k_len, long start, int heads, int kv_heads, int dim, float scale, float *s,
-                 float *acc, float *m, float *l) {
+/* row i of the dense layout, or rows[i] */
+static inline size_t row_of(const int64_t *rows, size_t i) { return rows ? (size_t)rows[i] : i; }
+
+/* one job: the queries [p0, p1) of sequence b (the first at position `start`) for kv head j's query heads;
+ * kt, vt: its kv head's keys (transposed by blocks) and values ([key][D]) */
+static void tile(const float *q, const int64_t *q_rows, const float *kt, const float *vt, float *out,
+                 const int64_t *out_rows, long skip_row, int b, int j, int p0, int p1, int q_len, int k_len,
+                 long start, int heads, int kv_heads, int dim, float scale, float *s, float *acc, float *m,
+                 float *l) {
     const int group = heads / kv_heads, np = p1 - p0, rows = group * np;
     const float *qrow[MAX_GROUP * QT];
     for (int r = 0; r < rows; r++) {
-        qrow[r] = q + (((size_t)b * q_len + p0 + r % np) * heads + (size_t)j * group + r / np) * dim;
+        const size_t row = row_of(q_rows, (size_t)b * q_len + p0 + r % np);
+        qrow[r] = q + (row * heads + (size_t)j * group + r / np) * dim;
         m[r] = -INFINITY;
         l[r] = 0.0f;
     }
     memset(acc, 0, sizeof(float) * (size_t)rows * dim);
-    const size_t v_stride = (size_t)kv_heads * dim;
     const long last = start + p1 - 1 < k_len - 1 ? start + p1 - 1 : k_len - 1; /* the tile's last key */
     for (int k0 = 0; k0 <= last; k0 += KB) {
         const float *block = kt + (size_t)(k0 / KB) * dim * KB;
@@ -128,43 +136,60 @@ static void tile(const float *q, const float *kt, const float *v, float *out, in
                     _mm512_storeu_ps(acc + (size_t)r * dim + c, _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)r * dim + c), kv));
             }
         }
-        const float *vb = v + ((size_t)b * k_len + k0) * v_stride + (size_t)j * dim;
+        const float *vb = vt + (size_t)k0 * dim;
         for (int off = 0; off < dim;) { /* the head's values in power-of-two runs of vectors (48: 32 + 16) */
             const int lv = 31 - __builtin_clz((dim - off) / 16 < 16 ? (dim - off) / 16 : 16), rows_at_once = PV_ROWS[lv];
             for (int r0 = 0; r0 < rows; r0 += rows_at_once) {
                 const int rr = rows - r0 < rows_at_once ? rows - r0 : rows_at_once;
-                PV[lv](s + (size_t)r0 * KB, rr, keys, vb + off, v_stride, acc + (size_t)r0 * dim + off, dim);
+                PV[lv](s + (size_t)r0 * KB, rr, keys, vb + off, dim, acc + (size_t)r0 * dim + off, dim);
             }
             off += 16 << lv;
         }
     }
     for (int r = 0; r < rows; r++) {
+        const size_t row = row_of(out_rows, (size_t)b * q_len + p0 + r % np);
+        if ((long)row == skip_row) continue;
         const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
-        float *o = out + (((size_t)b * q_len + p0 + r % np) * heads + (size_t)j * group + r / np) * dim;
+        float *o = out + (row * heads + (size_t)j * group + r / np) * dim;
         for (int c = 0; c < dim; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)r * dim + c), inv));
     }
 }
 
-int sluice_f32_causal_attention(const float *q, const float *k, const float *v, const int64_t *starts, int batch,
-                                int q_len, int k_len, int heads, int kv_heads, int dim, float scale, float *out) {
+int sluice_f32_causal_attention(const float *q, const int64_t *q_rows, const float *k, const float *v,
+                                const int64_t *kv_rows, const int64_t *starts, int batch, int q_len, int k_len,
+                                int heads, int kv_heads, int dim, float scale, float *out, const int64_t *out_rows,
+                                long skip_row) {
     if (dim % 16 || dim > 16 * MAX_VECS || heads % kv_heads || heads / kv_heads > MAX_GROUP || k_len <= 0)
         return q_len == 0 ? 0 : -2;
     const int blocks = (k_len + KB - 1) / KB, tiles = (q_len + QT - 1) / QT, group = heads / kv_heads;
-    const size_t per_head = (size_t)blocks * dim * KB; /* one (sequence, kv head)'s keys, transposed */
+    const size_t per_head = (size_t)blocks * dim * KB; /* one (sequence, kv head)'s keys or values */
     float *kt = malloc(sizeof(float) * per_head * batch * kv_heads);
-    if (!kt) return -1;
+    float *vt = malloc(sizeof(float) * per_head * batch * kv_heads);
+    if (!kt || !vt) {
+        free(kt);
+        free(vt);
+        return -1;
+    }
     int failed = 0;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (long job = 0; job < (long)batch * kv_heads * blocks; job++) { /* kt[b][j][block][d][64] */
+        /* kt[b][j][block][d][64], vt[b][j][key][d] */
+        for (long job = 0; job < (long)batch * kv_heads * blocks; job++) {
             const int b = (int)(job / ((long)kv_heads * blocks)), j = (int)(job / blocks % kv_heads),
                       blk = (int)(job % blocks);
-            float *dst = kt + ((size_t)b * kv_heads + j) * per_head + (size_t)blk * dim * KB;
+            float *kdst = kt + ((size_t)b * kv_heads + j) * per_head + (size_t)blk * dim * KB;
+            float *vdst = vt + ((size_t)b * kv_heads + j) * per_head + (size_t)blk * dim * KB;
             for (int i = 0; i < KB; i++) {
                 const int key = blk * KB + i;
-                const float *src = k + (((size_t)b * k_len + key) * kv_heads + j) * dim;
-                for (int d = 0; d < dim; d++) dst[(size_t)d * KB + i] = key < k_len ? src[d] : 0.0f;
+                if (key >= k_len) {
+                    for (int d = 0; d < dim; d++) kdst[(size_t)d * KB + i] = 0.0f;
+                    memset(vdst + (size_t)i * dim, 0, sizeof(float) * dim);
+                    continue;
+                }
+                const size_t at = (row_of(kv_rows, (size_t)b * k_len + key) * kv_heads + j) * dim;
+                for (int d = 0; d < dim; d++) kdst[(size_t)d * KB + i] = k[at + d];
+                memcpy(vdst + (size_t)i * dim, v + at, sizeof(float) * dim);
             }
         }
         float *s = malloc(sizeof(float) * (size_t)group * QT * KB);
@@ -180,7 +205,8 @@ int sluice_f32_causal_attention(const float *q, const float *k, const float *v, 
             if (!s || !acc || !m) continue;
             const int t = tiles - 1 - (int)(job / ((long)batch * kv_heads)), rest = (int)(job % ((long)batch * kv_heads));
             const int b = rest / kv_heads, j = rest % kv_heads, p0 = t * QT, p1 = p0 + QT < q_len ? p0 + QT : q_len;
-            tile(q, kt + ((size_t)b * kv_heads + j) * per_head, v, out, b, j, p0, p1, q_len, k_len,
+            const size_t head = ((size_t)b * kv_heads + j) * per_head;
+            tile(q, q_rows, kt + head, vt + head, out, out_rows, skip_row, b, j, p0, p1, q_len, k_len,
                  starts ? (long)starts[b] : 0, heads, kv_heads, dim, scale, s, acc, m, m + group * QT);
         }
         free(s);
@@ -188,5 +214,6 @@ int sluice_f32_causal_attention(const float *q, const float *k, const float *v, 
         free(m);
     }
     free(kt);
+    free(vt);
     return failed ? -1 : 0;
 }

@@ -1,6 +1,7 @@
 /* The threads and the argmax fold of sluice_f32_matmul, the same for every instruction set: included by
- * f32_matmul.c (AVX-512F) and f32_matmul_avx2.c after their F32_TILE, F32_GROUP, F32_LD, F32_SERIAL_WORK
- * and f32_matmul_part (one thread's share of the blocks, taken `chunk` at a time from *next). */
+ * f32_matmul.c (AVX-512F) and f32_matmul_avx2.c after their F32_TILE, F32_GROUP, F32_LD, F32_WIDE (widening
+ * scratch, floats: 0 for none), F32_SERIAL_WORK, f32_panel_rows (the rows a thread's scratch holds) and
+ * f32_matmul_part (one thread's share of the blocks, taken `chunk` at a time from *next). */
 #ifndef SLUICE_F32_DRIVE_H
 #define SLUICE_F32_DRIVE_H
 #include <math.h>
@@ -17,14 +18,16 @@ static inline int f32_chunk(int n, int threads) {
     return chunk < 1 ? 1 : chunk > 8 ? 8 : chunk;
 }
 
-/* w: the packed weight of n outputs (bf16 != 0: bf16 pairs, else float32; zero rows past n to whole
- * tiles); x: m rows of k float32 (k even), ldx apart. With out set, out [m][ldo] = x @ W^T + bias (bias:
- * NULL or n floats); else tokens[m] = each row's argmax (bias ignored). Returns 0, or -1 when out of
- * memory. */
-int sluice_f32_matmul(const void *w, int bf16, int n, int k, const float *x, long ldx, int m, const float *bias,
-                      float *out, long ldo, int32_t *tokens) {
+typedef void (*f32_part_fn)(const void *w, int bf16, int n, int k, const float *x, long ldx, int m,
+                            const float *bias, float *out, long ldo, float *best, int32_t *where, float *c,
+                            float *wide, int *next, int chunk);
+
+/* The threads of a product, each running `part` with `scratch` groups' worth of scratch (f32_panel_rows *
+ * F32_LD floats each) and F32_WIDE floats to widen weights in, the units of work handed out among them. */
+static int f32_run(f32_part_fn part, int scratch, const void *w, int bf16, int n, int k, const float *x, long ldx,
+                   int m, const float *bias, float *out, long ldo, int32_t *tokens) {
     const int threads = (double)m * n * k >= F32_SERIAL_WORK ? omp_get_max_threads() : 1;
-    const int chunk = f32_chunk(n, threads);
+    const int chunk = f32_chunk(n / scratch, threads);
     float *best = NULL;
     int32_t *where = NULL;
     if (!out && alloc_candidates(threads, m, F32_TILE, &best, &where)) return -1;
@@ -32,13 +35,15 @@ int sluice_f32_matmul(const void *w, int bf16, int n, int k, const float *x, lon
 #pragma omp parallel num_threads(threads)
     {
         const int th = omp_get_thread_num();
-        float *c = malloc(sizeof(float) * (size_t)m * F32_LD);
+        const size_t rows = (size_t)f32_panel_rows(m, k);
+        float *c = malloc(sizeof(float) * (scratch * rows * F32_LD + F32_WIDE));
         if (!c) {
 #pragma omp atomic write
             failed = 1;
         } else {
-            f32_matmul_part(w, bf16, n, k, x, ldx, m, bias, out, ldo, best ? best + (size_t)th * m * F32_TILE : NULL,
-                            where ? where + (size_t)th * m * F32_TILE : NULL, c, &next, chunk);
+            part(w, bf16, n, k, x, ldx, m, bias, out, ldo, best ? best + (size_t)th * m * F32_TILE : NULL,
+                 where ? where + (size_t)th * m * F32_TILE : NULL, c,
+                 F32_WIDE ? c + scratch * rows * F32_LD : NULL, &next, chunk);
         }
         free(c);
     }
@@ -48,5 +53,14 @@ int sluice_f32_matmul(const void *w, int bf16, int n, int k, const float *x, lon
         free(where);
     }
     return failed ? -1 : 0;
+}
+
+/* w: the packed weight of n outputs (bf16 != 0: bf16 pairs, else float32; zero rows past n to whole
+ * tiles); x: m rows of k float32 (k even), ldx apart. With out set, out [m][ldo] = x @ W^T + bias (bias:
+ * NULL or n floats); else tokens[m] = each row's argmax (bias ignored). Returns 0, or -1 when out of
+ * memory. */
+int sluice_f32_matmul(const void *w, int bf16, int n, int k, const float *x, long ldx, int m, const float *bias,
+                      float *out, long ldo, int32_t *tokens) {
+    return f32_run(f32_matmul_part, 1, w, bf16, n, k, x, ldx, m, bias, out, ldo, tokens);
 }
 #endif

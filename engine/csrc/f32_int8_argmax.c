@@ -44,7 +44,7 @@ static void exact_logits(const void *w, int bf16, int k, const float *h, const i
     float c[F32_LD];
     for (int p0 = 0; p0 < k / 2; p0 += F32_KP) {
         const int p1 = p0 + F32_KP < k / 2 ? p0 + F32_KP : k / 2;
-        F32_BLOCK_FN[bf16 != 0][0][1](tile, k, p0, p1, h, k, c, p0 == 0, NULL);
+        F32_BLOCK_FN[bf16 != 0][1][1](tile, k, p0, p1, h, k, c, p0 == 0, NULL);
     }
     for (int j = 0; j < count; j++) out[j] = c[j];
 }

@@ -238,18 +238,12 @@ int sluice_f32_decode_attention(const float *q, long q_stride, const float *k_ca
 
 /* out [rows][inter] = silu(gate) * up for gu [rows][2 * inter] (gate columns, then up) */
 static void f32_swiglu(const float *gu, int rows, int inter, float *out) {
-    const __m512i sign = _mm512_set1_epi32((int)0x80000000);
-    const __m512 one = _mm512_set1_ps(1.0f);
     for (int r = 0; r < rows; r++) {
         const float *gate = gu + (size_t)r * 2 * inter, *up = gate + inter;
         for (int c = 0; c < inter; c += 16) {
             const __mmask16 keep = first_lanes(inter - c);
-            const __m512 g = _mm512_maskz_loadu_ps(keep, gate + c);
-            const __m512 e = exp_nonpositive(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), sign)));
-            const __mmask16 positive = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
-            const __m512 sigmoid = _mm512_div_ps(_mm512_mask_blend_ps(positive, e, one), _mm512_add_ps(one, e));
             _mm512_mask_storeu_ps(out + (size_t)r * inter + c, keep,
-                                  _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), _mm512_maskz_loadu_ps(keep, up + c)));
+                                  silu_mul(_mm512_maskz_loadu_ps(keep, gate + c), _mm512_maskz_loadu_ps(keep, up + c)));
         }
     }
 }
@@ -293,7 +287,7 @@ static inline void f32_share(int t, int th, int nth, int *r0, int *r1) {
 
 /* this thread's share of in @ l^T into out [rows][l->n] (the block counter *next, shared by the team) */
 static void f32_linear_part(const f32_linear_t *l, const float *in, int rows, float *out, float *c, int *next, int nth) {
-    f32_matmul_part(l->w, l->bf16, l->n, l->k, in, l->k, rows, l->bias, out, l->n, NULL, NULL, c, next,
+    f32_matmul_part(l->w, l->bf16, l->n, l->k, in, l->k, rows, l->bias, out, l->n, NULL, NULL, c, NULL, next,
                     f32_chunk(l->n, nth));
 }
 

@@ -9,12 +9,15 @@
  *
  * A block of up to GROUP tiles (64 outputs) is multiplied by ROWS input rows at a time in 24 zmm
  * accumulators, KP column pairs at a time, the block's slice of the weight reused from L1 for every chunk
- * of rows. Each output is one chain of float32 multiply-adds over k in order, whatever the number of rows,
- * the thread or the blocking: a row's result does not depend on its batch (the same sum as a dot product
- * over k in order, float32 FMA at each step).
+ * of rows; with many rows (a prompt's), a bf16 slice is widened once into scratch for all of them, and the
+ * rows go a panel at a time (f32_panel_rows). Each output is one chain of float32 multiply-adds over k in
+ * order, whatever the number of rows, the thread or the blocking: a row's result does not depend on its
+ * batch (the same sum as a dot product over k in order, float32 FMA at each step).
  *
  * The argmax keeps the first index of a row's maximum (compared in float32, as the logits would be
- * stored). Threads take chunks of blocks in column order as they come free (see bf16_matmul.c).
+ * stored). Threads take chunks of (panel, block) units, panel by panel in column order, as they come free
+ * (see bf16_matmul.c). sluice_f32_matmul_swiglu computes a SwiGLU's gate and up blocks together and writes
+ * silu(gate) * up.
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -22,6 +25,21 @@
 #include "simd.h"
 
 enum { F32_TILE = 16, F32_GROUP = 4, F32_ROWS = 6, F32_KP = 64, F32_LD = F32_TILE * F32_GROUP };
+/* a group's slice of KP pairs widened to float32 (bf16 weights, F32_WIDEN_ROWS rows or more): floats of scratch */
+enum { F32_WIDE = F32_GROUP * F32_KP * 2 * F32_TILE, F32_WIDEN_ROWS = 4 * F32_ROWS };
+/* bytes of input rows a panel holds: a thread's share of the rows stays in its L2 across the groups it takes */
+#define F32_PANEL_BYTES (512 << 10)
+
+/* Rows a panel takes (of m, each k floats): whole F32_ROWS blocks within F32_PANEL_BYTES, at least 4 blocks.
+ * Taking the rows a panel at a time, each group's weights are read once a panel and each panel's rows once
+ * for all the groups, where the whole of the rows for each group would stream them from memory again and
+ * again (a long prompt's rows are megabytes). */
+static inline int f32_panel_rows(int m, int k) {
+    int rows = (int)(F32_PANEL_BYTES / (4 * (long)k)) / F32_ROWS * F32_ROWS;
+    rows = rows < 4 * F32_ROWS ? 4 * F32_ROWS : rows;
+    return rows < m ? rows : m;
+}
+
 /* multiply-adds below which one thread does it all (waking the other costs more) */
 #define F32_SERIAL_WORK 1.5e6
 
@@ -71,16 +89,20 @@ enum { F32_TILE = 16, F32_GROUP = 4, F32_ROWS = 6, F32_KP = 64, F32_LD = F32_TIL
             _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                              \
                 _mm512_storeu_ps(c + r * F32_LD + t * F32_TILE, acc[r][t]);                                   \
     }
-#define F32_BLOCKS(R) F32_BLOCK(R, 4, 1) F32_BLOCK(R, 1, 1) F32_BLOCK(R, 4, 0) F32_BLOCK(R, 1, 0)
+#define F32_BLOCKS(R)                                                                                          \
+    F32_BLOCK(R, 4, 1) F32_BLOCK(R, 3, 1) F32_BLOCK(R, 2, 1) F32_BLOCK(R, 1, 1)                                \
+    F32_BLOCK(R, 4, 0) F32_BLOCK(R, 3, 0) F32_BLOCK(R, 2, 0) F32_BLOCK(R, 1, 0)
 F32_BLOCKS(1) F32_BLOCKS(2) F32_BLOCKS(3) F32_BLOCKS(4) F32_BLOCKS(5) F32_BLOCKS(6)
 
 typedef void (*f32_block_fn)(const void *, int, int, int, const float *, long, float *, int, const char *);
-/* [bf16][tiles == 4][rows] */
-static const f32_block_fn F32_BLOCK_FN[2][2][F32_ROWS + 1] = {
-    {{0, f32_block_1_1_0, f32_block_2_1_0, f32_block_3_1_0, f32_block_4_1_0, f32_block_5_1_0, f32_block_6_1_0},
-     {0, f32_block_1_4_0, f32_block_2_4_0, f32_block_3_4_0, f32_block_4_4_0, f32_block_5_4_0, f32_block_6_4_0}},
-    {{0, f32_block_1_1_1, f32_block_2_1_1, f32_block_3_1_1, f32_block_4_1_1, f32_block_5_1_1, f32_block_6_1_1},
-     {0, f32_block_1_4_1, f32_block_2_4_1, f32_block_3_4_1, f32_block_4_4_1, f32_block_5_4_1, f32_block_6_4_1}},
+#define F32_BY_ROWS(NT, BF16)                                                                                  \
+    {0, f32_block_1_##NT##_##BF16, f32_block_2_##NT##_##BF16, f32_block_3_##NT##_##BF16,                       \
+     f32_block_4_##NT##_##BF16, f32_block_5_##NT##_##BF16, f32_block_6_##NT##_##BF16}
+/* [bf16][tiles][rows]: a group's tiles in one block whatever their number (a last group of 1-3 tiles, one at
+ * a time, would load a weight vector for every 6 multiply-adds) */
+static const f32_block_fn F32_BLOCK_FN[2][F32_GROUP + 1][F32_ROWS + 1] = {
+    {{0}, F32_BY_ROWS(1, 0), F32_BY_ROWS(2, 0), F32_BY_ROWS(3, 0), F32_BY_ROWS(4, 0)},
+    {{0}, F32_BY_ROWS(1, 1), F32_BY_ROWS(2, 1), F32_BY_ROWS(3, 1), F32_BY_ROWS(4, 1)},
 };
 
 /* The block's rows c [m][F32_LD] (the outputs from tile0 on) as logits (+ bias) into out, or folded into
@@ -124,36 +146,113 @@ static inline int f32_take(int *next, int chunk, int groups, int *g0, int *g1) {
     return g < groups;
 }
 
-/* The calling thread's share of a product (see sluice_f32_matmul): blocks taken from the shared counter
- * *next as they come, `chunk` at a time. c: m * F32_LD floats of scratch; best / where: this thread's (argmax
- * only). */
-static void f32_matmul_part(const void *w, int bf16, int n, int k, const float *x, long ldx, int m, const float *bias,
-                            float *out, long ldo, float *best, int32_t *where, float *c, int *next, int chunk) {
+/* tiles [0, nt) of a bf16 group's pairs [p0, p1) (tiles k * F32_TILE values apart) as float32 in the float32
+ * packing, each tile's (p1 - p0) pairs together: wide [nt][p1 - p0][2][16] (exact: bf16 -> float32) */
+static void f32_widen(const uint16_t *w, int k, int nt, int p0, int p1, float *wide) {
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000);
+    const size_t tile = (size_t)k * F32_TILE;
+    for (int t = 0; t < nt; t++)
+        for (int p = p0; p < p1; p++) {
+            const __m512i v = _mm512_loadu_si512(w + t * tile + (size_t)p * 32);
+            float *dst = wide + ((size_t)t * (p1 - p0) + (p - p0)) * 32;
+            _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+            _mm512_storeu_ps(dst + 16, _mm512_castsi512_ps(_mm512_and_si512(v, high)));
+        }
+}
+
+/* Group g (F32_GROUP tiles from tile g * F32_GROUP) of the product for all m rows, into c [m][F32_LD]; returns
+ * its number of tiles. wide: F32_WIDE floats of scratch, or NULL: with many rows, a bf16 weight's slice is
+ * widened once there for all of them rather than in registers for each F32_ROWS (the same values). */
+static int f32_group(const void *w, int bf16, int n, int k, const float *x, long ldx, int m, float *c, int g,
+                     float *wide) {
     const int tiles = (n + F32_TILE - 1) / F32_TILE, groups = (tiles + F32_GROUP - 1) / F32_GROUP, pairs = k / 2;
     const size_t tile_bytes = (size_t)k * F32_TILE * (bf16 ? 2 : 4);
-    for (int g0, g1; f32_take(next, chunk, groups, &g0, &g1);) {
-        for (int g = g0; g < g1; g++) {
-            const int tile0 = g * F32_GROUP, nt = tiles - tile0 < F32_GROUP ? tiles - tile0 : F32_GROUP;
-            const char *wg = (const char *)w + (size_t)tile0 * tile_bytes;
-            for (int p0 = 0; p0 < pairs; p0 += F32_KP) {
-                const int p1 = p0 + F32_KP < pairs ? p0 + F32_KP : pairs;
-                for (int r0 = 0; r0 < m; r0 += F32_ROWS) {
-                    const int r = m - r0 < F32_ROWS ? m - r0 : F32_ROWS;
-                    const float *xr = x + (size_t)r0 * ldx;
-                    float *cr = c + (size_t)r0 * F32_LD;
-                    if (nt == F32_GROUP) {
-                        const char *pf = r0 == 0 && g + 1 < groups ? wg + F32_GROUP * tile_bytes : NULL;
-                        F32_BLOCK_FN[bf16 != 0][1][r](wg, k, p0, p1, xr, ldx, cr, p0 == 0, pf);
-                    } else {
-                        for (int t = 0; t < nt; t++)
-                            F32_BLOCK_FN[bf16 != 0][0][r](wg + t * tile_bytes, k, p0, p1, xr, ldx, cr + t * F32_TILE,
-                                                          p0 == 0, NULL);
-                    }
-                }
+    const int tile0 = g * F32_GROUP, nt = tiles - tile0 < F32_GROUP ? tiles - tile0 : F32_GROUP;
+    const char *wg = (const char *)w + (size_t)tile0 * tile_bytes;
+    const int widen = bf16 && wide && m >= F32_WIDEN_ROWS;
+    for (int p0 = 0; p0 < pairs; p0 += F32_KP) {
+        const int p1 = p0 + F32_KP < pairs ? p0 + F32_KP : pairs;
+        if (widen) f32_widen((const uint16_t *)wg, k, nt, p0, p1, wide);
+        for (int r0 = 0; r0 < m; r0 += F32_ROWS) {
+            const int r = m - r0 < F32_ROWS ? m - r0 : F32_ROWS;
+            const float *xr = x + (size_t)r0 * ldx;
+            float *cr = c + (size_t)r0 * F32_LD;
+            if (widen) { /* the slice as a float32 weight of 2 * (p1 - p0) columns, from column 2 * p0 of x */
+                F32_BLOCK_FN[0][nt][r](wide, 2 * (p1 - p0), 0, p1 - p0, xr + 2 * p0, ldx, cr, p0 == 0, NULL);
+            } else {
+                const char *pf = r0 == 0 && g + 1 < groups ? wg + F32_GROUP * tile_bytes : NULL;
+                F32_BLOCK_FN[bf16 != 0][nt][r](wg, k, p0, p1, xr, ldx, cr, p0 == 0, pf);
             }
-            f32_finish(c, m, tile0, nt, n, bias, out, ldo, best, where);
+        }
+    }
+    return nt;
+}
+
+/* The calling thread's share of a product (see sluice_f32_matmul): units of (panel of rows, group), panel by
+ * panel, taken from the shared counter *next as they come, `chunk` at a time. c: f32_panel_rows * F32_LD
+ * floats of scratch; wide: F32_WIDE floats, or NULL (see f32_group); best / where: this thread's (argmax
+ * only). */
+static void f32_matmul_part(const void *w, int bf16, int n, int k, const float *x, long ldx, int m, const float *bias,
+                            float *out, long ldo, float *best, int32_t *where, float *c, float *wide, int *next,
+                            int chunk) {
+    const int groups = ((n + F32_TILE - 1) / F32_TILE + F32_GROUP - 1) / F32_GROUP, panel = f32_panel_rows(m, k);
+    const int units = (m + panel - 1) / panel * groups;
+    for (int u0, u1; f32_take(next, chunk, units, &u0, &u1);)
+        for (int u = u0; u < u1; u++) {
+            const int r0 = u / groups * panel, g = u % groups, rows = m - r0 < panel ? m - r0 : panel;
+            f32_finish(c, rows, g * F32_GROUP, f32_group(w, bf16, n, k, x + (size_t)r0 * ldx, ldx, rows, c, g, wide),
+                       n, bias, out ? out + (size_t)r0 * ldo : NULL, ldo, best ? best + (size_t)r0 * F32_TILE : NULL,
+                       where ? where + (size_t)r0 * F32_TILE : NULL);
+        }
+}
+
+/* The rows' SwiGLU of a gate group's products c and the matching up group's cu (+ their biases) into out:
+ * out [r][col] = silu(gate) * up for the columns from tile0 * F32_TILE on, n (inter) columns in all. */
+static void f32_finish_swiglu(const float *c, const float *cu, int m, int tile0, int nt, int n, const float *bias,
+                              float *out, long ldo) {
+    for (int r = 0; r < m; r++) {
+        for (int t = 0; t < nt; t++) {
+            const int col0 = (tile0 + t) * F32_TILE;
+            const __mmask16 valid = first_lanes(n - col0);
+            __m512 g = _mm512_loadu_ps(c + (size_t)r * F32_LD + t * F32_TILE);
+            __m512 u = _mm512_loadu_ps(cu + (size_t)r * F32_LD + t * F32_TILE);
+            if (bias) {
+                g = _mm512_add_ps(g, _mm512_maskz_loadu_ps(valid, bias + col0));
+                u = _mm512_add_ps(u, _mm512_maskz_loadu_ps(valid, bias + n + col0));
+            }
+            _mm512_mask_storeu_ps(out + (size_t)r * ldo + col0, valid, silu_mul(g, u));
         }
     }
 }
 
+/* The calling thread's share of silu(x @ Wg^T + bg) * (x @ Wu^T + bu) for a stacked weight of n outputs (gate
+ * rows, then up rows, n / 2 a multiple of F32_GROUP * F32_TILE: gate group g and up group g + n / 2 / 64 hold
+ * the same columns). A unit is such a pair of groups for a panel of rows (see f32_matmul_part); the
+ * [m][2 * inter] product is never written. c: 2 * f32_panel_rows * F32_LD floats of scratch. */
+static void f32_swiglu_part(const void *w, int bf16, int n, int k, const float *x, long ldx, int m, const float *bias,
+                            float *out, long ldo, float *best, int32_t *where, float *c, float *wide, int *next,
+                            int chunk) {
+    (void)best, (void)where;
+    const int half = n / 2 / (F32_GROUP * F32_TILE), panel = f32_panel_rows(m, k);
+    const int units = (m + panel - 1) / panel * half;
+    float *cu = c + (size_t)panel * F32_LD;
+    for (int u0, u1; f32_take(next, chunk, units, &u0, &u1);)
+        for (int u = u0; u < u1; u++) {
+            const int r0 = u / half * panel, g = u % half, rows = m - r0 < panel ? m - r0 : panel;
+            const float *xr = x + (size_t)r0 * ldx;
+            const int nt = f32_group(w, bf16, n, k, xr, ldx, rows, c, g, wide);
+            f32_group(w, bf16, n, k, xr, ldx, rows, cu, g + half, wide);
+            f32_finish_swiglu(c, cu, rows, g * F32_GROUP, nt, n / 2, bias, out + (size_t)r0 * ldo, ldo);
+        }
+}
+
 #include "f32_drive.h"
+
+/* out [m][ldo] = silu(x @ Wg^T + bg) * (x @ Wu^T + bu) for the stacked weight w of n outputs (gate, then up;
+ * see f32_swiglu_part) and bias (NULL or n floats): a SwiGLU MLP's first half in one pass. Returns 0, -1 when
+ * out of memory, -2 when n / 2 is not a multiple of 64. */
+int sluice_f32_matmul_swiglu(const void *w, int bf16, int n, int k, const float *x, long ldx, int m,
+                             const float *bias, float *out, long ldo) {
+    if (n % (2 * F32_GROUP * F32_TILE)) return -2;
+    return f32_run(f32_swiglu_part, 2, w, bf16, n, k, x, ldx, m, bias, out, ldo, NULL);
+}

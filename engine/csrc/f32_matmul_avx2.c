@@ -19,7 +19,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-enum { F32_TILE = 16, F32_GROUP = 4, F32_ROWS = 4, F32_KP = 64, F32_LD = F32_TILE * F32_GROUP };
+enum { F32_TILE = 16, F32_GROUP = 4, F32_ROWS = 4, F32_KP = 64, F32_LD = F32_TILE * F32_GROUP, F32_WIDE = 0 };
 /* multiply-adds below which one thread does it all (waking the other costs more) */
 #define F32_SERIAL_WORK 1.5e6
 
@@ -158,8 +158,16 @@ static inline int f32_take(int *next, int chunk, int groups, int *g0, int *g1) {
 
 /* The calling thread's share of a product: blocks of F32_GROUP tiles taken from the shared counter *next as
  * they come, `chunk` at a time. c: m * F32_LD floats of scratch; best / where: this thread's (argmax only). */
+/* (every row at once) */
+static inline int f32_panel_rows(int m, int k) {
+    (void)k;
+    return m;
+}
+
 static void f32_matmul_part(const void *w, int bf16, int n, int k, const float *x, long ldx, int m, const float *bias,
-                            float *out, long ldo, float *best, int32_t *where, float *c, int *next, int chunk) {
+                            float *out, long ldo, float *best, int32_t *where, float *c, float *wide, int *next,
+                            int chunk) {
+    (void)wide; /* (F32_WIDE is 0 here) */
     const int tiles = (n + F32_TILE - 1) / F32_TILE, groups = (tiles + F32_GROUP - 1) / F32_GROUP, pairs = k / 2;
     const size_t tile_bytes = (size_t)k * F32_TILE * (bf16 ? 2 : 4);
     for (int g0, g1; f32_take(next, chunk, groups, &g0, &g1);) {

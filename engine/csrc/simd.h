@@ -64,6 +64,16 @@ static inline __m512 exp_nonpositive(__m512 y) {
     return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(p, n));
 }
 
+/* silu(g) * u = g * sigmoid(g) * u, the sigmoid from exp(-|g|) (no overflow for any g) */
+static inline __m512 silu_mul(__m512 g, __m512 u) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 e = exp_nonpositive(_mm512_castsi512_ps(
+        _mm512_or_si512(_mm512_castps_si512(g), _mm512_set1_epi32((int)0x80000000))));
+    const __mmask16 positive = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
+    const __m512 sigmoid = _mm512_div_ps(_mm512_mask_blend_ps(positive, e, one), _mm512_add_ps(one, e));
+    return _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), u);
+}
+
 /* exp_nonpositive of one value */
 static inline float exp1(float y) {
     float out[16];

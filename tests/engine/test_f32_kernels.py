@@ -163,6 +163,37 @@ def test_float32_matmul_is_f_linear_up_to_the_order_of_its_sums(isa, n, k, rows,
     assert torch.equal(alone, out), "a row's values depend on its batch"
 
 
+@needs_avx512
+@settings(max_examples=30, deadline=None)
+@given(groups=st.integers(1, 6), k=st.integers(1, 80).map(lambda h: 2 * h), rows=st.integers(1, 70),
+       bf16=st.booleans(), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_float32_swiglu_matmul_is_silu_of_the_gate_times_the_up_product(groups, k, rows, bf16, bias, seed):
+    """A SwiGLU's stacked gate-and-up linear with silu(gate) * up in the product's epilogue: the same products
+    as the plain kernel's (bit for bit), then torch's silu and multiply within float32 rounding; a row's values
+    do not depend on its batch."""
+    g = torch.Generator().manual_seed(seed)
+    inter = 64 * groups
+    weight = torch.randn(2 * inter, k, generator=g)
+    if bf16:
+        weight = weight.bfloat16()
+    x = torch.randn(rows, k, generator=g)
+    b = torch.randn(2 * inter, generator=g) if bias else None
+    kernel = _kernel("AVX-512F", weight, b)
+    assert kernel.swiglu_ok
+    out = kernel.swiglu(x)
+    assert out.shape == (rows, inter) and out.dtype == torch.float32
+    gate, up = kernel(x).double().chunk(2, dim=-1)
+    exact = F.silu(gate) * up
+    assert ((out.double() - exact).abs() <= 2**-20 * exact.abs() + 1e-30).all()
+    assert torch.equal(torch.cat([kernel.swiglu(x[r : r + 1]) for r in range(rows)]), out)
+
+
+@needs_avx512
+def test_swiglu_in_the_epilogue_needs_whole_groups_of_64():
+    assert not _kernel("AVX-512F", torch.randn(2 * 88, 32)).swiglu_ok
+    assert _kernel("AVX-512F", torch.randn(2 * 128, 32)).swiglu_ok
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @settings(max_examples=30, deadline=None)
 @given(vocab=st.integers(1, 3000), rows=st.integers(1, 70), ties=st.integers(0, 5), bf16=st.booleans(),
@@ -301,10 +332,12 @@ def test_long_prompts_take_the_causal_kernel_and_generate_torch_fp32_tokens(vari
     (runner, sched), (ref, ref_sched) = _engines(path, block_size=16, num_blocks=512, budget=budget)
     prompts = [[(3 * i) % 390 + 5 for i in range(600)], [(5 * i) % 400 for i in range(181)],
                list(range(40, 300))[::-1]]
-    with mock.patch.object(ops, "causal_attention", wraps=ops.causal_attention) as kernel:
+    with mock.patch.object(ops, "paged_causal_attention", wraps=ops.paged_causal_attention) as kernel, \
+            mock.patch.object(F32Matmul, "swiglu", autospec=True, side_effect=F32Matmul.swiglu) as swiglu:
         got = generate(runner, sched, [seq(f"r{i}", p, max_tokens=8, temperature=0.0) for i, p in enumerate(prompts)])
-    assert kernel.call_count and all(c.args[1].shape[1] >= 181 for c in kernel.call_args_list)
-    assert any(int(c.args[4].max()) > 0 for c in kernel.call_args_list) == (budget < 600)  # chunks after the first
+    assert swiglu.call_count  # (the MLP's SwiGLU in its first linear's epilogue)
+    assert kernel.call_count and all(c.args[4].shape[1] >= 181 for c in kernel.call_args_list)  # keys
+    assert any(int(c.args[7].max()) > 0 for c in kernel.call_args_list) == (budget < 600)  # chunks after the first
     assert got == generate(ref, ref_sched, [seq(f"r{i}", p, max_tokens=8, temperature=0.0)
                                             for i, p in enumerate(prompts)])
 
@@ -448,6 +481,40 @@ def test_float32_causal_attention_is_the_masked_torch_path(chunks, kv_heads, gro
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=dim ** -0.5,
         enable_gqa=True).transpose(1, 2), rtol=1e-5, atol=1e-5)
     assert ops.causal_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 1.0) is None  # (float32 only)
+
+
+@needs_avx512
+@settings(max_examples=30, deadline=None)
+@given(chunks=st.lists(st.tuples(st.integers(0, 100), st.integers(1, 70)), min_size=1, max_size=3),
+       kv_heads=st.sampled_from([1, 3]), group=st.sampled_from([1, 3]), dim=st.sampled_from([16, 64, 128]),
+       seed=st.integers(0, 2**16))
+def test_paged_causal_attention_reads_queries_and_keys_where_they_lie(chunks, kv_heads, group, dim, seed):
+    """The same kernel reading a step's query rows and the cache's slots (scattered, as a paged cache holds
+    them) and writing its output rows where the step's outputs go: the dense call's values, bit for bit, and
+    the pads' row untouched."""
+    g = torch.Generator().manual_seed(seed)
+    heads, b = kv_heads * group, len(chunks)
+    q_len = max(n for _, n in chunks)
+    k_len = max(start + n for start, n in chunks)
+    q = torch.randn(b, q_len, heads, dim, generator=g)
+    k, v = (torch.randn(b, k_len, kv_heads, dim, generator=g) for _ in range(2))
+    starts = torch.tensor([start for start, _ in chunks])
+    dense = ops.causal_attention(q, k, v, dim ** -0.5, starts)
+    rows = b * q_len
+    q_index = torch.randperm(rows, generator=g).view(b, q_len)  # each (sequence, query)'s row of the step
+    kv_slots = torch.randperm(b * k_len + 50, generator=g)[: b * k_len].view(b, k_len)
+    step_q = torch.empty(rows, heads, dim)
+    step_q[q_index.view(-1)] = q.reshape(rows, heads, dim)
+    k_cache, v_cache = torch.randn(2, b * k_len + 50, kv_heads, dim, generator=g)
+    k_cache[kv_slots.view(-1)] = k.reshape(-1, kv_heads, dim)
+    v_cache[kv_slots.view(-1)] = v.reshape(-1, kv_heads, dim)
+    out_index = torch.randperm(rows, generator=g).view(b, q_len)
+    pads = torch.tensor([[i >= n for i in range(q_len)] for _, n in chunks])
+    out_index[pads] = rows  # the pads' row
+    out = torch.full((rows + 1, heads, dim), 7.0)
+    assert ops.paged_causal_attention(step_q, k_cache, v_cache, q_index, kv_slots, out_index, dim ** -0.5, starts,
+                                      out)
+    assert torch.equal(out[out_index[~pads]], dense[~pads]) and (out[rows] == 7.0).all()
 
 
 @needs_avx512

@@ -23,7 +23,7 @@ def run(sched, fake_token=7, max_steps=10_000, on_step=None):
         batch = sched.schedule()
         if batch is None:
             break
-        assert sum(batch.num_new_tokens) <= sched.max_num_batched_tokens
+        assert sum(batch.num_new_tokens) <= sched.max_step_tokens
         steps.append([(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)])
         sampled = [fake_token for i in range(len(batch.seqs)) if batch.samples(i)]
         result = sched.update(batch, sampled)
@@ -66,6 +66,21 @@ def test_chunked_prefill_shares_budget_with_decodes_first():
         assert ids.get("short") == 1  # the running decode is served every step
         assert ids.get("long", 0) <= 7
     assert len(outputs["long"]) == 2 and len(outputs["short"]) == 10
+
+
+def test_a_prompts_small_tail_joins_its_last_full_chunk():
+    """A prompt whose last chunk would be an eighth of the budget or less takes it one step early, over the
+    budget by at most that; a longer remainder gets a step of its own, and a sliding window keeps the budget."""
+    sched = make(budget=64, num_blocks=256)
+    sched.add(seq("tail", [1] * 72, max_tokens=1))
+    sched.add(seq("rest", [2] * 73, max_tokens=1))
+    _, steps = run(sched)
+    assert steps[0] == [("tail", 72)]
+    assert steps[1:3] == [[("rest", 64)], [("rest", 9)]]
+    windowed = Scheduler(BlockManager(256, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1000,
+                         sliding_window=32)
+    windowed.add(seq("tail", [1] * 72, max_tokens=1))
+    assert run(windowed)[1][:2] == [[("tail", 64)], [("tail", 8)]]
 
 
 def test_stop_tokens_min_tokens_and_length():
