@@ -20,7 +20,7 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-@dataclass
+@dataclass(slots=True)
 class Piece:
     content: str = ""
     reasoning: str = ""

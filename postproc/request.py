@@ -49,16 +49,13 @@ class Choice:
             self._parse(Piece(content=tokenizer.decode(spec.output_prefix, skip_special_tokens=False)), False)
 
     @property
-    def ended_early(self) -> bool:
-        """Ended by a stop string, malformed output or its last allowed tool call, before the engine ended it."""
-        return self.stops.stopped or bool(self.harmony and self.harmony.failed) or self._calls_done
-
-    @property
     def _calls_done(self) -> bool:
         return any(getattr(parser, "done", False) for parser in self.parsers) if self.harmony is None else False
 
     def on_token(self, token: int, verdict: str | None) -> Piece:
-        """Feeds one token with the engine's verdict on it (FinishReason); returns what it adds to the message."""
+        """Feeds one token with the engine's verdict on it (FinishReason); returns what it adds to the message.
+        A finish reason without a verdict means the choice ended here, before the engine ended it (a stop
+        string, malformed output, its last allowed tool call)."""
         self.num_tokens += 1
         finish_reason = "stop" if verdict in ("stop_token", "grammar") else verdict
         if self.harmony is not None:

@@ -150,7 +150,7 @@ class Shard:
                 continue
             touched[rid] = req
             step.fed[(rid, index)] = None
-            if verdict is None and req.choices[index].ended_early:
+            if verdict is None and req.choices[index].finish_reason is not None:  # ended here (stop string, ...)
                 step.ended_choices.append((rid, index))
 
     def drop_destination(self, address: str) -> list[str]:

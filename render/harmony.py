@@ -79,6 +79,8 @@ class HarmonyExtension:
         self.bundle = bundle
         self.options = options
         self.enc = harmony_encoding()
+        # <|return|>, <|call|>: once (the encoding builds them afresh at each call)
+        self._stops = tuple(self.enc.stop_tokens_for_assistant_actions())
 
     def render_prompt(self, request: ChatCompletionRequest, budget: PromptBudget) -> Rendered:
         if request.chat_template is not None:  # allowed only with --trust-request-chat-template
@@ -95,7 +97,7 @@ class HarmonyExtension:
         return Rendered(list(ids) + prefix, prefix)
 
     def extra_stop_token_ids(self) -> tuple[int, ...]:
-        return tuple(self.enc.stop_tokens_for_assistant_actions())  # <|return|>, <|call|>
+        return self._stops
 
     def unsupported_features(self, request: ChatCompletionRequest) -> list[Unsupported]:
         out = common_unsupported(request, self.options, True)

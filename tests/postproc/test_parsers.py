@@ -181,7 +181,7 @@ def test_malformed_harmony_ends_the_choice_with_what_was_parsed():
             break
     body = json.loads(req.final().data)["choices"][0]
     assert body["finish_reason"] == "error" and body["message"]["reasoning_content"] == "thinking"
-    assert req.choices[0].ended_early and enc is not None
+    assert req.choices[0].finish_reason == "error" and enc is not None
 
 
 def test_forced_tool_call_prefix_is_parsed_not_shown():
