@@ -450,6 +450,16 @@ def test_float32_decode_attention_is_the_torch_path(batch, kv_heads, group, dim,
     assert (out[untouched] == 0).all()
 
 
+def _chunked_prompts(chunks, kv_heads: int, group: int, dim: int, g):
+    """q [B, Lq, H, D], k and v [B, Lk, Hkv, D] and starts [B] for prompt chunks (start, length), padded to the
+    longest."""
+    q_len = max(n for _, n in chunks)
+    k_len = max(start + n for start, n in chunks)
+    q = torch.randn(len(chunks), q_len, kv_heads * group, dim, generator=g)
+    k, v = (torch.randn(len(chunks), k_len, kv_heads, dim, generator=g) for _ in range(2))
+    return q, k, v, torch.tensor([start for start, _ in chunks])
+
+
 @needs_avx512
 @settings(max_examples=40, deadline=None)
 @given(chunks=st.lists(st.tuples(st.integers(0, 150), st.integers(1, 90)), min_size=1, max_size=3),
@@ -463,12 +473,8 @@ def test_float32_causal_attention_is_the_masked_torch_path(chunks, kv_heads, gro
     from engine.attention import _attention
 
     g = torch.Generator().manual_seed(seed)
-    heads, b = kv_heads * group, len(chunks)
-    q_len = max(n for _, n in chunks)
-    k_len = max(start + n for start, n in chunks)
-    q = torch.randn(b, q_len, heads, dim, generator=g)
-    k, v = (torch.randn(b, k_len, kv_heads, dim, generator=g) for _ in range(2))
-    starts = torch.tensor([start for start, _ in chunks])
+    q, k, v, starts = _chunked_prompts(chunks, kv_heads, group, dim, g)
+    q_len, k_len = q.shape[1], k.shape[1]
     out = ops.causal_attention(q, k, v, dim ** -0.5, starts)
     assert out is not None and out.shape == q.shape
     q_pos = starts[:, None] + torch.arange(q_len)[None, :]
@@ -493,12 +499,8 @@ def test_paged_causal_attention_reads_queries_and_keys_where_they_lie(chunks, kv
     them) and writing its output rows where the step's outputs go: the dense call's values, bit for bit, and
     the pads' row untouched."""
     g = torch.Generator().manual_seed(seed)
-    heads, b = kv_heads * group, len(chunks)
-    q_len = max(n for _, n in chunks)
-    k_len = max(start + n for start, n in chunks)
-    q = torch.randn(b, q_len, heads, dim, generator=g)
-    k, v = (torch.randn(b, k_len, kv_heads, dim, generator=g) for _ in range(2))
-    starts = torch.tensor([start for start, _ in chunks])
+    q, k, v, starts = _chunked_prompts(chunks, kv_heads, group, dim, g)
+    (b, q_len, heads, _), k_len = q.shape, k.shape[1]
     dense = ops.causal_attention(q, k, v, dim ** -0.5, starts)
     rows = b * q_len
     q_index = torch.randperm(rows, generator=g).view(b, q_len)  # each (sequence, query)'s row of the step
