@@ -230,14 +230,14 @@ def _report(results: list[dict]) -> None:
     for r in results:
         if "ttft_len" in r:
             print(f"{r['server']:8} TTFT of a {r['ttft_len']}-token prompt: {r['ttft_p50']:.0f} ms (p50)")
+        if "greedy_equal_to_transformers" in r:
+            print(f"{r['server']:8} greedy text equal to transformers' float32: {r['greedy_equal_to_transformers']}"
+                  f" of {r['of']}")
     paired = {r["server"]: r["ttft_ms"] for r in results if r.get("interleaved")}
     if len(paired) == 2:  # each prompt's Sluice / vLLM, sent back to back
         ratios = sorted(s / v for s, v in zip(paired["sluice"], paired["vllm"]))
         print(f"sluice / vllm TTFT, prompt by prompt: median {statistics.median(ratios):.3f} "
               f"(range {ratios[0]:.3f}-{ratios[-1]:.3f}, {len(ratios)} prompts)")
-        if "greedy_equal_to_transformers" in r:
-            print(f"{r['server']:8} greedy text equal to transformers' float32: {r['greedy_equal_to_transformers']}"
-                  f" of {r['of']}")
 
 
 if __name__ == "__main__":

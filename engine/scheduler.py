@@ -72,12 +72,13 @@ class Scheduler:
     def tail_tokens(self) -> int:
         """A prompt whose last chunk would be this many tokens or fewer takes it in the step before, over the
         budget: a step reads every weight and the prompt's keys whatever its size, so a step for a small tail
-        costs several times its tokens (bench/RESULTS.md). None with a sliding window, whose pool holds a window
-        and one budget."""
+        costs several times its tokens (bench/RESULTS.md). 0 with a sliding window, whose pool holds a window and
+        one budget."""
         return 0 if self.sliding_window else self.max_num_batched_tokens // 8
 
     @property
     def max_step_tokens(self) -> int:
+        """The most tokens a step takes: the budget, and a prompt's tail."""
         return self.max_num_batched_tokens + self.tail_tokens
 
     def add(self, seq: Sequence) -> None:
