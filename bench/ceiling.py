@@ -78,6 +78,11 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit() and ppid(int(p)) == pid]
 
 
+def tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of a process and its live descendants (a server's stages and workers)."""
+    return cpu_seconds(pid) + sum(tree_cpu(child) for child in children(pid))
+
+
 def harmony_recording(path: str, output_len: int) -> None:
     """A realistic gpt-oss output to replay: reasoning, then an answer, `output_len` tokens in all."""
     from sluice.harmony_vocab import harmony_encoding

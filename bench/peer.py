@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.ceiling import cpu_seconds, children
+from bench.ceiling import tree_cpu
 from bench.checkpoints import CHECKPOINTS, checkpoint
 from bench.client import Connection
 from bench.serve import _body, add_load_args, random_requests, serve
@@ -182,9 +182,6 @@ def ttft_interleaved(args, path: str, flags: list[str]) -> list[dict]:
     sluice = Server("--model", path, "--max-model-len", "4096", *flags)
     servers = {"vllm": (vllm.url, vllm.proc.pid), "sluice": (sluice.url, sluice.proc.pid)}
     try:
-        def tree_cpu(pid: int) -> float:
-            return cpu_seconds(pid) + sum(tree_cpu(c) for c in children(pid))
-
         before = {name: tree_cpu(pid) for name, (_, pid) in servers.items()}
         time.sleep(5)
         idle = {name: (tree_cpu(pid) - before[name]) / 5 for name, (_, pid) in servers.items()}

@@ -26,7 +26,7 @@ import time
 
 import httpx
 
-from bench.ceiling import children, cpu_seconds
+from bench.ceiling import tree_cpu
 from bench.router import RouterProc
 from bench.server import Server, free_port, wait_healthy
 
@@ -74,11 +74,6 @@ async def load(url: str, jobs: list[tuple[str, int]], concurrency: int) -> list[
             async with sem:
                 return await one(client, url, *job)
         return await asyncio.gather(*(run(j) for j in jobs))
-
-
-def tree_cpu(pid: int) -> float:
-    """CPU seconds (user + system) of a process and its live descendants (a router's granian workers)."""
-    return cpu_seconds(pid) + sum(tree_cpu(child) for child in children(pid))
 
 
 def pct(values: list[float], q: float) -> float:

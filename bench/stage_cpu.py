@@ -5,24 +5,14 @@
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import subprocess
 import tempfile
 
-from bench.ceiling import harmony_recording
+from bench.ceiling import cpu_seconds, harmony_recording
 from bench.faults import ingress_workers
 from bench.serve import add_load_args, serve
 from bench.server import Server
-
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
-
 
 def stage_pids(server: Server) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}

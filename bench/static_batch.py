@@ -5,6 +5,7 @@ read, at the width they read it, and the KV cache its rows attend to) at this ru
     python -m bench.static_batch [--model tiny-llama-o200k] [--batches 1,8,32] [--new-tokens 64]
                                  [--prompt-len 32] [--dtype float32] [--no-transformers]
     python -m bench.static_batch --model llama-135m --continuous 64 --batches 16 --prompt-len 100 --new-tokens 128
+    python -m bench.static_batch --model llama-135m --prefill-len 2080     # one prompt's prefill, the server's budget
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.worker import keep_heap_memory
 from ipc.messages import SamplingParams
+from sluice.config import ServerConfig
 
 
 def bandwidth_gbps(nbytes: int = 256 << 20) -> tuple[float, float]:
@@ -107,6 +109,24 @@ def continuous(model, concurrency: int, requests: int, prompt_len: int, new_toke
     return tokens / (time.perf_counter() - t0)
 
 
+def prefill_ms(model, length: int, dtype, rounds: int = 3) -> list[float]:
+    """Wall milliseconds of one `length`-token prompt's prefill (every step until its first token) through the
+    scheduler and paged runner at the server's default step budget, `rounds` times after a warm-up, a new
+    random prompt each (no prefix-cache hits)."""
+    runner, sched = _engine(model, dtype)
+    sched.max_num_batched_tokens = ServerConfig().max_num_batched_tokens
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(rounds + 1):
+        sched.add(Sequence(f"p{i}", rng.integers(0, min(199_000, model.config.vocab_size), length).tolist(),
+                           SamplingParams(max_tokens=1, temperature=0.0), seed=i))
+        t0 = time.perf_counter()
+        while (b := sched.schedule()) is not None:
+            sched.update(b, runner.run(b).tokens)
+        out.append(1000 * (time.perf_counter() - t0))
+    return out[1:]
+
+
 def hf_generate(path, batch: int, prompt_len: int, new_tokens: int, dtype) -> float:
     from transformers import AutoModelForCausalLM
 
@@ -134,11 +154,17 @@ def main() -> None:
     parser.add_argument("--no-transformers", action="store_true", help="Sluice and the floors alone")
     parser.add_argument("--continuous", type=int, metavar="N", help="instead: N requests kept at each --batches "
                         "concurrency (new prompts beside decodes), the engine's output tokens/s")
+    parser.add_argument("--prefill-len", type=int, metavar="L", help="instead: time one L-token prompt's prefill")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     keep_heap_memory()  # as the engine process does
     path = Path(args.model) if Path(args.model).is_dir() else checkpoint(args.model)
     model = load_model(path, dtype, torch.device("cpu"))
+    if args.prefill_len:
+        times = prefill_ms(model, args.prefill_len, dtype)
+        print(f"{path.name}, {args.dtype}: a {args.prefill_len}-token prefill: "
+              f"{' / '.join(f'{t:.0f}' for t in times)} ms (min {min(times):.0f})")
+        return
     if args.continuous:
         continuous(model, 4, 4, args.prompt_len, 4, dtype)  # warm-up
         for batch in (int(b) for b in args.batches.split(",")):

@@ -98,11 +98,12 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         self._step: dict[Sequence, int] = {}  # this step's sequences and their token counts, in order
         self._budget = self.max_num_batched_tokens
+        tail = self.tail_tokens  # (a prompt takes all it has left when that is within the budget and a tail)
         self.running.sort(key=_order)
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or self._budget <= 0:
                 continue
-            n = self._chunk(seq.num_uncomputed)
+            n = u if (u := seq.num_uncomputed) <= self._budget + tail else self._budget
             if self.sliding_window:  # this step's first query sees keys from here on
                 first_seen = seq.num_computed_tokens - self.sliding_window + 1
                 (self.window_pool or self.bm).free_outside_window(seq, first_seen)
@@ -118,7 +119,8 @@ class Scheduler:
                 i += 1  # wait for the leader's prompt to be cached, then reuse it
                 continue
             hits, window_hits = self._prefix_hits(seq)
-            n = self._chunk(seq.num_tokens - len(hits) * self.bm.block_size)
+            u = seq.num_tokens - len(hits) * self.bm.block_size
+            n = u if u <= self._budget + tail else self._budget
             if not self._make_room(seq, n, hits, window_hits):
                 break
             self.waiting.remove(seq)
@@ -133,12 +135,6 @@ class Scheduler:
             self._take(seq, n)
         step, self._step = self._step, {}
         return ScheduledBatch(list(step), list(step.values())) if step else None
-
-    def _chunk(self, uncomputed: int) -> int:
-        """This step's tokens of a sequence with `uncomputed` tokens to compute: what the budget leaves, or all of
-        them where the rest would be a tail (`tail_tokens`)."""
-        n = min(uncomputed, self._budget)
-        return uncomputed if uncomputed - n <= self.tail_tokens else n
 
     def _prefix_hits(self, seq: Sequence) -> tuple[list[int], tuple[list[int], int]]:
         """Cached blocks of seq's prompt: the main pool's, and (when the window layers keep a pool of their

@@ -73,10 +73,13 @@ class F32Matmul:
                    None if out is None else out.data_ptr(), self.n, None if tokens is None else tokens.data_ptr()):
             raise MemoryError("the float32 matmul kernel could not allocate its workspace")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] as the kernel reads it: float32 rows [M, K], unit stride along K."""
         rows = x.reshape(-1, self.k).float()
-        if rows.stride(1) != 1:
-            rows = rows.contiguous()
+        return rows if rows.stride(1) == 1 else rows.contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self._rows(x)
         out = torch.empty(*x.shape[:-1], self.n, dtype=torch.float32)
         if out.numel():
             self._run(rows, out, None)
@@ -90,9 +93,7 @@ class F32Matmul:
         """silu(gate) * up of this stacked product (gate outputs first) for float32 rows x [M, K], as [M, N / 2],
         the [M, N] product never written (only where `swiglu_ok`)."""
         assert self._swiglu is not None
-        rows = x.reshape(-1, self.k).float()
-        if rows.stride(1) != 1:
-            rows = rows.contiguous()
+        rows = self._rows(x)
         out = torch.empty(*x.shape[:-1], self.n // 2, dtype=torch.float32)
         if out.numel() and self._swiglu(self.packed.data_ptr(), self.bf16, self.n, self.k, rows.data_ptr(),
                                         rows.stride(0), rows.shape[0],
