@@ -179,7 +179,11 @@ def ttft_interleaved(args, path: str, flags: list[str]) -> list[dict]:
     up the whole time; their idle CPU first (each server's process tree over 5 s)."""
     vllm = VllmServer(args.vllm_python, path, args.dtype, args.vllm_max_num_seqs,
                       memory_utilization=args.vllm_memory_utilization)
-    sluice = Server("--model", path, "--max-model-len", "4096", *flags)
+    try:
+        sluice = Server("--model", path, "--max-model-len", "4096", *flags)
+    except BaseException:
+        vllm.stop()
+        raise
     servers = {"vllm": (vllm.url, vllm.proc.pid), "sluice": (sluice.url, sluice.proc.pid)}
     try:
         before = {name: tree_cpu(pid) for name, (_, pid) in servers.items()}

@@ -27,8 +27,9 @@
 enum { F32_TILE = 16, F32_GROUP = 4, F32_ROWS = 6, F32_KP = 64, F32_LD = F32_TILE * F32_GROUP };
 /* a group's slice of KP pairs widened to float32 (bf16 weights, F32_WIDEN_ROWS rows or more): floats of scratch */
 enum { F32_WIDE = F32_GROUP * F32_KP * 2 * F32_TILE, F32_WIDEN_ROWS = 4 * F32_ROWS };
-/* bytes of input rows a panel holds: a thread's share of the rows stays in its L2 across the groups it takes */
-#define F32_PANEL_BYTES (512 << 10)
+/* bytes of input rows a panel holds: each group's weight slices are read (and widened) once a panel, so the
+ * more rows the fewer times; past a few MB the rows' own traffic costs more (bench/RESULTS.md) */
+#define F32_PANEL_BYTES (2 << 20)
 
 /* Rows a panel takes (of m, each k floats): whole F32_ROWS blocks within F32_PANEL_BYTES, at least 4 blocks.
  * Taking the rows a panel at a time, each group's weights are read once a panel and each panel's rows once
@@ -39,6 +40,9 @@ static inline int f32_panel_rows(int m, int k) {
     rows = rows < 4 * F32_ROWS ? 4 * F32_ROWS : rows;
     return rows < m ? rows : m;
 }
+
+/* weight bytes from which a widened slice is fetched ahead (see f32_group) */
+#define F32_FETCH_BYTES ((size_t)4 << 20)
 
 /* multiply-adds below which one thread does it all (waking the other costs more) */
 #define F32_SERIAL_WORK 1.5e6
@@ -146,6 +150,30 @@ static inline int f32_take(int *next, int chunk, int groups, int *g0, int *g1) {
     return g < groups;
 }
 
+/* A thread's units of work, taken from the shared counter a chunk ahead so that the unit after this one is
+ * known (its weights are fetched meanwhile): [u, u1) to do now, [n0, n1) taken ahead (empty: none left). */
+typedef struct {
+    int u, u1, n0, n1;
+} f32_queue;
+
+static inline f32_queue f32_queue_new(int *next, int chunk, int units) {
+    f32_queue q = {0, 0, 0, 0};
+    if (!f32_take(next, chunk, units, &q.n0, &q.n1)) q.n0 = q.n1 = 0;
+    return q;
+}
+
+/* the calling thread's next unit, or -1 when none is left; *after: the one after it, or -1 */
+static inline int f32_unit(f32_queue *q, int *next, int chunk, int units, int *after) {
+    if (q->u >= q->u1) {
+        q->u = q->n0, q->u1 = q->n1;
+        if (q->u >= q->u1) return -1;
+        if (!f32_take(next, chunk, units, &q->n0, &q->n1)) q->n0 = q->n1 = 0;
+    }
+    const int u = q->u++;
+    *after = q->u < q->u1 ? q->u : q->n0 < q->n1 ? q->n0 : -1;
+    return u;
+}
+
 /* tiles [0, nt) of a bf16 group's pairs [p0, p1) (tiles k * F32_TILE values apart) as float32 in the float32
  * packing, each tile's (p1 - p0) pairs together: wide [nt][p1 - p0][2][16] (exact: bf16 -> float32) */
 static void f32_widen(const uint16_t *w, int k, int nt, int p0, int p1, float *wide) {
@@ -162,26 +190,40 @@ static void f32_widen(const uint16_t *w, int k, int nt, int p0, int p1, float *w
 
 /* Group g (F32_GROUP tiles from tile g * F32_GROUP) of the product for all m rows, into c [m][F32_LD]; returns
  * its number of tiles. wide: F32_WIDE floats of scratch, or NULL: with many rows, a bf16 weight's slice is
- * widened once there for all of them rather than in registers for each F32_ROWS (the same values). */
+ * widened once there for all of them rather than in registers for each F32_ROWS (the same values). `then`:
+ * the group this thread takes next (-1: none), fetched as this one is read: unwidened, whole, with the first
+ * row block; widened, from a weight of F32_FETCH_BYTES or more, the slice widened next (this group's next
+ * pairs, else group then's first) into L2, a few lines for each block of rows (a large weight's slices come
+ * from memory again for each panel of rows, and the widening waited on every line; a small one's stay in the
+ * caches, where the fetching only costs). */
 static int f32_group(const void *w, int bf16, int n, int k, const float *x, long ldx, int m, float *c, int g,
-                     float *wide) {
+                     float *wide, int then) {
     const int tiles = (n + F32_TILE - 1) / F32_TILE, groups = (tiles + F32_GROUP - 1) / F32_GROUP, pairs = k / 2;
     const size_t tile_bytes = (size_t)k * F32_TILE * (bf16 ? 2 : 4);
     const int tile0 = g * F32_GROUP, nt = tiles - tile0 < F32_GROUP ? tiles - tile0 : F32_GROUP;
     const char *wg = (const char *)w + (size_t)tile0 * tile_bytes;
-    const int widen = bf16 && wide && m >= F32_WIDEN_ROWS;
+    const int widen = bf16 && wide && m >= F32_WIDEN_ROWS, blocks = (m + F32_ROWS - 1) / F32_ROWS;
+    const char *wthen = then >= 0 && then < groups ? (const char *)w + (size_t)then * F32_GROUP * tile_bytes : NULL;
+    const int fetch = widen && (size_t)tiles * tile_bytes >= F32_FETCH_BYTES;
     for (int p0 = 0; p0 < pairs; p0 += F32_KP) {
         const int p1 = p0 + F32_KP < pairs ? p0 + F32_KP : pairs;
         if (widen) f32_widen((const uint16_t *)wg, k, nt, p0, p1, wide);
-        for (int r0 = 0; r0 < m; r0 += F32_ROWS) {
+        /* the slice widened next: tiles of `span` pairs (a 64-byte line each) from pair q0 of the tiles from wn */
+        const char *wn = p1 < pairs ? wg : wthen;
+        const int q0 = p1 < pairs ? p1 : 0, span = pairs - q0 < F32_KP ? pairs - q0 : F32_KP;
+        const int lines = fetch && wn ? F32_GROUP * span : 0;
+        for (int r0 = 0, b = 0, l = 0, lt = 0, lq = 0; r0 < m; r0 += F32_ROWS, b++) {
             const int r = m - r0 < F32_ROWS ? m - r0 : F32_ROWS;
             const float *xr = x + (size_t)r0 * ldx;
             float *cr = c + (size_t)r0 * F32_LD;
             if (widen) { /* the slice as a float32 weight of 2 * (p1 - p0) columns, from column 2 * p0 of x */
+                for (const int l1 = lines * (b + 1) / blocks; l < l1; l++) { /* line lq of tile lt */
+                    _mm_prefetch(wn + (size_t)lt * tile_bytes + (size_t)(q0 + lq) * 64, _MM_HINT_T1);
+                    if (++lq == span) lq = 0, lt++;
+                }
                 F32_BLOCK_FN[0][nt][r](wide, 2 * (p1 - p0), 0, p1 - p0, xr + 2 * p0, ldx, cr, p0 == 0, NULL);
             } else {
-                const char *pf = r0 == 0 && g + 1 < groups ? wg + F32_GROUP * tile_bytes : NULL;
-                F32_BLOCK_FN[bf16 != 0][nt][r](wg, k, p0, p1, xr, ldx, cr, p0 == 0, pf);
+                F32_BLOCK_FN[bf16 != 0][nt][r](wg, k, p0, p1, xr, ldx, cr, p0 == 0, r0 == 0 ? wthen : NULL);
             }
         }
     }
@@ -197,13 +239,14 @@ static void f32_matmul_part(const void *w, int bf16, int n, int k, const float *
                             int chunk) {
     const int groups = ((n + F32_TILE - 1) / F32_TILE + F32_GROUP - 1) / F32_GROUP, panel = f32_panel_rows(m, k);
     const int units = (m + panel - 1) / panel * groups;
-    for (int u0, u1; f32_take(next, chunk, units, &u0, &u1);)
-        for (int u = u0; u < u1; u++) {
-            const int r0 = u / groups * panel, g = u % groups, rows = m - r0 < panel ? m - r0 : panel;
-            f32_finish(c, rows, g * F32_GROUP, f32_group(w, bf16, n, k, x + (size_t)r0 * ldx, ldx, rows, c, g, wide),
-                       n, bias, out ? out + (size_t)r0 * ldo : NULL, ldo, best ? best + (size_t)r0 * F32_TILE : NULL,
-                       where ? where + (size_t)r0 * F32_TILE : NULL);
-        }
+    f32_queue q = f32_queue_new(next, chunk, units);
+    for (int u, after; (u = f32_unit(&q, next, chunk, units, &after)) >= 0;) {
+        const int r0 = u / groups * panel, g = u % groups, rows = m - r0 < panel ? m - r0 : panel;
+        const int nt = f32_group(w, bf16, n, k, x + (size_t)r0 * ldx, ldx, rows, c, g, wide,
+                                 after < 0 ? -1 : after % groups);
+        f32_finish(c, rows, g * F32_GROUP, nt, n, bias, out ? out + (size_t)r0 * ldo : NULL, ldo,
+                   best ? best + (size_t)r0 * F32_TILE : NULL, where ? where + (size_t)r0 * F32_TILE : NULL);
+    }
 }
 
 /* The rows' SwiGLU of a gate group's products c and the matching up group's cu (+ their biases) into out:
@@ -236,14 +279,14 @@ static void f32_swiglu_part(const void *w, int bf16, int n, int k, const float *
     const int half = n / 2 / (F32_GROUP * F32_TILE), panel = f32_panel_rows(m, k);
     const int units = (m + panel - 1) / panel * half;
     float *cu = c + (size_t)panel * F32_LD;
-    for (int u0, u1; f32_take(next, chunk, units, &u0, &u1);)
-        for (int u = u0; u < u1; u++) {
-            const int r0 = u / half * panel, g = u % half, rows = m - r0 < panel ? m - r0 : panel;
-            const float *xr = x + (size_t)r0 * ldx;
-            const int nt = f32_group(w, bf16, n, k, xr, ldx, rows, c, g, wide);
-            f32_group(w, bf16, n, k, xr, ldx, rows, cu, g + half, wide);
-            f32_finish_swiglu(c, cu, rows, g * F32_GROUP, nt, n / 2, bias, out + (size_t)r0 * ldo, ldo);
-        }
+    f32_queue q = f32_queue_new(next, chunk, units);
+    for (int u, after; (u = f32_unit(&q, next, chunk, units, &after)) >= 0;) {
+        const int r0 = u / half * panel, g = u % half, rows = m - r0 < panel ? m - r0 : panel;
+        const float *xr = x + (size_t)r0 * ldx;
+        const int nt = f32_group(w, bf16, n, k, xr, ldx, rows, c, g, wide, g + half);
+        f32_group(w, bf16, n, k, xr, ldx, rows, cu, g + half, wide, after < 0 ? -1 : after % half);
+        f32_finish_swiglu(c, cu, rows, g * F32_GROUP, nt, n / 2, bias, out + (size_t)r0 * ldo, ldo);
+    }
 }
 
 #include "f32_drive.h"

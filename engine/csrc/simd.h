@@ -46,6 +46,17 @@ static inline float load1(const void *x, int bf16, size_t i) {
     return f;
 }
 
+/* e^r for |r| <= ln 2 / 2: a degree-6 polynomial */
+static inline __m512 exp_reduced(__m512 r) {
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    return _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+}
+
 /* exp(y) for y <= 0; 0 below -87 (and for -inf) */
 static inline __m512 exp_nonpositive(__m512 y) {
     const __mmask16 normal = _mm512_cmp_ps_mask(y, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
@@ -54,14 +65,14 @@ static inline __m512 exp_nonpositive(__m512 y) {
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), y);  /* y - n ln2, ln2 in two parts */
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(p, n));
+    return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(exp_reduced(r), n));
+}
+
+/* 2^y for finite y <= 0 (no clamp, no mask: 0 or a subnormal far below, where scalef takes it): y = n + f,
+ * |f| <= 1/2 (exact), 2^f = e^(f ln 2) */
+static inline __m512 exp2_finite(__m512 y) {
+    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_scalef_ps(exp_reduced(_mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.693147180559945309f))), n);
 }
 
 /* silu(g) * u = g * sigmoid(g) * u, the sigmoid from exp(-|g|) (no overflow for any g) */

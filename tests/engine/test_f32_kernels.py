@@ -189,6 +189,20 @@ def test_float32_swiglu_matmul_is_silu_of_the_gate_times_the_up_product(groups, 
 
 
 @needs_avx512
+def test_long_prompts_on_large_weights_keep_the_bits():
+    """Rows past one panel (f32_matmul.c's F32_PANEL_BYTES of them: 510 rows of k = 1024) and a bf16 weight
+    past F32_FETCH_BYTES (4.25 MiB: its next slices fetched while one is multiplied), widened once a panel:
+    the values of 16 rows at a time (no panel, no widening, no fetching; bit-exact by the tests above), for
+    the plain product and SwiGLU's."""
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(2 * 1088, 1024, generator=g).bfloat16(), torch.randn(1100, 1024, generator=g)
+    kernel = _kernel("AVX-512F", weight)
+    assert kernel.bf16 and kernel.swiglu_ok
+    for product in (kernel, kernel.swiglu):
+        assert torch.equal(product(x), torch.cat([product(x[r : r + 16]) for r in range(0, 1100, 16)]))
+
+
+@needs_avx512
 def test_swiglu_in_the_epilogue_needs_whole_groups_of_64():
     assert not _kernel("AVX-512F", torch.randn(2 * 88, 32)).swiglu_ok
     assert _kernel("AVX-512F", torch.randn(2 * 128, 32)).swiglu_ok
