@@ -11,16 +11,18 @@ default, vLLM's CPU default) or float32 (Sluice's CPU default, `--dtype auto`: S
 defaults). `--model`: a path, or a name of bench/checkpoints.py (the real models' shapes). Each load point
 is preceded by 32 uncounted requests (--warmup). `--greedy-check N` first sends N prompts at temperature 0
 to each server and compares their text with transformers' `generate` in float32 on the same checkpoint;
-`--ttft-len L` times single requests with L-token prompts (time to the first token, each server alone);
-with `--ttft-interleaved`, both servers are up at once and take the same prompts in turn (ABBA), one request
-in flight at a time: a machine whose speed drifts by tens of percent over minutes (these do) then weighs on both
-alike, where rounds minutes apart cannot tell a 5% difference. Each server's CPU while idle is reported, so
-that one's background work cannot pass unseen.
+`--ttft-len L` times single requests with L-token prompts (time to the first token, each server alone).
+With `--interleaved`, both servers are up at once: the TTFT prompts go to each in turn (ABBA), one request
+in flight at a time, and each load point's --rounds alternate between them (vLLM, Sluice, Sluice, vLLM, ...):
+a machine whose speed drifts by tens of percent over minutes (these do) then weighs on both alike, where
+rounds minutes apart cannot tell a 5% difference. Each server's CPU while idle is reported, so that one's
+background work (while the other is measured) cannot pass unseen.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -113,8 +115,9 @@ def main() -> None:
     parser.add_argument("--greedy-tokens", type=int, default=32)
     parser.add_argument("--ttft-len", type=int, default=0, metavar="L", help="time single L-token prompts")
     parser.add_argument("--ttft-requests", type=int, default=3)
-    parser.add_argument("--ttft-interleaved", action="store_true",
-                        help="both servers up at once, the same prompts to each in turn (see above); no load points")
+    parser.add_argument("--interleaved", "--ttft-interleaved", action="store_true",
+                        help="both servers up at once: the same prompts to each in turn, each load point's --rounds "
+                             "in ABBA order (see above)")
     parser.add_argument("--json")
     # Each server's first load after it starts is not its steady state (a greedy-16 round of Sluice's once
     # ran 1,717 tok/s against 2,5xx-2,6xx in the rounds after it): 32 requests at 32 first, not counted.
@@ -130,53 +133,71 @@ def main() -> None:
     prompts = (CHECK_PROMPTS * 8)[: args.greedy_check]
     reference = transformers_greedy(path, prompts, args.greedy_tokens) if prompts else []
 
-    def load(server_name: str, url: str) -> None:
-        if prompts:
-            texts = server_greedy(url, path, prompts, args.greedy_tokens)
-            same = sum(a == b for a, b in zip(texts, reference))
-            results.append({"server": server_name, "greedy_equal_to_transformers": same, "of": len(prompts),
-                            "differ": [(p, a, b) for p, a, b in zip(prompts, texts, reference) if a != b][:2]})
-            print(json.dumps(results[-1]), flush=True)
-        if args.ttft_len:
-            point = argparse.Namespace(**{**vars(args), "base_url": url, "max_concurrency": 1, "warmup": 1,
-                                          "num_prompts": args.ttft_requests, "input_len": args.ttft_len,
-                                          "output_len": 2, "temperature": 0.0, "seed": 7})
-            s = serve(point)
-            results.append({"server": server_name, "ttft_len": args.ttft_len, "ttft_p50": s["ttft_ms"]["median"]})
-            print(json.dumps(results[-1]), flush=True)
-        for temp in (float(t) for t in args.temperatures.split(",") if t):
-            for c in (int(x) for x in args.concurrencies.split(",") if x):
-                args.base_url, args.max_concurrency, args.num_prompts, args.temperature = url, c, 4 * c, temp
-                s = serve(args)
-                results.append({"server": server_name, "concurrency": c, "temperature": temp,
-                                "tok_s": s["output_token_throughput"], "itl_p50": s["itl_ms"]["median"],
-                                "ttft_p50": s["ttft_ms"]["median"], "errors": s["errors"]})
-                print(json.dumps(results[-1]), flush=True)
+    def greedy(server_name: str, url: str) -> None:
+        texts = server_greedy(url, path, prompts, args.greedy_tokens)
+        same = sum(a == b for a, b in zip(texts, reference))
+        results.append({"server": server_name, "greedy_equal_to_transformers": same, "of": len(prompts),
+                        "differ": [(p, a, b) for p, a, b in zip(prompts, texts, reference) if a != b][:2]})
+        print(json.dumps(results[-1]), flush=True)
 
-    if args.ttft_interleaved:
-        results += ttft_interleaved(args, path, flags)
-        args.rounds = 0
-    for _ in range(args.rounds):
-        vllm = VllmServer(args.vllm_python, path, args.dtype, args.vllm_max_num_seqs,
-                      memory_utilization=args.vllm_memory_utilization)
-        try:
-            load("vllm", vllm.url)
-        finally:
-            vllm.stop()
-        sluice = Server("--model", path, "--max-model-len", "4096", *flags)
-        try:
-            load("sluice", sluice.url)
-        finally:
-            sluice.stop()
+    def point(server_name: str, url: str, temp: float, c: int, round_: int) -> None:
+        # each point and round its own prompts (both servers the same ones): a server would otherwise find them
+        # in its prefix cache from the point or round before
+        args.base_url, args.max_concurrency, args.num_prompts, args.temperature = url, c, 4 * c, temp
+        args.seed = 1_000_000 * round_ + 1000 * c + int(10 * temp)
+        s = serve(args)
+        results.append({"server": server_name, "concurrency": c, "temperature": temp,
+                        "tok_s": s["output_token_throughput"], "itl_p50": s["itl_ms"]["median"],
+                        "ttft_p50": s["ttft_ms"]["median"], "errors": s["errors"]})
+        print(json.dumps(results[-1]), flush=True)
+
+    points = [(float(t), int(c)) for t in args.temperatures.split(",") if t
+              for c in args.concurrencies.split(",") if c]
+    if args.interleaved:
+        with both_servers(args, path, flags) as servers:
+            for name, (url, _) in servers.items():
+                if prompts:
+                    greedy(name, url)
+            if args.ttft_len:
+                results.extend(ttft_interleaved(args, servers))
+            names = list(servers)
+            for temp, c in points:  # each point's rounds in ABBA order
+                for r in range(args.rounds):
+                    for name in (names if r % 2 else names[::-1]):
+                        point(name, servers[name][0], temp, c, r)
+    for r in range(0 if args.interleaved else args.rounds):
+        for name in ("vllm", "sluice"):
+            server = VllmServer(args.vllm_python, path, args.dtype, args.vllm_max_num_seqs,
+                                memory_utilization=args.vllm_memory_utilization) if name == "vllm" \
+                else Server("--model", path, "--max-model-len", "4096", *flags)
+            try:
+                if prompts:
+                    greedy(name, server.url)
+                if args.ttft_len:
+                    ttft_alone(args, name, server.url, results)
+                for temp, c in points:
+                    point(name, server.url, temp, c, r)
+            finally:
+                server.stop()
     _report(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
 
 
-def ttft_interleaved(args, path: str, flags: list[str]) -> list[dict]:
-    """TTFT of --ttft-requests prompts of --ttft-len tokens, each sent to both servers in turn (ABBA order), both
-    up the whole time; their idle CPU first (each server's process tree over 5 s)."""
+def ttft_alone(args, name: str, url: str, results: list[dict]) -> None:
+    """TTFT of --ttft-requests prompts of --ttft-len tokens, one at a time, on one server."""
+    point = argparse.Namespace(**{**vars(args), "base_url": url, "max_concurrency": 1, "warmup": 1,
+                                  "num_prompts": args.ttft_requests, "input_len": args.ttft_len,
+                                  "output_len": 2, "temperature": 0.0, "seed": 7})
+    s = serve(point)
+    results.append({"server": name, "ttft_len": args.ttft_len, "ttft_p50": s["ttft_ms"]["median"]})
+    print(json.dumps(results[-1]), flush=True)
+
+
+@contextlib.contextmanager
+def both_servers(args, path: str, flags: list[str]):
+    """vLLM and Sluice up at once, {name: (url, pid)}; their idle CPU first (each process tree over 5 s)."""
     vllm = VllmServer(args.vllm_python, path, args.dtype, args.vllm_max_num_seqs,
                       memory_utilization=args.vllm_memory_utilization)
     try:
@@ -190,25 +211,30 @@ def ttft_interleaved(args, path: str, flags: list[str]) -> list[dict]:
         time.sleep(5)
         idle = {name: (tree_cpu(pid) - before[name]) / 5 for name, (_, pid) in servers.items()}
         print(json.dumps({"idle_cpu_cores": idle}), flush=True)
-        point = argparse.Namespace(**{**vars(args), "temperature": 0.0})
-        prompts = random_requests(args.ttft_requests + 1, args.ttft_len, 2, 0.0, 7, args.tokenizer)
-        ttft: dict[str, list[float]] = {name: [] for name in servers}
-
-        async def run() -> None:
-            names = list(servers)
-            for i, (prompt, _) in enumerate(prompts):
-                for name in (names if i % 2 else names[::-1]):
-                    # a connection each (uvicorn drops a keep-alive idle for 5 s: the other server's turn)
-                    r = await Connection(servers[name][0]).post_sse("/v1/chat/completions", _body(point, prompt, 2))
-                    if not r.ok:
-                        raise RuntimeError(f"{name}: {r.error}")
-                    if i:  # the first prompt warms each server up
-                        ttft[name].append(r.ttft * 1000)
-
-        asyncio.run(run())
+        yield servers
     finally:
         vllm.stop()
         sluice.stop()
+
+
+def ttft_interleaved(args, servers: dict) -> list[dict]:
+    """TTFT of --ttft-requests prompts of --ttft-len tokens, each sent to both servers in turn (ABBA order)."""
+    point = argparse.Namespace(**{**vars(args), "temperature": 0.0})
+    prompts = random_requests(args.ttft_requests + 1, args.ttft_len, 2, 0.0, 7, args.tokenizer)
+    ttft: dict[str, list[float]] = {name: [] for name in servers}
+
+    async def run() -> None:
+        names = list(servers)
+        for i, (prompt, _) in enumerate(prompts):
+            for name in (names if i % 2 else names[::-1]):
+                # a connection each (uvicorn drops a keep-alive idle for 5 s: the other server's turn)
+                r = await Connection(servers[name][0]).post_sse("/v1/chat/completions", _body(point, prompt, 2))
+                if not r.ok:
+                    raise RuntimeError(f"{name}: {r.error}")
+                if i:  # the first prompt warms each server up
+                    ttft[name].append(r.ttft * 1000)
+
+    asyncio.run(run())
     out = [{"server": name, "ttft_len": args.ttft_len, "ttft_p50": statistics.median(v), "ttft_ms": v,
             "interleaved": True} for name, v in ttft.items()]
     for r in out:

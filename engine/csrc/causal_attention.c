@@ -31,7 +31,8 @@ static inline __mmask16 lanes(int count) { return count <= 0 ? 0 : first_lanes(c
 
 /* S[r][0..63] = scale * q_r . key (the block's 64 keys, transposed: kt[d][64]) for rr <= SR rows (inlined, so
  * that a whole SR rows' copy has no test of rr in its loop) */
-static inline __attribute__((always_inline)) void scores(const float *const *qrow, int rr, const float *kt, int dim, float scale, float *s) {
+static inline __attribute__((always_inline)) void scores(const float *const *qrow, int rr, const float *kt, int dim,
+                                                         float scale, float *s) {
     __m512 acc[SR][4];
     for (int i = 0; i < SR; i++)
         for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();
@@ -91,10 +92,10 @@ static inline size_t row_of(const int64_t *rows, size_t i) { return rows ? (size
 
 /* one job: the queries [p0, p1) of sequence b (the first at position `start`) for kv head j's query heads;
  * kt, vt: its kv head's keys (transposed by blocks) and values ([key][D]). scale: the scores' times log2 e,
- * so that scores and maxima are in log2 units and a probability is 2^(score - max), the same softmax. Scratch: s [rows][KB] (scores,
- * then probabilities), acc [rows][D] (the rows' unnormalised outputs), m [rows] (running maxima), keep
- * [rows + 16] (each row's rescaling this block), l [rows][16] (running sums of probabilities, a vector a
- * row, added across once at the end). */
+ * so that scores and maxima are in log2 units and a probability is 2^(score - max), the same softmax.
+ * Scratch: s [rows][KB] (scores, then probabilities), acc [rows][D] (the rows' unnormalised outputs), m
+ * [rows] (running maxima), keep [rows + 16] (each row's rescaling this block), l [rows][16] (running sums of
+ * probabilities, a vector a row, added across once at the end). */
 static void tile(const float *q, const int64_t *q_rows, const float *kt, const float *vt, float *out,
                  const int64_t *out_rows, long skip_row, int b, int j, int p0, int p1, int q_len, int k_len,
                  long start, int heads, int kv_heads, int dim, float scale, float *s, float *acc, float *m,
@@ -143,7 +144,8 @@ static void tile(const float *q, const int64_t *q_rows, const float *kt, const f
         for (int r = 0; r < rows; r += 16) { /* keep = exp(old max - new max), 16 rows at once (1 where unchanged) */
             const __mmask16 in = lanes(rows - r);
             const __m512 was = _mm512_maskz_loadu_ps(in, m + r), now = _mm512_maskz_loadu_ps(in, top + r);
-            const __m512 e = exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(was, now), _mm512_set1_ps(0.693147180559945309f)));
+            const __m512 ln2 = _mm512_set1_ps(0.693147180559945309f);
+            const __m512 e = exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(was, now), ln2));
             _mm512_storeu_ps(keep + r, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(was, now, _CMP_EQ_OQ), e,
                                                             _mm512_set1_ps(1.0f)));
             _mm512_mask_storeu_ps(m + r, in, now);
@@ -237,8 +239,8 @@ int sluice_f32_causal_attention(const float *q, const int64_t *q_rows, const flo
             const int b = rest / kv_heads, j = rest % kv_heads, p0 = t * QT, p1 = p0 + QT < q_len ? p0 + QT : q_len;
             const size_t head = ((size_t)b * kv_heads + j) * per_head;
             tile(q, q_rows, kt + head, vt + head, out, out_rows, skip_row, b, j, p0, p1, q_len, k_len,
-                 starts ? (long)starts[b] : 0, heads, kv_heads, dim, scale * 1.44269504088896341f, s, acc, m, m + group * QT,
-                 m + 2 * group * QT + 16);
+                 starts ? (long)starts[b] : 0, heads, kv_heads, dim, scale * 1.44269504088896341f, s, acc, m,
+                 m + group * QT, m + 2 * group * QT + 16);
         }
         free(s);
         free(acc);

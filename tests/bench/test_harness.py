@@ -6,8 +6,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from bench.serve import add_load_args, plot, serve
 from bench.server import ROOT
+from engine.cpu_kernels import cpu_flags
 from tests.e2e.conftest import MODEL
 
 
@@ -62,3 +65,14 @@ def test_the_cli(server, tmp_path):
                     "--num-prompts", "4", "--max-concurrency", "2", "--output-len", "3", "--ignore-eos",
                     "--no-progress", "--json", str(out)], cwd=ROOT, check=True, capture_output=True, timeout=120)
     assert json.loads(out.read_text())["output_tokens"] == 12
+
+
+def test_kernel_ab_compares_two_builds_call_by_call():
+    """bench.kernel_ab against this same tree: both builds load, every product is bit-equal, attention too."""
+    if not {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags():
+        pytest.skip("this CPU lacks AVX-512F/BW/VL (the float32 kernels bench.kernel_ab compares)")
+    out = subprocess.run([sys.executable, "-m", "bench.kernel_ab", "--base", str(ROOT), "--linears", "128x64",
+                          "--rows", "1,30", "--causal", "2/1x16", "--tokens", "40", "--calls", "3"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, check=True).stdout.splitlines()
+    rows = [line for line in out if "this/base" in line]
+    assert len(rows) == 5 and all(line.endswith("bit-equal") for line in rows), out  # linear, SwiGLU x 2 rows; causal

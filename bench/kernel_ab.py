@@ -1,0 +1,134 @@
+"""This tree's CPU kernels against another tree's build of them, in one process, call by call.
+
+    git archive <commit> | tar -x -C /tmp/atHEAD      # the tree to compare with (once)
+    python -m bench.kernel_ab --base /tmp/atHEAD [--linears 4096x1024,576x1536] [--rows 1,16,2080]
+        [--causal 9/3x64,16/8x128] [--tokens 2000] [--calls 11]
+
+These machines' speed drifts by tens of percent within minutes, so two runs minutes apart cannot tell a 5%
+change in a kernel. Here both builds of a library (csrc/f32_layers.c's float32 products with bf16 weights;
+csrc/causal_attention.c's prompts' attention) are loaded into one process and called in turn on the same
+inputs: each figure is the median of --calls calls (the first two dropped), with the ratio this / base and
+whether the two outputs are bit-equal (the products must be: each output is one FMA chain over k in order;
+SwiGLU: the stacked weight's silu(gate half) * up half, where N is whole groups of 128).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine.cpu import kernels
+from engine.cpu.matmul import F32Matmul
+from engine.cpu_kernels import cpu_flags
+
+# each library's instruction sets, as engine/cpu/kernels.py loads it
+LIBRARIES = {"f32_layers": "_AVX512_VL", "causal_attention": "_AVX512"}
+
+
+def built(tree: Path, name: str) -> ctypes.CDLL:
+    """`tree`'s build of the kernel library `name` (built into the kernel cache if it is not there yet)."""
+    code = (f"from engine.cpu_kernels import load; from engine.cpu import kernels as k\n"
+            f"lib = load({name!r}, k.{LIBRARIES[name]}); print(lib._name if lib else '')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
+                         capture_output=True, text=True, check=True).stdout.split()
+    if not out:
+        raise SystemExit(f"{tree}: the kernel library {name} did not build on this CPU")
+    lib = ctypes.CDLL(out[-1])
+    for symbol, argtypes in (("sluice_f32_matmul", kernels._LINEAR_F32),
+                             ("sluice_f32_matmul_swiglu", kernels._LINEAR_F32[:-1]),
+                             ("sluice_f32_causal_attention", [kernels.P, kernels.P, kernels.P, kernels.P, kernels.P,
+                                                              kernels.P, *[kernels.INT] * 6, kernels.FLOAT,
+                                                              kernels.P, kernels.P, kernels.L])):
+        if hasattr(lib, symbol):
+            fn = getattr(lib, symbol)
+            fn.restype, fn.argtypes = ctypes.c_int, argtypes
+    return lib
+
+
+def alternate(calls: int, *fns) -> list[float]:
+    """Each function's median milliseconds over `calls` rounds, the functions called in turn each round."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(calls):
+        for fn, t in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            t.append(time.perf_counter() - t0)
+    return [statistics.median(t[2:]) * 1000 for t in times]
+
+
+def report(what: str, ms: list[float], outs: list[torch.Tensor]) -> None:
+    same = "bit-equal" if torch.equal(*outs) else f"max |difference| {(outs[0] - outs[1]).abs().max():.1e}"
+    print(f"{what:34} base {ms[0]:9.4f} ms  this {ms[1]:9.4f} ms  this/base {ms[1] / ms[0]:.3f}  {same}", flush=True)
+
+
+def linears(base: ctypes.CDLL, this: ctypes.CDLL, shapes: list[str], rows: list[int], calls: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    for shape in shapes:
+        n, k = map(int, shape.split("x"))
+        weight = torch.randn(n, k, generator=g).bfloat16()
+        pair = [F32Matmul(lib, "AVX-512F", weight, None) for lib in (base, this)]
+        for m in rows:
+            x = torch.randn(m, k, generator=g)
+            kinds = [("linear", lambda f: f)] + ([("SwiGLU", lambda f: f.swiglu)] if pair[0].swiglu_ok else [])
+            for kind, pick in kinds:
+                outs = [None, None]
+
+                def call(i: int):
+                    def run() -> None:
+                        outs[i] = pick(pair[i])(x)
+                    return run
+
+                ms = alternate(calls, call(0), call(1))
+                report(f"{kind} {shape}, {m} rows", ms, outs)
+
+
+def causal(base: ctypes.CDLL, this: ctypes.CDLL, shapes: list[str], tokens: int, calls: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    for shape in shapes:
+        heads, rest = shape.split("/")
+        kv_heads, dim = map(int, rest.split("x"))
+        heads = int(heads)
+        q = torch.randn(1, tokens, heads, dim, generator=g)
+        k, v = (torch.randn(1, tokens, kv_heads, dim, generator=g) for _ in range(2))
+        outs = [torch.empty_like(q) for _ in range(2)]
+
+        def call(i: int, lib: ctypes.CDLL):
+            def run() -> None:
+                rc = lib.sluice_f32_causal_attention(q.data_ptr(), None, k.data_ptr(), v.data_ptr(), None, None, 1,
+                                                     tokens, tokens, heads, kv_heads, dim, dim**-0.5,
+                                                     outs[i].data_ptr(), None, -1)
+                assert rc == 0, rc
+            return run
+
+        ms = alternate(calls, call(0, base), call(1, this))
+        report(f"causal {shape}, {tokens} tokens", ms, outs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", type=Path, required=True, help="the other tree (its engine/csrc)")
+    parser.add_argument("--linears", default="4096x1024,1024x2048,6144x1024,1024x3072,960x576,3072x576,576x1536",
+                        help="weight shapes N x K ('' for none)")
+    parser.add_argument("--rows", default="1,16,64,256,2080")
+    parser.add_argument("--causal", default="9/3x64,16/8x128", help="heads / kv heads x head dim ('' for none)")
+    parser.add_argument("--tokens", type=int, default=2000)
+    parser.add_argument("--calls", type=int, default=11)
+    args = parser.parse_args()
+    print("CPU flags:", " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")))), flush=True)
+    if args.linears:
+        linears(built(args.base, "f32_layers"), built(Path.cwd(), "f32_layers"), args.linears.split(","),
+                [int(r) for r in args.rows.split(",")], args.calls)
+    if args.causal:
+        causal(built(args.base, "causal_attention"), built(Path.cwd(), "causal_attention"), args.causal.split(","),
+               args.tokens, args.calls)
+
+
+if __name__ == "__main__":
+    main()
