@@ -13,7 +13,7 @@ is preceded by 32 uncounted requests (--warmup). `--greedy-check N` first sends 
 to each server and compares their text with transformers' `generate` in float32 on the same checkpoint;
 `--ttft-len L` times single requests with L-token prompts (time to the first token, each server alone).
 With `--interleaved`, both servers are up at once: the TTFT prompts go to each in turn (ABBA), one request
-in flight at a time, and each load point's --rounds alternate between them (vLLM, Sluice, Sluice, vLLM, ...):
+in flight at a time, and each load point's --rounds alternate between them (Sluice, vLLM, vLLM, Sluice, ...):
 a machine whose speed drifts by tens of percent over minutes (these do) then weighs on both alike, where
 rounds minutes apart cannot tell a 5% difference. Each server's CPU while idle is reported, so that one's
 background work (while the other is measured) cannot pass unseen.

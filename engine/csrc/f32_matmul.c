@@ -16,7 +16,8 @@
  *
  * The argmax keeps the first index of a row's maximum (compared in float32, as the logits would be
  * stored). Threads take chunks of (panel, block) units, panel by panel in column order, as they come free
- * (see bf16_matmul.c). sluice_f32_matmul_swiglu computes a SwiGLU's gate and up blocks together and writes
+ * (see bf16_matmul.c), each a chunk ahead (f32_queue: a unit's weights are fetched while the one before it
+ * runs). sluice_f32_matmul_swiglu computes a SwiGLU's gate and up blocks together and writes
  * silu(gate) * up.
  */
 #include <omp.h>
