@@ -43,9 +43,7 @@ def built(tree: Path, name: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(out[-1])
     for symbol, argtypes in (("sluice_f32_matmul", kernels._LINEAR_F32),
                              ("sluice_f32_matmul_swiglu", kernels._LINEAR_F32[:-1]),
-                             ("sluice_f32_causal_attention", [kernels.P, kernels.P, kernels.P, kernels.P, kernels.P,
-                                                              kernels.P, *[kernels.INT] * 6, kernels.FLOAT,
-                                                              kernels.P, kernels.P, kernels.L])):
+                             ("sluice_f32_causal_attention", kernels._CAUSAL_F32)):
         if hasattr(lib, symbol):
             fn = getattr(lib, symbol)
             fn.restype, fn.argtypes = ctypes.c_int, argtypes

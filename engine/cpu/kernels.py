@@ -47,6 +47,7 @@ def pair_tiles(w: torch.Tensor) -> torch.Tensor:
 
 
 _LINEAR_F32 = [P, INT, INT, INT, P, L, INT, P, P, L, P]
+_CAUSAL_F32 = [P, P, P, P, P, P, INT, INT, INT, INT, INT, INT, FLOAT, P, P, L]
 
 
 def _cached(fn):
@@ -134,8 +135,7 @@ def f32_layers():
 def causal_attention_f32():
     """csrc/causal_attention.c's attention for prompts and their chunks (float32, AVX-512F), or None where it
     cannot run."""
-    return _function("causal_attention", _AVX512, "sluice_f32_causal_attention",
-                     [P, P, P, P, P, P, INT, INT, INT, INT, INT, INT, FLOAT, P, P, L])
+    return _function("causal_attention", _AVX512, "sluice_f32_causal_attention", _CAUSAL_F32)
 
 
 @_cached
