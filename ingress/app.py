@@ -217,6 +217,7 @@ class Ingress(Pipeline):
                 return True, await respond(send, 200, frame.data)
             if not began:
                 await send({"type": "http.response.start", "status": 200, "headers": SSE + dialect.stream_headers})
+            q.writer = send  # frames that come while this task waits go straight out
             while True:
                 # Frames that queued up while this one was sent go out in one write: the same events, fewer
                 # sends (the ingress falls behind under load). A sentinel or an error stops the merge.

@@ -9,6 +9,7 @@ import logging
 import os
 import time
 from collections import deque
+from typing import Awaitable, Callable
 
 import zmq
 import zmq.asyncio
@@ -17,7 +18,7 @@ from ipc.addresses import shard_of
 from ipc.messages import (Abort, ControlInput, Drain, DrainTimedOut, EngineDied, EngineInput, Failure, Frame, Frames,
                           IngressInput, IngressStatus, RenderInput, RenderJob, StageDied, SupervisorInput)
 from ipc.stats import EngineStats
-from ipc.transport import AsyncPullChannel, PushChannel, SubChannel
+from ipc.transport import PullChannel, PushChannel, SubChannel
 from sluice import metrics
 from sluice.config import ServerConfig
 
@@ -32,14 +33,17 @@ class FrameQueue:
     """One request's frames (and sentinels) on their way to its client, with the frame bytes waiting in it.
 
     `owner` is the task writing them out, its one reader: a deque and the reader's one waiting future, not
-    asyncio.Queue's machinery for many readers and joins on every event (bench/frame_queue.py). Stuck in a
-    send to a client that does not read, the owner sees neither the queue nor anything else: cancelling it
-    is the one way to end that response."""
+    asyncio.Queue's machinery for many readers and joins on every event (bench/frame_queue.py). Once its stream
+    began, the owner sets `writer` (the ASGI send): a frame that comes while the owner waits with nothing queued
+    is then written by whoever puts it, the pipeline's frame reader, with no wake-up of the owner and no task
+    switch per event. Stuck in a send to a client that does not read, the owner sees neither the queue nor
+    anything else: cancelling it is the one way to end that response."""
 
-    __slots__ = ("owner", "nbytes", "sending_since", "cut", "_items", "_waiter")
+    __slots__ = ("owner", "writer", "nbytes", "sending_since", "cut", "_items", "_waiter")
 
     def __init__(self, owner: asyncio.Task) -> None:
         self.owner = owner
+        self.writer: Callable[[dict], Awaitable] | None = None
         self.nbytes = 0
         self.sending_since: float | None = None  # when the owner's current send began (set around each send)
         self.cut = False  # the stream was cut for its slow client: drop its frames, the owner ends it
@@ -47,11 +51,30 @@ class FrameQueue:
         self._waiter: asyncio.Future | None = None  # the owner's, while it waits for an item
 
     def put_nowait(self, item) -> None:
-        if isinstance(item, Frame):
+        waiter = self._waiter
+        if (type(item) is Frame and self.writer is not None and waiter is not None and not waiter.done()
+                and not self._items and not item.done and item.error is None):
+            item = self._write(self.writer, item)
+            if item is None:
+                return
+        if type(item) is Frame:
             self.nbytes += len(item.data)
         self._items.append(item)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _write(self, writer: Callable[[dict], Awaitable], frame: Frame) -> Frame | _Sending | None:
+        """Sends a frame for the waiting owner: None once sent. A send that must wait (its client's buffer is
+        full), or that failed once begun, comes back for the owner to finish before anything else; the frame
+        itself when its send was refused outright, for the owner to meet the refusal in its own send."""
+        try:  # (granian's send has sent when it returns; a coroutine sends as it runs)
+            sending = _Sending(writer({"type": "http.response.body", "body": frame.data, "more_body": True}))
+        except Exception:
+            return frame
+        if sending.done:
+            return None
+        self.sending_since = time.monotonic()
+        return sending
 
     def empty(self) -> bool:
         return not self._items
@@ -60,24 +83,55 @@ class FrameQueue:
         if not self._items:
             raise asyncio.QueueEmpty
         item = self._items.popleft()
-        if isinstance(item, Frame):
+        if type(item) is Frame:
             self.nbytes -= len(item.data)
         return item
 
     async def get(self):
-        while not self._items:  # (a cancelled wait leaves the items where they are)
-            self._waiter = asyncio.get_running_loop().create_future()
+        while True:
+            while not self._items:  # (a cancelled wait leaves the items where they are)
+                self._waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            item = self.get_nowait()
+            if type(item) is not _Sending:
+                return item
             try:
-                await self._waiter
+                await item
             finally:
-                self._waiter = None
-        return self.get_nowait()
+                self.sending_since = None
 
     def stalled(self) -> bool:
         """The owner has been stuck in a send for a while: its client takes nothing. (A full queue alone is
         not enough: the frame reader does not yield while messages are ready, so a burst of them can fill a
         queue before its relay gets to run.)"""
         return self.sending_since is not None and time.monotonic() - self.sending_since > STALL_S
+
+
+class _Sending:
+    """A send begun for a queue's owner, run to where it first waits; awaiting it runs the rest (or raises what
+    it raised)."""
+
+    __slots__ = ("done", "_steps", "_blocker", "_error")
+
+    def __init__(self, send: Awaitable) -> None:
+        self._steps = send.__await__()
+        self._error: BaseException | None = None
+        try:
+            self._blocker = next(self._steps)
+            self.done = False
+        except StopIteration:
+            self.done = True
+        except Exception as e:
+            self._error, self.done = e, False
+
+    def __await__(self):
+        if self._error is not None:
+            raise self._error
+        yield self._blocker
+        return (yield from self._steps)
 
 
 class Pipeline:
@@ -92,8 +146,8 @@ class Pipeline:
         self._deadlines: dict[str, asyncio.TimerHandle] = {}
         self._actx = zmq.asyncio.Context()
         self._ctx = zmq.Context()
+        self._inbox: PullChannel[IngressInput] = PullChannel(self._ctx, self.address, IngressInput)
         addr = cfg.addresses
-        self._inbox: AsyncPullChannel[IngressInput] = AsyncPullChannel(self._actx, self.address, IngressInput)
         self._control: SubChannel[ControlInput] = SubChannel(self._actx, addr.control, ControlInput)
         # One channel per render worker, dealt round-robin, so a dead worker's requests are known.
         self._renders: list[PushChannel[RenderInput]] = [PushChannel(self._ctx, addr.render(i))
@@ -107,7 +161,9 @@ class Pipeline:
 
     def start(self) -> None:
         if not self._tasks:
-            self._tasks = [asyncio.create_task(t()) for t in (self._read_frames, self._read_control, self._report)]
+            self._tasks = [asyncio.create_task(t()) for t in (self._read_control, self._report)]
+            asyncio.get_running_loop().add_reader(self._inbox.fd, self._read_frames)
+            self._read_frames()  # what came before the reader was added
 
     @property
     def full(self) -> bool:
@@ -173,23 +229,31 @@ class Pipeline:
 
     # ---- the loops -------------------------------------------------------------
 
-    async def _read_frames(self) -> None:
-        while True:
-            msg = await self._inbox.get()
-            if not isinstance(msg, Frames):  # Rendered: these requests are in the engine's hands now
-                for rid in msg.request_ids:
-                    self._rendered_by.pop(rid, None)
+    def _read_frames(self) -> None:
+        """Every message waiting in the inbox, each frame to its request's queue (or straight to its client),
+        in one event-loop callback: no task or future per message. The socket's descriptor signals new
+        messages only once all that waited was read, so one message's failure must not stop the rest."""
+        for msg in self._inbox.drain():
+            try:
+                self._deliver(msg)
+            except Exception:
+                log.exception("ingress: delivering a message failed")
+
+    def _deliver(self, msg: IngressInput) -> None:
+        if not isinstance(msg, Frames):  # Rendered: these requests are in the engine's hands now
+            for rid in msg.request_ids:
+                self._rendered_by.pop(rid, None)
+            return
+        for frame in msg.frames:
+            q = self.pending.get(frame.request_id)
+            if q is None or q.cut:
                 continue
-            for frame in msg.frames:
-                q = self.pending.get(frame.request_id)
-                if q is None or q.cut:
-                    continue
-                self._rendered_by.pop(frame.request_id, None)
-                # A last frame always goes in: the request is done, nothing more can pile up behind it.
-                if not frame.done and q.nbytes > self.cfg.max_stream_buffer and q.stalled():
-                    self.cut(frame.request_id, q)
-                else:
-                    q.put_nowait(frame)
+            self._rendered_by.pop(frame.request_id, None)
+            # A last frame always goes in: the request is done, nothing more can pile up behind it.
+            if not frame.done and q.nbytes > self.cfg.max_stream_buffer and q.stalled():
+                self.cut(frame.request_id, q)
+            else:
+                q.put_nowait(frame)
 
     async def _read_control(self) -> None:
         while True:

@@ -89,7 +89,8 @@ class _Unpacker(Generic[T]):
 
 
 class PullChannel(Generic[T]):
-    """Blocking receiver, for the engine, render and postproc loops."""
+    """Receiver: blocking for the engine, render and postproc loops; an ingress worker reads it when its `fd` is
+    readable."""
 
     def __init__(self, ctx: zmq.Context, address: str, msg_type: Any, *, bind: bool = True) -> None:
         self._sock = ctx.socket(zmq.PULL)
@@ -111,6 +112,12 @@ class PullChannel(Generic[T]):
             return None
         return self._unpack.decode(self._sock.recv_multipart(copy=False))
 
+    @property
+    def fd(self) -> int:
+        """A descriptor that becomes readable when messages arrive (for an event loop's reader: it signals once
+        for all that came, so the reader drains)."""
+        return self._sock.get(zmq.FD)
+
     def get_nowait(self) -> T | None:
         try:
             frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
@@ -128,23 +135,6 @@ class PullChannel(Generic[T]):
 
     def close(self) -> None:
         self._sock.close()
-        self._unpack.close()
-
-
-class AsyncPullChannel(Generic[T]):
-    """asyncio receiver, for the ingress workers."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, msg_type: Any, *, bind: bool = True) -> None:
-        self._sock = ctx.socket(zmq.PULL)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        (self._sock.bind if bind else self._sock.connect)(address)
-        self._unpack: _Unpacker[T] = _Unpacker(msg_type)
-
-    async def get(self) -> T:
-        return self._unpack.decode(await self._sock.recv_multipart(copy=False))
-
-    def close(self) -> None:
-        self._sock.close(linger=0)
         self._unpack.close()
 
 
