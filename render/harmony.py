@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 from datetime import date
+from functools import lru_cache
 from typing import Literal
 
-from openai_harmony import (Author, Conversation, DeveloperContent, Message, ReasoningEffort, Role, SystemContent,
-                            ToolDescription)
+import msgspec
+from openai_harmony import (Author, Conversation, DeveloperContent, Message, ReasoningEffort, RenderOptions, Role,
+                            SystemContent, ToolDescription)
 
 from ipc.messages import ParserName
-from ipc.openai import ChatCompletionRequest
+from ipc.openai import ChatCompletionRequest, Tool
 from render import tool_grammars
 from render.extensions import (ExtensionOptions, HfChatTemplateExtension, Rendered, Unsupported, common_unsupported,
                                forced_tool, holds_tools, message_text, register, render_template)
@@ -22,10 +24,13 @@ _EFFORT = {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM, "high":
 PARSER_ALIASES = {"gpt_oss", "openai_gptoss", "harmony"}
 
 
-def harmony_messages(request: ChatCompletionRequest, today: str | None = None) -> list[Message]:
-    """The conversation in harmony: system, developer (instructions and tools), then the turns."""
-    system = SystemContent.new().with_reasoning_effort(_EFFORT[request.reasoning_effort or "medium"])
-    system = system.with_conversation_start_date(today or date.today().isoformat())
+def system_message(effort: str, today: str) -> Message:
+    content = SystemContent.new().with_reasoning_effort(_EFFORT[effort]).with_conversation_start_date(today)
+    return Message.from_role_and_content(Role.SYSTEM, content)
+
+
+def developer_instructions(request: ChatCompletionRequest) -> str:
+    """The system and developer messages' text, then any response-format schema."""
     instructions = "\n\n".join(message_text(m) for m in request.messages if m.role in ("system", "developer"))
     fmt = request.response_format
     if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
@@ -34,17 +39,28 @@ def harmony_messages(request: ChatCompletionRequest, today: str | None = None) -
         described = f"// {spec.description}\n" if spec.description else ""
         section = f"# Response Formats\n\n## {spec.name}\n\n{described}{json.dumps(spec.schema)}"
         instructions = f"{instructions}\n\n{section}" if instructions else section
-    tools = request.tools if request.tool_choice != "none" else None
-    out = [Message.from_role_and_content(Role.SYSTEM, system)]
-    if instructions or tools:
-        dev = DeveloperContent.new()
-        if instructions:
-            dev = dev.with_instructions(instructions)
-        if tools:
-            dev = dev.with_function_tools([
-                ToolDescription.new(t.function.name, t.function.description or "", t.function.parameters)
-                for t in tools])
-        out.append(Message.from_role_and_content(Role.DEVELOPER, dev))
+    return instructions
+
+
+def function_tools(request: ChatCompletionRequest) -> list[Tool]:
+    return (request.tools or []) if request.tool_choice != "none" else []
+
+
+def developer_message(instructions: str, tools: list[Tool]) -> Message | None:
+    if not instructions and not tools:
+        return None
+    dev = DeveloperContent.new()
+    if instructions:
+        dev = dev.with_instructions(instructions)
+    if tools:
+        dev = dev.with_function_tools([
+            ToolDescription.new(t.function.name, t.function.description or "", t.function.parameters) for t in tools])
+    return Message.from_role_and_content(Role.DEVELOPER, dev)
+
+
+def turn_messages(request: ChatCompletionRequest) -> list[Message]:
+    """The user, assistant and tool turns (system and developer messages go to the developer message)."""
+    out: list[Message] = []
     call_names: dict[str, str] = {}
     for m in request.messages:
         if m.role == "user":
@@ -67,6 +83,43 @@ def harmony_messages(request: ChatCompletionRequest, today: str | None = None) -
     return out
 
 
+def harmony_messages(request: ChatCompletionRequest, today: str | None = None) -> list[Message]:
+    """The conversation in harmony: system, developer (instructions and tools), then the turns."""
+    system = system_message(request.reasoning_effort or "medium", today or date.today().isoformat())
+    developer = developer_message(developer_instructions(request), function_tools(request))
+    return [system, *([developer] if developer else []), *turn_messages(request)]
+
+
+def harmony_prompt_ids(request: ChatCompletionRequest, today: str | None = None) -> list[int]:
+    """openai-harmony's `render_conversation_for_completion` of `harmony_messages(request)`, the system and
+    developer messages' tokens cached. harmony renders each message on its own, and what it does to the turns
+    (dropping analysis before the first final answer) looks only at assistant channels, which these two lack;
+    the one thing that crosses messages is the system message's line on function tools."""
+    tools = function_tools(request)
+    head = _system_ids(request.reasoning_effort or "medium", today or date.today().isoformat(), bool(tools))
+    head += _developer_ids(developer_instructions(request), msgspec.json.encode(tools))
+    convo = Conversation.from_messages(turn_messages(request))
+    return [*head, *harmony_encoding().render_conversation_for_completion(convo, Role.ASSISTANT)]
+
+
+@lru_cache(maxsize=16)  # keyed on the date, so a past day's entries fall out
+def _system_ids(effort: str, today: str, has_function_tools: bool) -> tuple[int, ...]:
+    options = RenderOptions(conversation_has_function_tools=has_function_tools)
+    return tuple(harmony_encoding().render(system_message(effort, today), options))
+
+
+@lru_cache(maxsize=64)
+def _developer_ids(instructions: str, tools_json: bytes) -> tuple[int, ...]:
+    message = developer_message(instructions, msgspec.json.decode(tools_json, type=list[Tool]))
+    return tuple(harmony_encoding().render(message)) if message else ()
+
+
+@lru_cache(maxsize=64)
+def _special_ids(text: str) -> tuple[int, ...]:
+    # encode(allowed_special="all") hands every special token of the encoding to Rust at each call
+    return tuple(harmony_encoding().encode(text, allowed_special="all"))
+
+
 @register("gpt_oss")
 def gpt_oss_extension(bundle: TokenizerBundle, options: ExtensionOptions):
     return HarmonyExtension(bundle, options) if options.harmony else HfChatTemplateExtension(bundle, options)
@@ -87,14 +140,12 @@ class HarmonyExtension:
             text = render_template(request.chat_template, request, self.bundle, request.tools, budget)
             ids = self.enc.encode(text, allowed_special="all")
         else:
-            convo = Conversation.from_messages(harmony_messages(request))
-            ids = self.enc.render_conversation_for_completion(convo, Role.ASSISTANT)
+            ids = harmony_prompt_ids(request)
         prefix: list[int] = []
         if (tool := forced_tool(request)) is not None:  # the turn starts with the call to that function
             name = tool.function.name
-            prefix = self.enc.encode(f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>",
-                                     allowed_special="all")
-        return Rendered(list(ids) + prefix, prefix)
+            prefix = list(_special_ids(f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"))
+        return Rendered(ids + prefix, prefix)
 
     def extra_stop_token_ids(self) -> tuple[int, ...]:
         return self._stops
@@ -112,7 +163,7 @@ class HarmonyExtension:
 
     def structured_output_format(self, request: ChatCompletionRequest) -> list[int]:
         # The answer, not the reasoning, is what must follow the format: the final channel.
-        return self.enc.encode("<|channel|>final<|message|>", allowed_special="all")
+        return list(_special_ids("<|channel|>final<|message|>"))
 
     def tool_constraint(self, request: ChatCompletionRequest) -> Constraint | None:
         # Reasoning (the analysis channel) stays free; calls go through the commentary channel.

@@ -4,13 +4,18 @@ from __future__ import annotations
 import json
 from datetime import date
 
+import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from openai_harmony import (Author, Conversation, DeveloperContent, Message, ReasoningEffort, Role, SystemContent,
                             ToolDescription)
 
 from ipc.messages import RenderJob, bytes_to_ids
+from ipc.openai import ChatCompletionRequest
 from render.errors import RequestError
 from render.extensions import ExtensionOptions, check_parsers
+from render.harmony import harmony_messages, harmony_prompt_ids
 from render.worker import build_core
 from sluice.builtin_models import ensure_builtin
 from sluice.config import ServerConfig
@@ -133,3 +138,46 @@ def test_gpt_oss_forced_calls_are_held_by_a_grammar_over_the_whole_output(gpt_os
     req = make_core(gpt_oss_dir).render(job(messages=CONVERSATION[:2], tools=TOOLS, tool_choice=choice))
     assert req.grammar and req.grammar_trigger == []  # (reasoning stays free inside the grammar)
 
+
+# ---- the cached system and developer messages ----------------------------------------------------------
+
+_text = st.text(st.sampled_from(list("ab \n.{}<|>é🙂")), max_size=12)
+_content = _text | st.lists(st.builds(lambda t: {"type": "text", "text": t}, _text), max_size=2)
+_tool = st.builds(lambda name, desc, props: {"type": "function", "function": {
+    "name": name, **({"description": desc} if desc is not None else {}),
+    "parameters": {"type": "object", "properties": {p: {"type": "string"} for p in props}}}},
+    st.sampled_from(["get_weather", "add"]), st.none() | _text, st.lists(st.sampled_from(["city", "n"]), max_size=2))
+_call = st.builds(lambda i, name, args: {"id": f"c{i}", "type": "function",
+                                         "function": {"name": name, "arguments": json.dumps(args)}},
+                  st.integers(0, 2), st.sampled_from(["get_weather", "add"]),
+                  st.dictionaries(st.sampled_from(["city", "n"]), st.integers(0, 99), max_size=2))
+_message = st.one_of(
+    st.builds(lambda role, c: {"role": role, "content": c}, st.sampled_from(["system", "developer"]), _content),
+    st.builds(lambda c: {"role": "user", "content": c}, _content),
+    st.builds(lambda c, key, reasoning, calls: {"role": "assistant", "content": c, key: reasoning,
+                                                **({"tool_calls": calls} if calls else {})},
+              st.none() | _content, st.sampled_from(["reasoning_content", "reasoning"]), st.none() | _text,
+              st.lists(_call, max_size=2)),
+    st.builds(lambda i, name, c: {"role": "tool", "tool_call_id": f"c{i}", "content": c,
+                                  **({"name": name} if name else {})},
+              st.integers(0, 3), st.none() | st.sampled_from(["add", "lookup"]), _content),
+)
+_response_format = st.none() | st.sampled_from([{"type": "text"}, {"type": "json_object"}]) | st.builds(
+    lambda desc: {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"},
+                                                         **({"description": desc} if desc else {})}}, _text)
+
+
+@settings(max_examples=150, deadline=None)
+@given(messages=st.lists(_message, min_size=1, max_size=7), tools=st.none() | st.lists(_tool, max_size=2),
+       tool_choice=st.sampled_from([None, "auto", "none", "required"]), response_format=_response_format,
+       effort=st.sampled_from([None, "low", "medium", "high"]),
+       today=st.sampled_from([None, "2026-12-01", "2026-12-02"]))
+def test_cached_system_and_developer_tokens_equal_harmonys_full_render(messages, tools, tool_choice,
+                                                                        response_format, effort, today):
+    body = {"model": "m", "messages": messages, "tools": tools, "tool_choice": tool_choice,
+            "response_format": response_format, "reasoning_effort": effort}
+    request = msgspec.convert({k: v for k, v in body.items() if v is not None}, ChatCompletionRequest)
+    convo = Conversation.from_messages(harmony_messages(request, today))
+    full = harmony_encoding().render_conversation_for_completion(convo, Role.ASSISTANT)
+    assert harmony_prompt_ids(request, today) == full
+    assert harmony_prompt_ids(request, today) == full  # from the caches
