@@ -47,6 +47,9 @@ class OpenAIFramer:
         envelope = _json.encode(self._envelope([]))
         cut = envelope.index(b'"choices":[') + len(b'"choices":[')
         self._head, self._tail = b"data: " + envelope[:cut], envelope[cut:] + b"\n\n"
+        # Most chat chunks carry one kind of text and nothing else: their bytes around the text are constant.
+        self._plain = self._chat and not spec.continuous_usage and not spec.return_token_ids
+        self._text_parts: dict[tuple[int, bool], tuple[bytes, bytes]] = {}  # (index, reasoning) -> around the text
 
     def usage(self, completion_tokens: int) -> Usage:
         p = self.num_prompt_tokens
@@ -61,6 +64,11 @@ class OpenAIFramer:
         out = b""
         if not self.spec.include_reasoning:
             piece.reasoning = ""
+        if self._plain and self._opened[index] and not (finish_reason or logprobs or piece.tool_calls):
+            if not piece.reasoning:
+                return self._text_chunk(index, piece.content, False) if piece.content else b""
+            if not piece.content:
+                return self._text_chunk(index, piece.reasoning, True)
         opening = not self._opened[index]
         usage = self.usage(completion_tokens) if self.spec.continuous_usage else None
         if opening:
@@ -84,6 +92,15 @@ class OpenAIFramer:
             else:
                 out += self._head + _json.encode(choice) + self._tail
         return out
+
+    def _text_chunk(self, index: int, text: str, reasoning: bool) -> bytes:
+        """The chunk of choice `index` whose delta is `text` alone (content, or reasoning), nothing else."""
+        parts = self._text_parts.get((index, reasoning))
+        if parts is None:
+            encoded = _json.encode(ChunkChoice(index, Delta(reasoning_content="") if reasoning else Delta(content="")))
+            cut = encoded.index(b'""')
+            parts = self._text_parts[index, reasoning] = (self._head + encoded[:cut], encoded[cut + 2:] + self._tail)
+        return parts[0] + _json.encode(text) + parts[1]
 
     def end(self, completion_tokens: int, perf: PerfMetrics | None = None) -> bytes:
         """The stream's tail: the usage chunk when asked for (with the timings when asked for), then [DONE]."""

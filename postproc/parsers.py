@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+
+import msgspec
 
 from ipc.openai import FunctionCallOut, ToolCallOut
 
@@ -20,11 +21,10 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-@dataclass(slots=True)
-class Piece:
+class Piece(msgspec.Struct):  # a Struct: made a few times a token, and its init is C
     content: str = ""
     reasoning: str = ""
-    tool_calls: list[ToolCallOut] = field(default_factory=list)  # deltas, each naming its call's index
+    tool_calls: list[ToolCallOut] = []  # deltas, each naming its call's index (a new list each Piece)
 
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.tool_calls)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import msgspec
 from tokenizers import Tokenizer
@@ -30,7 +30,7 @@ class Choice:
         self._reasoning = False  # the last text shown was reasoning only
         self.pending_logprobs: list = []  # streaming: what the next frame carries
         self.pending_ids: list[int] = []
-        self.pending = Piece()
+        self.pending = Piece()  # the pending ids' pieces, merged (while there are pending ids)
         self.frames_sent = 0
         self.harmony = None
         if spec.output_mode == "tokens":
@@ -58,9 +58,10 @@ class Choice:
         string, malformed output, its last allowed tool call)."""
         self.num_tokens += 1
         finish_reason = "stop" if verdict in ("stop_token", "grammar") else verdict
-        if self.harmony is not None:
-            piece = self.harmony.feed(token)  # harmony's stop tokens end its messages: it reads them too
-            if self.harmony.failed and finish_reason is None:
+        harmony = self.harmony
+        if harmony is not None:
+            piece = harmony.feed(token)  # harmony's stop tokens end its messages: it reads them too
+            if harmony.failed and finish_reason is None:
                 finish_reason = "error"
         else:
             # A stop token is not part of the output.
@@ -71,13 +72,16 @@ class Choice:
                 finish_reason = "stop"
             elif finish_reason:
                 piece.content += self.stops.flush()
-        if self.harmony is None:
+        if harmony is None:
             piece = self._parse(piece, finish_reason is not None)
             if finish_reason is None and self._calls_done:
                 finish_reason = "stop"
-        self.has_tool_calls |= bool(piece.tool_calls)
-        if piece:
-            self._reasoning = bool(piece.reasoning) and not (piece.content or piece.tool_calls)
+        if piece.tool_calls:
+            self.has_tool_calls = True
+        if piece.content or piece.tool_calls:  # an empty piece leaves _reasoning as it was
+            self._reasoning = False
+        elif piece.reasoning:
+            self._reasoning = True
         self.reasoning_tokens += self._reasoning
         if finish_reason == "stop" and self.has_tool_calls:
             finish_reason = "tool_calls"
@@ -90,15 +94,14 @@ class Choice:
         return piece
 
 
-@runtime_checkable
 class CountsReasoning(Protocol):
     """A framer that reports how many output tokens were reasoning: told before end / body (its pieces
-    cannot say, as a stream merges several tokens' pieces into one)."""
+    cannot say, as a stream merges several tokens' pieces into one). Known by its attribute (as is
+    TakesEachPiece): isinstance on a runtime-checkable Protocol walks the Protocol's members on every call."""
 
     reasoning_tokens: int
 
 
-@runtime_checkable
 class TakesEachPiece(Protocol):
     """A framer that streams from each token's piece, given to `add` as it comes (streaming too): `chunk` gets
     the pieces since the last frame merged, which keeps each kind's text but not the order between kinds."""
@@ -119,7 +122,7 @@ class RequestOutput:
         self.started = started
         self.choices = [Choice(spec, tokenizer) for _ in range(spec.n)]
         self.framer = framer_for(spec, started.num_prompt_tokens, started.num_cached_tokens, text_of)
-        self._each_piece = isinstance(self.framer, TakesEachPiece)
+        self._adds = not spec.stream or getattr(self.framer, "takes_each_piece", False)  # TakesEachPiece
         self.first_token_at = 0.0
         self.timings: list[Timings] = []  # the engine's, one per finished choice
         self.num_finished = 0  # choices with a finish reason
@@ -140,13 +143,14 @@ class RequestOutput:
         return self.chunk(index)
 
     def feed(self, index: int, token: int, finish_reason: str | None, logprobs: tuple | None,
-             gaps: list[float] | None = None, now: float = 0.0) -> None:
-        """Feeds choice `index` one token: what it adds waits for `chunk`. The time since the choice's
-        previous token goes into `gaps` (observed in bulk by the caller); `now`: when the token came (the
-        step's arrival: one clock read a step), by default the time of this call."""
+             gaps: list[float] | None = None, now: float = 0.0) -> str | None:
+        """Feeds choice `index` one token: what it adds waits for `chunk`; returns the choice's finish reason
+        (None while it goes on). The time since the choice's previous token goes into `gaps` (observed in bulk
+        by the caller); `now`: when the token came (the step's arrival: one clock read a step), by default the
+        time of this call."""
         choice = self.choices[index]
         if choice.finish_reason is not None:  # a token in flight after the choice ended early
-            return
+            return choice.finish_reason
         now = now or time.time()
         if not self.first_token_at:
             self.first_token_at = now
@@ -155,18 +159,23 @@ class RequestOutput:
             gaps.append(now - choice.last_token_at)
         choice.last_token_at = now
         piece = choice.on_token(token, finish_reason)
-        self.num_finished += choice.finish_reason is not None
-        if choice.stops.matched is not None and choice.finish_reason and isinstance(self.framer, StopSequenceAware):
-            self.framer.stopped_by(index, choice.stops.matched)
+        finish = choice.finish_reason
+        if finish is not None:
+            self.num_finished += 1
+            if choice.stops.matched is not None and isinstance(self.framer, StopSequenceAware):
+                self.framer.stopped_by(index, choice.stops.matched)
         entries = [(token, logprobs)] if logprobs is not None and self.spec.logprobs else []
-        if not self.spec.stream or self._each_piece:
-            self.framer.add(index, piece, entries, [token], choice.finish_reason)
-        if not self.spec.stream:
-            return
-        if entries:
-            choice.pending_logprobs += entries
-        choice.pending_ids.append(token)
-        choice.pending.extend(piece)
+        if self._adds:
+            self.framer.add(index, piece, entries, [token], finish)
+        if self.spec.stream:
+            if entries:
+                choice.pending_logprobs += entries
+            if choice.pending_ids:
+                choice.pending.extend(piece)
+            else:  # the first since the last frame: it is the merge (nobody else holds it)
+                choice.pending = piece
+            choice.pending_ids.append(token)
+        return finish
 
     def chunk(self, index: int) -> bytes:
         """The SSE bytes choice `index` sends now (streaming): everything fed since its last chunk, in one
@@ -181,15 +190,14 @@ class RequestOutput:
                 return b""
             return self.framer.chunk(index, Piece(), None, [], [], self.completion_tokens)
         choice.frames_sent += 1
-        piece, choice.pending = choice.pending, Piece()
         entries, choice.pending_logprobs = choice.pending_logprobs, []
         ids, choice.pending_ids = choice.pending_ids, []
-        return self.framer.chunk(index, piece, choice.finish_reason, entries, ids, self.completion_tokens)
+        return self.framer.chunk(index, choice.pending, choice.finish_reason, entries, ids, self.completion_tokens)
 
     def final(self) -> Frame:
         perf = self.perf() if self.spec.perf_metrics else None
-        if isinstance(self.framer, CountsReasoning):
-            self.framer.reasoning_tokens = sum(c.reasoning_tokens for c in self.choices)
+        if hasattr(self.framer, "reasoning_tokens"):
+            cast(CountsReasoning, self.framer).reasoning_tokens = sum(c.reasoning_tokens for c in self.choices)
         if self.spec.stream:
             return Frame(self.spec.request_id, self.framer.end(self.completion_tokens, perf), True)
         return Frame(self.spec.request_id, self.framer.body(self.completion_tokens, perf), True)

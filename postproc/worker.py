@@ -135,22 +135,23 @@ class Shard:
         logprobs = {pos: unpack(lp)[0] for pos, lp in msg.logprobs}
         indices = bytes_to_ids(msg.indices).tolist()
         now = time.time()
+        requests, fed, gaps = self.requests, step.fed, step.gaps
         for pos, (rid, index, token) in enumerate(zip(msg.request_ids, indices, bytes_to_ids(msg.token_ids).tolist())):
-            req = self.requests.get(rid)
+            req = requests.get(rid)
             if req is None:
                 continue
             verdict = verdicts.get((rid, index)) if verdicts else None
             try:
-                req.feed(index, token, verdict, logprobs.get(pos) if logprobs else None, step.gaps, now)
+                finish = req.feed(index, token, verdict, logprobs.get(pos) if logprobs else None, gaps, now)
             except Exception:  # one request's bad state must not take the shard down
                 log.exception("postproc failed for %s", rid)
-                step.failed[rid] = (self.requests.pop(rid), "internal error while producing the output")
+                step.failed[rid] = (requests.pop(rid), "internal error while producing the output")
                 step.aborts.append(rid)
                 touched.pop(rid, None)
                 continue
             touched[rid] = req
-            step.fed[(rid, index)] = None
-            if verdict is None and req.choices[index].finish_reason is not None:  # ended here (stop string, ...)
+            fed[(rid, index)] = None
+            if finish is not None and verdict is None:  # ended here (stop string, ...)
                 step.ended_choices.append((rid, index))
 
     def drop_destination(self, address: str) -> list[str]:

@@ -7,7 +7,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from openai_harmony import Role
+from openai_harmony import HarmonyError, Role, StreamableParser
 
 from ipc.messages import PostprocSpec, Started
 from postproc.harmony import HarmonyParser
@@ -202,6 +202,66 @@ def test_harmony_parser_never_raises(tokens):
     parser = HarmonyParser(harmony_encoding())
     for t in tokens:
         parser.feed(t)
+
+
+def _reads_as_harmony(tokens: list[int]) -> None:
+    """HarmonyParser gives, token by token, the deltas harmony's own StreamableParser gives, of the same kind
+    (content, reasoning, a call's arguments), has named each call by the time its message ends, and fails where
+    harmony raises."""
+    enc = harmony_encoding()
+    ours, theirs = HarmonyParser(enc), StreamableParser(enc, role=Role.ASSISTANT)
+    named, ended = [], 0  # the calls ours named; the messages harmony ended
+    for token in tokens:
+        piece = ours.feed(token)
+        named += [c.function.name for c in piece.tool_calls if c.id and c.function]
+        try:
+            theirs.process(token)
+        except HarmonyError:
+            assert ours.failed
+            return
+        assert not ours.failed
+        if token in enc.stop_tokens() and len(messages := theirs.messages) > ended:
+            ended = len(messages)
+            calls = [m.recipient[len("functions."):] for m in messages if (m.recipient or "").startswith("functions.")]
+            assert named == calls
+        delta = theirs.last_content_delta or ""
+        arguments = "".join(c.function.arguments or "" for c in piece.tool_calls if c.function)
+        if (theirs.current_recipient or "").startswith("functions."):
+            assert (piece.content, piece.reasoning, arguments) == ("", "", delta)
+        elif theirs.current_channel == "analysis":
+            assert (piece.content, piece.reasoning, arguments) == ("", delta, "")
+        else:
+            assert (piece.content, piece.reasoning, arguments) == (delta, "", "")
+
+
+# Markup, header words, content text (a character in two tokens), a lone UTF-8 continuation byte (95), an id
+# outside the vocabulary (201100).
+HARMONY_STRAYS = ["<|start|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>",
+                  "assistant", "analysis", "final", "commentary", " to=functions.add", " json", " hi", "\U0001f980",
+                  95, 201100]
+
+
+def _ids(part: str | int) -> list[int]:
+    return [part] if isinstance(part, int) else harmony_encoding().encode(part, allowed_special="all")
+
+
+def test_harmony_parser_reads_any_stray_or_missing_token_as_harmony_does():
+    base = harmony_tokens([("analysis", "h\u00e9llo"), ("call", "add", {"n": 1}), ("commentary", "so"),
+                           ("final", "done \U0001f980")])
+    for k in range(len(base) + 1):
+        _reads_as_harmony(base[:k] + base[k + 1:])
+        for stray in HARMONY_STRAYS:
+            _reads_as_harmony(base[:k] + _ids(stray) + base[k:])
+
+
+@settings(max_examples=100, deadline=None)
+@given(head=harmony_messages, soup=st.lists(st.sampled_from(HARMONY_STRAYS) | harmony_messages.filter(bool),
+                                            max_size=8))
+def test_harmony_parser_reads_any_markup_as_harmony_does(head, soup):
+    tokens = harmony_tokens(head) if head else []
+    for part in soup:  # whole messages, or strays
+        tokens += _ids("<|start|>assistant") + harmony_tokens(part) if isinstance(part, list) else _ids(part)
+    _reads_as_harmony(tokens)
 
 
 TWO_CALLS = ('<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
