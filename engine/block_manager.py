@@ -36,6 +36,7 @@ class BlockManager:
         """`table`: the Sequence attribute this pool's blocks go in. The primary pool ("block_table")
         also owns the sequence's computed-token count; a model whose sliding-window layers keep their
         KV apart has a second pool ("window_table") that follows it."""
+        assert table in ("block_table", "window_table"), table
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.table = table
@@ -83,12 +84,14 @@ class BlockManager:
 
     def free_outside_window(self, seq: Sequence, first_needed: int) -> None:
         """Frees seq's blocks that hold only positions before `first_needed` (a sliding window slid past them)."""
-        table = getattr(seq, self.table)
-        for i in range(min(first_needed // self.block_size, len(table))):
-            block = table[i]
-            if block >= 0:
-                table[i] = -1
-                self._release(block)
+        table = seq.block_table if self.primary else seq.window_table
+        end = min(first_needed // self.block_size, len(table))
+        start = end
+        while start > 0 and table[start - 1] >= 0:  # the blocks freed before are a prefix of the table
+            start -= 1
+        for i in range(start, end):
+            self._release(table[i])
+            table[i] = -1
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Makes seq's newly computed full blocks reusable by others."""
@@ -128,17 +131,21 @@ class BlockManager:
     def has_room(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether seq's blocks already hold `num_new_tokens` more tokens (most decode steps: nothing to
         allocate)."""
-        return -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) <= len(getattr(seq, self.table))
+        table = seq.block_table if self.primary else seq.window_table
+        return seq.num_computed_tokens + num_new_tokens <= len(table) * self.block_size
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = (), skip: int = 0) -> bool:
         """Whether the cache can hold `num_new_tokens` more of seq's tokens (after the cached `hits`, which
         stand for its blocks skip.. : a window pool needs no blocks before the window)."""
-        revived = sum(1 for b in hits if self.ref_count[b] == 0)  # cached blocks that sit in the free list
-        return self._missing(seq, num_new_tokens, hits, skip) + revived <= len(self._free)
+        return self._missing(seq, num_new_tokens, hits, skip) + self._revived(hits) <= len(self._free)
+
+    def _revived(self, hits: list[int] | tuple[int, ...]) -> int:
+        """How many of the cached `hits` sit in the free list."""
+        return sum(1 for b in hits if self.ref_count[b] == 0) if hits else 0
 
     def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = (), skip: int = 0) -> None:
-        assert self.can_allocate(seq, num_new_tokens, hits, skip), "allocate() without can_allocate()"
         missing = self._missing(seq, num_new_tokens, hits, skip)
+        assert missing + self._revived(hits) <= len(self._free), "allocate() without can_allocate()"
         table = getattr(seq, self.table)
         table.extend([-1] * skip if hits else [])
         for block in hits:

@@ -45,23 +45,23 @@ class ReplayRunner:
     def run(self, batch: ScheduledBatch) -> StepSamples:
         if self.step_cost_s:
             time.sleep(self.step_cost_s)
+        seqs = [seq for seq, samples in zip(batch.seqs, batch.sampled) if samples]
+        if self.recordings is None:
+            steps = np.array([len(s.token_ids) - s.num_prompt_tokens for s in seqs], np.uint64)
+            u = uniform_from(np.array([s.seed for s in seqs], np.uint64), steps)
+            return StepSamples([int(x) for x in u * self.vocab_size])
         tokens = []
-        for seq, samples in zip(batch.seqs, batch.sampled):
-            if not samples:
-                continue
-            step = seq.num_output_tokens
-            if self.recordings is None:
-                u = uniform_from(np.array([seq.seed], np.uint64), np.array([step], np.uint64))[0]
-                tokens.append(int(u * self.vocab_size))
-                continue
+        recordings, assigned = self.recordings, self._assigned
+        for seq in seqs:
+            step = len(seq.token_ids) - seq.num_prompt_tokens
             key = (seq.request_id, seq.index)
-            if (assigned := self._assigned.get(key)) is None:
-                assigned = self._assigned[key] = next(self._next)
-            recorded = self.recordings[assigned]
+            if (i := assigned.get(key)) is None:
+                i = assigned[key] = next(self._next)
+            recorded = recordings[i]
             if step < len(recorded):
                 tokens.append(recorded[step])
             else:
                 tokens.append(seq.sampling.stop_token_ids[0] if seq.sampling.stop_token_ids else 0)
             if step + 1 >= len(recorded) or step + 1 >= seq.sampling.max_tokens:
-                self._assigned.pop(key, None)
+                del assigned[key]
         return StepSamples(tokens)

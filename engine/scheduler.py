@@ -11,12 +11,15 @@ cache, from its tokens so far.
 from __future__ import annotations
 
 import bisect
+import operator
 import time
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, Status
 from ipc.messages import FinishReason
+
+_RUNNING = Status.RUNNING  # (a module global: an enum member's lookup on its class is a descriptor call)
 
 
 @dataclass
@@ -61,7 +64,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: list[Sequence] = []  # sorted by seq.order
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # sorted by seq.order
         self.stats = SchedulerStats()
         self._by_id: dict[str, list[Sequence]] = {}
 
@@ -99,19 +102,20 @@ class Scheduler:
         self._step: dict[Sequence, int] = {}  # this step's sequences and their token counts, in order
         self._budget = self.max_num_batched_tokens
         tail = self.tail_tokens  # (a prompt takes all it has left when that is within the budget and a tail)
-        self.running.sort(key=_order)
+        bm, window_pool, window, step = self.bm, self.window_pool, self.sliding_window, self._step
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING or self._budget <= 0:
+            if seq.status is not _RUNNING or self._budget <= 0:
                 continue
-            n = u if (u := seq.num_uncomputed) <= self._budget + tail else self._budget
-            if self.sliding_window:  # this step's first query sees keys from here on
-                first_seen = seq.num_computed_tokens - self.sliding_window + 1
-                (self.window_pool or self.bm).free_outside_window(seq, first_seen)
-            if not (self.bm.has_room(seq, n) and (self.window_pool is None or self.window_pool.has_room(seq, n))):
+            u = len(seq.token_ids) - seq.num_computed_tokens
+            n = u if u <= self._budget + tail else self._budget
+            if window:  # this step's first query sees keys from here on
+                (window_pool or bm).free_outside_window(seq, seq.num_computed_tokens - window + 1)
+            if not (bm.has_room(seq, n) and (window_pool is None or window_pool.has_room(seq, n))):
                 if not self._make_room(seq, n, []):
                     continue  # seq itself was preempted
                 self._allocate(seq, n, [])
-            self._take(seq, n)
+            step[seq] = n
+            self._budget -= n
         i = 0
         while i < len(self.waiting) and len(self.running) < self.max_num_seqs and self._budget > 0:
             seq = self.waiting[i]
@@ -131,9 +135,10 @@ class Scheduler:
                 self.stats.prefix_queries += seq.num_prompt_tokens
                 self.stats.prefix_hits += seq.num_cached_tokens
             seq.status = Status.RUNNING
-            self.running.append(seq)
-            self._take(seq, n)
-        step, self._step = self._step, {}
+            bisect.insort(self.running, seq, key=_order)
+            step[seq] = n
+            self._budget -= n
+        self._step = {}
         return ScheduledBatch(list(step), list(step.values())) if step else None
 
     def _prefix_hits(self, seq: Sequence) -> tuple[list[int], tuple[list[int], int]]:
@@ -174,10 +179,6 @@ class Scheduler:
             self.window_pool.deallocate(seq)
         self.bm.deallocate(seq)  # last: it resets the computed-token count
 
-    def _take(self, seq: Sequence, n: int) -> None:
-        self._step[seq] = n
-        self._budget -= n
-
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._deallocate(seq)
@@ -188,13 +189,17 @@ class Scheduler:
     def update(self, batch: ScheduledBatch, sampled: list[int]) -> StepResult:
         """Applies one step: `sampled` holds a token for each sequence that samples, in order."""
         result = StepResult()
+        new_tokens = result.new_tokens
         it = iter(sampled)
         now = time.time()
+        bs = self.bm.block_size
+        caching = [pool for pool in (self.bm, self.window_pool) if pool is not None and pool.enable_prefix_caching]
         for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.sampled):
             seq.num_computed_tokens += n
-            self.bm.register_full_blocks(seq)
-            if self.window_pool is not None:
-                self.window_pool.register_full_blocks(seq)
+            # a block filled up, for the prefix cache (the window pool's count of them follows the primary's)
+            if seq.num_computed_tokens // bs > seq.num_registered_blocks:
+                for pool in caching:
+                    pool.register_full_blocks(seq)
             if not samples:
                 continue
             token = next(it)
@@ -206,7 +211,7 @@ class Scheduler:
                 self._finish(seq, keep_blocks=True)
                 result.exported.append((seq, token))
                 continue
-            result.new_tokens.append((seq, token))
+            new_tokens.append((seq, token))
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self._finish(seq)
@@ -232,7 +237,7 @@ class Scheduler:
         context worker): it decodes from the next step."""
         self._by_id.setdefault(seq.request_id, []).append(seq)
         seq.status = Status.RUNNING
-        self.running.append(seq)
+        bisect.insort(self.running, seq, key=_order)
 
     def release(self, seq: Sequence) -> None:
         """Frees the blocks of a sequence that is not (or no longer) scheduled: a parked one, an import's."""
@@ -252,5 +257,4 @@ class Scheduler:
             del self._by_id[seq.request_id]
 
 
-def _order(seq: Sequence) -> tuple[int, int]:
-    return seq.order
+_order = operator.attrgetter("order")

@@ -207,33 +207,42 @@ def test_prefix_cache_hits_salts_and_choice_deferral():
     assert child in batch.seqs and child.num_cached_tokens == 16
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     prompts=st.lists(st.integers(1, 30), min_size=1, max_size=8),
     max_tokens=st.integers(1, 12),
     window=st.integers(2, 9),
     budget=st.integers(1, 24),
     window_blocks=st.integers(0, 30),
+    own_pool=st.booleans(),
+    caching=st.booleans(),
 )
-def test_a_window_pool_frees_as_it_goes_and_everything_completes(prompts, max_tokens, window, budget, window_blocks):
+def test_a_window_frees_as_it_goes_and_everything_completes(prompts, max_tokens, window, budget, window_blocks,
+                                                            own_pool, caching):
+    """With the window layers' KV in a pool of their own or with every layer windowed in the one pool, with
+    the prefix cache or without (prompts of one repeated id: most are found there)."""
     block_size = 4
     longest = max(prompts) + max_tokens
     main_blocks = -(-longest // block_size) * 2
     window_blocks = max(window_blocks, -(-(window - 1 + budget) // block_size) + 1)  # one sequence must fit
-    pool = BlockManager(window_blocks, block_size, False, "window_table")
-    sched = Scheduler(BlockManager(main_blocks, block_size, False), max_num_seqs=4, max_num_batched_tokens=budget,
+    pool = BlockManager(window_blocks, block_size, caching, "window_table") if own_pool else None
+    sched = Scheduler(BlockManager(main_blocks, block_size, caching), max_num_seqs=4, max_num_batched_tokens=budget,
                       max_model_len=1000, sliding_window=window, window_pool=pool)
     for i, n in enumerate(prompts):
         sched.add(seq(f"r{i}", [1] * n, max_tokens=max_tokens))
-    peak = 0
 
     def on_step(step, result):
-        nonlocal peak
-        for s in sched.running:  # a running sequence holds only the blocks its window still reaches
-            held = [b for b in s.window_table if b >= 0]
-            assert len(held) <= -(-(window - 1 + budget) // block_size) + 1
-        peak = max(peak, pool.num_used)
+        assert sched.running == sorted(sched.running, key=lambda s: s.order)
+        for s in sched.running:
+            table = s.window_table if own_pool else s.block_table
+            held = [b for b in table if b >= 0]
+            assert table == [-1] * (len(table) - len(held)) + held  # what the window passed is freed in order
+            if own_pool or not caching:  # (the one pool's prefix hits cover a whole prompt until its next step)
+                assert len(held) <= -(-(window - 1 + budget) // block_size) + 1  # only what the window reaches
+            if caching:  # every full block is in the prefix cache, in both pools
+                registered = s.num_registered_window_blocks if own_pool else s.num_registered_blocks
+                assert s.num_registered_blocks == registered == s.num_computed_tokens // block_size
 
     outputs, _ = run(sched, on_step=on_step)
     assert {k: len(v) for k, v in outputs.items()} == {f"r{i}": max_tokens for i in range(len(prompts))}
-    assert pool.num_free == window_blocks and sched.bm.num_free == main_blocks and len(sched) == 0
+    assert (pool is None or pool.num_free == window_blocks) and sched.bm.num_free == main_blocks and len(sched) == 0
