@@ -24,9 +24,11 @@ from sluice.config import ServerConfig
 _spec_decoder = msgspec.msgpack.Decoder(PostprocSpec)
 log = logging.getLogger("sluice.postproc")
 _METRICS_INTERVAL_S = 0.25
-# Tokens framed per message to the ingress when steps queued up (a ~1-2 ms part here): frames are not held
-# back for a whole backlog, which bounds the gaps between a stream's events (bench/ceiling.py).
-_PART_TOKENS = 256
+# Tokens framed per message to the ingress when steps queued up: frames are not held back for a whole backlog,
+# which bounds the gaps between a stream's events; two steps of 256 rows still make one part, so a request's
+# tokens from the engine's window (--max-steps-ahead 2) go out in one event at 256 streams as at 64 (bench/ceiling.py,
+# bench/RESULTS.md).
+_PART_TOKENS = 512
 
 
 @dataclass

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from ipc.messages import Abort, EndChoices, Failed, Finished, PostprocSpec, Started, StepOutputs, ids_to_bytes
-from postproc.worker import Shard
+from postproc.worker import Shard, parts
 
 
 @pytest.fixture
@@ -194,3 +194,16 @@ def test_steps_handed_over_together_stream_the_same_output_in_fewer_frames(tiny_
             break
         left, handovers = left - size, handovers + 1
     assert frames_together == handovers
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 600), max_size=12), st.integers(1, 600))
+def test_a_backlog_goes_out_in_parts_of_whole_steps_in_order(sizes, bound):
+    """Steps are never split nor reordered; a part holds at most `bound` tokens unless it is one step, and two
+    neighbouring parts could not have been one."""
+    steps = [StepOutputs([], [f"r{i}"] * n, ids_to_bytes([0] * n), ids_to_bytes([0] * n)) for i, n in enumerate(sizes)]
+    out = parts(steps, bound)
+    assert [s for part in out for s in part] == steps
+    tokens = [sum(len(s.request_ids) for s in part) for part in out]
+    assert all(t <= bound or len(part) == 1 for t, part in zip(tokens, out))
+    assert all(a + len(b[0].request_ids) > bound for a, b in zip(tokens, out[1:]))
