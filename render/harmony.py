@@ -83,18 +83,12 @@ def turn_messages(request: ChatCompletionRequest) -> list[Message]:
     return out
 
 
-def harmony_messages(request: ChatCompletionRequest, today: str | None = None) -> list[Message]:
-    """The conversation in harmony: system, developer (instructions and tools), then the turns."""
-    system = system_message(request.reasoning_effort or "medium", today or date.today().isoformat())
-    developer = developer_message(developer_instructions(request), function_tools(request))
-    return [system, *([developer] if developer else []), *turn_messages(request)]
-
-
 def harmony_prompt_ids(request: ChatCompletionRequest, today: str | None = None) -> list[int]:
-    """openai-harmony's `render_conversation_for_completion` of `harmony_messages(request)`, the system and
-    developer messages' tokens cached. harmony renders each message on its own, and what it does to the turns
-    (dropping analysis before the first final answer) looks only at assistant channels, which these two lack;
-    the one thing that crosses messages is the system message's line on function tools."""
+    """openai-harmony's `render_conversation_for_completion` of the conversation in harmony (system, developer:
+    instructions and tools, then the turns), the system and developer messages' tokens cached. harmony renders
+    each message on its own, and what it does to the turns (dropping analysis before the first final answer)
+    looks only at assistant channels, which these two lack; the one thing that crosses messages is the system
+    message's line on function tools."""
     tools = function_tools(request)
     head = _system_ids(request.reasoning_effort or "medium", today or date.today().isoformat(), bool(tools))
     head += _developer_ids(developer_instructions(request), msgspec.json.encode(tools))

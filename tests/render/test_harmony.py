@@ -15,7 +15,8 @@ from ipc.messages import RenderJob, bytes_to_ids
 from ipc.openai import ChatCompletionRequest
 from render.errors import RequestError
 from render.extensions import ExtensionOptions, check_parsers
-from render.harmony import harmony_messages, harmony_prompt_ids
+from render.harmony import (developer_instructions, developer_message, function_tools, harmony_prompt_ids,
+                            system_message, turn_messages)
 from render.worker import build_core
 from sluice.builtin_models import ensure_builtin
 from sluice.config import ServerConfig
@@ -165,6 +166,13 @@ _message = st.one_of(
 _response_format = st.none() | st.sampled_from([{"type": "text"}, {"type": "json_object"}]) | st.builds(
     lambda desc: {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"},
                                                          **({"description": desc} if desc else {})}}, _text)
+
+
+def harmony_messages(request: ChatCompletionRequest, today: str | None) -> list[Message]:
+    """The whole conversation in harmony, rendered at once by the reference below."""
+    system = system_message(request.reasoning_effort or "medium", today or date.today().isoformat())
+    developer = developer_message(developer_instructions(request), function_tools(request))
+    return [system, *([developer] if developer else []), *turn_messages(request)]
 
 
 @settings(max_examples=150, deadline=None)
