@@ -28,12 +28,14 @@ _SOURCES = Path(__file__).parent / "csrc"
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
 # Instruction sets (as /proc/cpuinfo names them) -> the compiler flags that enable them.
 _ISA = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl", "avx512_bf16": "-mavx512bf16",
-        "avx512_vnni": "-mavx512vnni", "avx2": "-mavx2", "fma": "-mfma"}
+        "avx512_vnni": "-mavx512vnni", "avx2": "-mavx2", "fma": "-mfma", "amx_tile": "-mamx-tile",
+        "amx_bf16": "-mamx-bf16"}
 _AVX512 = ("avx512f", "avx512bw")
 _AVX512_VL = (*_AVX512, "avx512vl")
 _AVX512_VL_VNNI = (*_AVX512_VL, "avx512_vnni")
 _AVX512_BF16 = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 _AVX512_VNNI = (*_AVX512_BF16, "avx512_vnni")
+_AMX = (*_AVX512_BF16, "amx_tile", "amx_bf16")
 _AVX2 = ("avx2", "fma")
 _BUILD_TIMEOUT_S = 120
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_kernels import (_AVX2, _AVX512, _AVX512_BF16, _AVX512_VL, _AVX512_VL_VNNI, _AVX512_VNNI, _forgetters,
-                                load)
+from engine.cpu_kernels import (_AMX, _AVX2, _AVX512, _AVX512_BF16, _AVX512_VL, _AVX512_VL_VNNI, _AVX512_VNNI,
+                                _forgetters, cpu_flags, load)
+
+log = logging.getLogger("sluice.engine")
 
 P, INT, L, FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 TILE = 16  # output rows a packed tile holds
@@ -112,8 +115,9 @@ def decoder_layers_bf16():
 
 @_cached
 def f32_layers():
-    """csrc/f32_layers.c (the float32 stack and its pieces) as a library, or None."""
-    lib = load("f32_layers", _AVX512_VL)
+    """csrc/f32_layers.c (the float32 stack and its pieces) as a library, or None: built with AMX where the CPU
+    has it and the kernel lets this process use it (`f32_amx`), else for AVX-512F alone."""
+    lib = f32_layers_amx() or load("f32_layers", _AVX512_VL)
     if lib is None:
         return None
     from engine.cpu.stack import F32LayerSpec, StepSpec
@@ -129,6 +133,26 @@ def f32_layers():
         fn = getattr(lib, symbol)
         fn.restype, fn.argtypes = ctypes.c_int, argtypes
     return lib
+
+
+@_cached
+def f32_layers_amx():
+    """f32_layers.c built for AMX with the tile state granted to this process, or None (and why, once)."""
+    if not set(_AMX) <= cpu_flags():
+        return None
+    if (lib := load("f32_layers", _AMX)) is None:
+        return None
+    lib.sluice_f32_amx_init.restype, lib.sluice_f32_amx_init.argtypes = ctypes.c_int, []
+    if lib.sluice_f32_amx_init() != 0:
+        log.info("AMX not used: the kernel does not grant this process the tile state (arch_prctl)")
+        return None
+    return lib
+
+
+def f32_amx() -> bool:
+    """Whether f32_layers' linears can run bf16 weights on AMX (F32Matmul.build takes it where K is a multiple
+    of 32)."""
+    return f32_layers() is not None and f32_layers_amx() is not None
 
 
 @_cached

@@ -37,13 +37,20 @@ class F32Matmul:
     """csrc/f32_matmul.c for one weight [N, K] (bf16 or float32, K even) and optional bias [N]: x @ W^T + bias
     in float32 for float32 rows x [M, K] (any M), or each row's argmax over N without writing the product.
     The weight is packed once: bf16 as tiles of [K/2][16][2] (Bf16Matmul's layout), float32 as
-    [K/2][2][16]. Each output is one float32 multiply-add chain over k in order: a row's values do not
-    depend on its batch, nor on the instructions (`isa`) the library runs."""
+    [K/2][2][16]. On AVX-512F and AVX2 each output is one float32 multiply-add chain over k in order (the same
+    bits on both); on AMX (a bf16 weight, K a multiple of 32: csrc/f32_matmul.c) the rows are split into three
+    bf16 parts whose products are exact, summed in float32: the same math up to the order of the sums. On
+    every path a row's values do not depend on its batch or the threads."""
 
-    def __init__(self, lib, isa: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.isa = isa  # "AVX-512F" (f32_layers.c, whose fused step reads the same packed weight) or "AVX2"
+    AMX = 2  # the kernels' `bf16` argument for a bf16 weight run on AMX
+
+    def __init__(self, lib, isa: str, weight: torch.Tensor, bias: torch.Tensor | None, amx: bool = False) -> None:
         self.n, self.k = weight.shape
         self.bf16 = weight.dtype == torch.bfloat16
+        # what the kernels' `bf16` argument says: 0 float32, 1 bf16, AMX a bf16 weight on the tile unit
+        self.mode = self.AMX if amx and self.bf16 and self.k % 32 == 0 else int(self.bf16)
+        # "AMX" or "AVX-512F" (f32_layers.c, whose fused step reads the same packed weight), or "AVX2"
+        self.isa = "AMX" if self.mode == self.AMX else isa
         self.packed = tiles(weight.detach(), 2) if self.bf16 else pair_tiles(weight.detach())
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.fn = lib.sluice_f32_matmul
@@ -51,14 +58,15 @@ class F32Matmul:
         self._swiglu = getattr(lib, "sluice_f32_matmul_swiglu", None) if self.n % 128 == 0 else None
 
     @classmethod
-    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "F32Matmul | None":
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, amx: bool = True) -> "F32Matmul | None":
         """The kernel for this weight, or None where it does not apply (not a bf16 / float32 CPU weight, odd
-        K) or cannot run (see `engine.cpu_kernels.load`): AVX-512F's where the CPU has it, else AVX2's."""
+        K) or cannot run (see `engine.cpu_kernels.load`): AMX's for a bf16 weight whose K is a multiple of 32
+        where the CPU has AMX (and `amx`), else AVX-512F's where the CPU has it, else AVX2's."""
         if (weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32)
                 or weight.dim() != 2 or weight.shape[1] % 2 or not weight.shape[1]):
             return None
         if (lib := kernels.f32_layers()) is not None:
-            return cls(lib, "AVX-512F", weight, bias)
+            return cls(lib, "AVX-512F", weight, bias, amx and kernels.f32_amx())
         if (lib := kernels.f32_matmul_avx2()) is not None:
             return cls(lib, "AVX2", weight, bias)
         return None
@@ -69,7 +77,7 @@ class F32Matmul:
 
     def _run(self, x: torch.Tensor, out: torch.Tensor | None, tokens: torch.Tensor | None) -> None:
         bias = None if self.bias is None or out is None else self.bias.data_ptr()
-        if self.fn(self.packed.data_ptr(), self.bf16, self.n, self.k, x.data_ptr(), x.stride(0), x.shape[0], bias,
+        if self.fn(self.packed.data_ptr(), self.mode, self.n, self.k, x.data_ptr(), x.stride(0), x.shape[0], bias,
                    None if out is None else out.data_ptr(), self.n, None if tokens is None else tokens.data_ptr()):
             raise MemoryError("the float32 matmul kernel could not allocate its workspace")
 
@@ -95,7 +103,7 @@ class F32Matmul:
         assert self._swiglu is not None
         rows = self._rows(x)
         out = torch.empty(*x.shape[:-1], self.n // 2, dtype=torch.float32)
-        if out.numel() and self._swiglu(self.packed.data_ptr(), self.bf16, self.n, self.k, rows.data_ptr(),
+        if out.numel() and self._swiglu(self.packed.data_ptr(), self.mode, self.n, self.k, rows.data_ptr(),
                                         rows.stride(0), rows.shape[0],
                                         None if self.bias is None else self.bias.data_ptr(), out.data_ptr(),
                                         self.n // 2):

@@ -102,7 +102,7 @@ class DecoderStack:
     @classmethod
     def _f32_spec(cls, layer: DecodeLayer, sinks: torch.Tensor | None) -> F32LayerSpec:
         def linear(m) -> F32LinearSpec:
-            return F32LinearSpec(m.packed.data_ptr(), None if m.bias is None else m.bias.data_ptr(), m.n, m.k, m.bf16)
+            return F32LinearSpec(m.packed.data_ptr(), None if m.bias is None else m.bias.data_ptr(), m.n, m.k, m.mode)
 
         return F32LayerSpec(qkv=linear(layer.qkv), o=linear(layer.o), gate_up=linear(layer.gate_up),
                             down=linear(layer.down), q_norm=None if layer.q_norm is None else layer.q_norm.data_ptr(),

@@ -20,7 +20,7 @@ static inline int f32_chunk(int n, int threads) {
 
 typedef void (*f32_part_fn)(const void *w, int bf16, int n, int k, const float *x, long ldx, int m,
                             const float *bias, float *out, long ldo, float *best, int32_t *where, float *c,
-                            float *wide, int *next, int chunk);
+                            float *wide, int *next, int chunk, const uint16_t *xs, size_t plane);
 
 /* The threads of a product, each running `part` with `scratch` groups' worth of scratch (f32_panel_rows *
  * F32_LD floats each) and F32_WIDE floats to widen weights in, the units of work handed out among them. */
@@ -32,9 +32,39 @@ static int f32_run(f32_part_fn part, int scratch, const void *w, int bf16, int n
     int32_t *where = NULL;
     if (!out && alloc_candidates(threads, m, F32_TILE, &best, &where)) return -1;
     int next = 0, failed = 0;
+    uint16_t *xs = NULL; /* AMX: the rows' split parts */
+    size_t plane = 0;
+#ifdef __AMX_BF16__
+    const int own = m <= AMX_OWN_ROWS; /* each thread its own split rows, else one split shared */
+    if (bf16 == F32_AMX) {
+        plane = (size_t)amx_padded(m) * k;
+        if (!(xs = malloc(sizeof(uint16_t) * 3 * plane * (own ? threads : 1)))) {
+            free(best);
+            free(where);
+            return -1;
+        }
+    }
+#endif
 #pragma omp parallel num_threads(threads)
     {
         const int th = omp_get_thread_num();
+#ifdef __AMX_BF16__
+        uint16_t *mine = xs;
+        if (xs && own) { /* all the rows into this thread's own parts */
+            mine = xs + (size_t)th * 3 * plane;
+            amx_split(x, ldx, 0, m, k, mine, plane);
+            amx_zero(m, amx_padded(m), k, mine, plane);
+            amx_configure(m);
+        } else if (xs) { /* each thread splits its share of the rows, the last one zeroes the last tile's rest */
+            const int nth = omp_get_num_threads();
+            amx_split(x, ldx, (int)((long)m * th / nth), (int)((long)m * (th + 1) / nth), k, xs, plane);
+            if (th == nth - 1) amx_zero(m, amx_padded(m), k, xs, plane);
+            amx_configure(m);
+#pragma omp barrier
+        }
+#else
+        uint16_t *mine = NULL;
+#endif
         const size_t rows = (size_t)f32_panel_rows(m, k);
         float *c = malloc(sizeof(float) * (scratch * rows * F32_LD + F32_WIDE));
         if (!c) {
@@ -43,10 +73,11 @@ static int f32_run(f32_part_fn part, int scratch, const void *w, int bf16, int n
         } else {
             part(w, bf16, n, k, x, ldx, m, bias, out, ldo, best ? best + (size_t)th * m * F32_TILE : NULL,
                  where ? where + (size_t)th * m * F32_TILE : NULL, c,
-                 F32_WIDE ? c + scratch * rows * F32_LD : NULL, &next, chunk);
+                 F32_WIDE ? c + scratch * rows * F32_LD : NULL, &next, chunk, mine, plane);
         }
         free(c);
     }
+    free(xs);
     if (!out) {
         fold_argmax(best, where, threads, m, F32_TILE, tokens);
         free(best);

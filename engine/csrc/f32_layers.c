@@ -285,15 +285,40 @@ static inline void f32_share(int t, int th, int nth, int *r0, int *r1) {
     *r1 = (int)((long)t * (th + 1) / nth);
 }
 
-/* this thread's share of in @ l^T into out [rows][l->n] (the block counter *next, shared by the team) */
-static void f32_linear_part(const f32_linear_t *l, const float *in, int rows, float *out, float *c, int *next, int nth) {
+/* this thread's share of in @ l^T into out [rows][l->n] (the block counter *next, shared by the team). On
+ * AMX (l->bf16 == F32_AMX) the rows are split into xs first (room for 3 * whole tiles of rows * l->k): up to
+ * AMX_OWN_ROWS rows each thread splits them all into its own xs, else the team its shares of one xs and waits
+ * at the barrier. */
+static void f32_linear_part(const f32_linear_t *l, const float *in, int rows, float *out, float *c, int *next, int th,
+                            int nth, uint16_t *xs, f32_barrier_t *barrier, int *sense) {
+    size_t plane = 0;
+#ifdef __AMX_BF16__
+    if (l->bf16 == F32_AMX) {
+        int r0, r1;
+        plane = (size_t)amx_padded(rows) * l->k;
+        if (rows <= AMX_OWN_ROWS) {
+            r0 = 0, r1 = rows;
+        } else {
+            f32_share(rows, th, nth, &r0, &r1);
+        }
+        amx_split(in, l->k, r0, r1, l->k, xs, plane);
+        if (r1 == rows) amx_zero(rows, amx_padded(rows), l->k, xs, plane);
+        amx_configure(rows);
+        if (rows > AMX_OWN_ROWS) f32_barrier(barrier, sense);
+    } else {
+        xs = NULL;
+    }
+#else
+    (void)th, (void)barrier, (void)sense;
+    xs = NULL;
+#endif
     f32_matmul_part(l->w, l->bf16, l->n, l->k, in, l->k, rows, l->bias, out, l->n, NULL, NULL, c, NULL, next,
-                    f32_chunk(l->n, nth));
+                    f32_chunk(l->n, nth), xs, plane);
 }
 
 int sluice_f32_layers(const f32_layer_t *layers, int count, const f32_step_t *s, float *x) {
     const int t = s->tokens, d = s->hidden, padded = (s->keys + 15) / 16 * 16;
-    int most_qkv = 0, most_q = 0, most_gu = 0, most_group = 1;
+    int most_qkv = 0, most_q = 0, most_gu = 0, most_group = 1, most_k = 0, amx = 0;
     for (int i = 0; i < count; i++) {
         const f32_layer_t *l = layers + i;
         if (l->heads % l->kv_heads || l->heads / l->kv_heads > F32_MAX_GROUP || l->head_dim % 16 ||
@@ -304,12 +329,25 @@ int sluice_f32_layers(const f32_layer_t *layers, int count, const f32_step_t *s,
         if (l->heads * l->head_dim > most_q) most_q = l->heads * l->head_dim;
         if (l->gate_up.n > most_gu) most_gu = l->gate_up.n;
         if (l->heads / l->kv_heads > most_group) most_group = l->heads / l->kv_heads;
+        const f32_linear_t *linears[4] = {&l->qkv, &l->o, &l->gate_up, &l->down};
+        for (int j = 0; j < 4; j++) {
+            if (linears[j]->k > most_k) most_k = linears[j]->k;
+            amx |= linears[j]->bf16 == F32_AMX;
+        }
     }
     float *h = malloc(sizeof(float) * t * (size_t)(d + most_qkv + 2 * most_q + most_gu + most_gu / 2));
     int *counters = calloc((size_t)count * 5, sizeof(int)); /* each layer's four linears and attention */
-    if (!h || !counters) {
+    uint16_t *xs = NULL; /* AMX: a linear's rows split (see f32_linear_part) */
+#ifdef __AMX_BF16__
+    const size_t xs_each = 3 * (size_t)amx_padded(t) * most_k; /* each thread's own below AMX_OWN_ROWS rows */
+    if (amx) xs = malloc(sizeof(uint16_t) * xs_each * (t <= AMX_OWN_ROWS ? omp_get_max_threads() : 1));
+#else
+    (void)most_k, (void)amx;
+#endif
+    if (!h || !counters || (amx && !xs)) {
         free(h);
         free(counters);
+        free(xs);
         return -1;
     }
     float *qkv = h + (size_t)t * d, *q = qkv + (size_t)t * most_qkv, *attn = q + (size_t)t * most_q,
@@ -334,13 +372,18 @@ int sluice_f32_layers(const f32_layer_t *layers, int count, const f32_step_t *s,
         if (!c || !scores) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
         f32_barrier(&barrier, &sense);
         const int ok = !__atomic_load_n(&failed, __ATOMIC_RELAXED); /* the same for every thread, after the barrier */
+#ifdef __AMX_BF16__
+        uint16_t *mine = xs && t <= AMX_OWN_ROWS ? xs + (size_t)th * xs_each : xs;
+#else
+        uint16_t *mine = NULL;
+#endif
         for (int i = 0; i < count && ok; i++) {
             const f32_layer_t *l = layers + i;
             int *next = counters + (size_t)i * 5;
             const int hd = l->head_dim, width = l->qkv.n;
             for (int r = r0; r < r1; r++) f32_rms_row(x + (size_t)r * d, l->input_norm, d, l->eps, h + (size_t)r * d);
             f32_barrier(&barrier, &sense);
-            f32_linear_part(&l->qkv, h, t, qkv, c, next, nth);
+            f32_linear_part(&l->qkv, h, t, qkv, c, next, th, nth, mine, &barrier, &sense);
             f32_barrier(&barrier, &sense);
             for (int r = r0; r < r1; r++)
                 f32_rope_row(r, qkv, width, qkv + (size_t)(l->heads + l->kv_heads) * hd, width, l->heads, l->kv_heads, hd,
@@ -351,18 +394,18 @@ int sluice_f32_layers(const f32_layer_t *layers, int count, const f32_step_t *s,
                 f32_attention_job(job, scores, q, (long)l->heads * hd, l->k_cache, l->v_cache, s->rows, s->kv_slots,
                                   s->mask, l->sinks, l->heads, l->kv_heads, hd, s->keys, l->scale, attn);
             f32_barrier(&barrier, &sense);
-            f32_linear_part(&l->o, attn, t, h, c, next + 1, nth);
+            f32_linear_part(&l->o, attn, t, h, c, next + 1, th, nth, mine, &barrier, &sense);
             f32_barrier(&barrier, &sense);
             for (int r = r0; r < r1; r++) { /* the residual, then the MLP's norm of it */
                 f32_add_into(x + (size_t)r * d, h + (size_t)r * d, d);
                 f32_rms_row(x + (size_t)r * d, l->post_norm, d, l->eps, h + (size_t)r * d);
             }
             f32_barrier(&barrier, &sense);
-            f32_linear_part(&l->gate_up, h, t, gu, c, next + 2, nth);
+            f32_linear_part(&l->gate_up, h, t, gu, c, next + 2, th, nth, mine, &barrier, &sense);
             f32_barrier(&barrier, &sense);
             f32_swiglu(gu + (size_t)r0 * l->gate_up.n, r1 - r0, l->gate_up.n / 2, act + (size_t)r0 * (l->gate_up.n / 2));
             f32_barrier(&barrier, &sense);
-            f32_linear_part(&l->down, act, t, h, c, next + 3, nth);
+            f32_linear_part(&l->down, act, t, h, c, next + 3, th, nth, mine, &barrier, &sense);
             f32_barrier(&barrier, &sense);
             for (int r = r0; r < r1; r++) f32_add_into(x + (size_t)r * d, h + (size_t)r * d, d);
             f32_barrier(&barrier, &sense);
@@ -372,6 +415,7 @@ int sluice_f32_layers(const f32_layer_t *layers, int count, const f32_step_t *s,
     }
     free(h);
     free(counters);
+    free(xs);
     return failed ? -1 : 0;
 }
 

@@ -26,19 +26,24 @@
 #include "simd.h"
 
 enum { F32_TILE = 16, F32_GROUP = 4, F32_ROWS = 6, F32_KP = 64, F32_LD = F32_TILE * F32_GROUP };
+/* the `bf16` argument: 0 a float32 weight, 1 a bf16 one, F32_AMX a bf16 one run on AMX (the AMX build only) */
+enum { F32_AMX = 2 };
 /* a group's slice of KP pairs widened to float32 (bf16 weights, F32_WIDEN_ROWS rows or more): floats of scratch */
 enum { F32_WIDE = F32_GROUP * F32_KP * 2 * F32_TILE, F32_WIDEN_ROWS = 4 * F32_ROWS };
 /* bytes of input rows a panel holds: each group's weight slices are read (and widened) once a panel, so the
  * more rows the fewer times; past a few MB the rows' own traffic costs more (bench/RESULTS.md) */
 #define F32_PANEL_BYTES (2 << 20)
 
-/* Rows a panel takes (of m, each k floats): whole F32_ROWS blocks within F32_PANEL_BYTES, at least 4 blocks.
+/* a panel's rows come in steps of whole F32_ROWS blocks and whole AMX tiles of 16 rows */
+enum { F32_PANEL_STEP = 48 };
+
+/* Rows a panel takes (of m, each k floats): whole steps within F32_PANEL_BYTES, at least one.
  * Taking the rows a panel at a time, each group's weights are read once a panel and each panel's rows once
  * for all the groups, where the whole of the rows for each group would stream them from memory again and
  * again (a long prompt's rows are megabytes). */
 static inline int f32_panel_rows(int m, int k) {
-    int rows = (int)(F32_PANEL_BYTES / (4 * (long)k)) / F32_ROWS * F32_ROWS;
-    rows = rows < 4 * F32_ROWS ? 4 * F32_ROWS : rows;
+    int rows = (int)(F32_PANEL_BYTES / (4 * (long)k)) / F32_PANEL_STEP * F32_PANEL_STEP;
+    rows = rows < F32_PANEL_STEP ? F32_PANEL_STEP : rows;
     return rows < m ? rows : m;
 }
 
@@ -189,8 +194,148 @@ static void f32_widen(const uint16_t *w, int k, int nt, int p0, int p1, float *w
         }
 }
 
+
+#ifdef __AMX_BF16__
+/* AMX (built with -mamx-tile -mamx-bf16 -mavx512bf16; run only after sluice_f32_amx_init says yes): a bf16
+ * weight's products in float32 on the tile unit. Each float32 row x is split into three bf16 parts, x = hi +
+ * mid + lo exactly (hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid): 8 + 8 + 8 bits of x's 24; each
+ * difference exact in float32), and x . w = hi . w + mid . w + lo . w, each bf16 product exact in float32 and
+ * every sum kept in float32 (TDPBF16PS): float32 math on the same weights up to the order of the sums (and
+ * DAZ/FTZ: parts below 2^-126 count as zero, i.e. |x| below ~2^-110), at three tile products a block where
+ * AVX-512F's float32 FMAs make one sixteenth of one. The weight's bf16 packing [K/2][16][2] is the tile
+ * unit's B layout as it is (16 pairs of columns of a tile: one 1 KB tile).
+ *
+ * Tiles: 0-3 the accumulators of a group's 4 output tiles (16 rows x 16 outputs), then parts of the rows (16
+ * rows x 32 columns) and weight tiles (see amx_group). Each row's sum runs over k in blocks of 32, in each
+ * its hi, then mid, then lo products: a row's values depend neither on its batch nor on the threads. */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+enum { AMX_K = 32, AMX_ROWS = 16 };
+/* rows up to which each thread splits all of them for itself (no barrier: a decode step has ~120 products) */
+enum { AMX_OWN_ROWS = 32 };
+/* blocks of k ahead that a few rows' products fetch the weight (see amx_group) */
+enum { AMX_AHEAD = 1 };
+
+typedef struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) amx_config_t;
+
+/* Asks the kernel for the tile state (Linux keeps AMX off until a process asks): 0 when AMX may run here. */
+int sluice_f32_amx_init(void) {
+    unsigned long features = 0;
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */)) return -1;
+    if (syscall(SYS_arch_prctl, 0x1022 /* ARCH_GET_XCOMP_PERM */, &features)) return -1;
+    return features & (1ul << 18) ? 0 : -1;
+}
+
+/* The calling thread's tiles for a product of m rows, as amx_group uses them: accumulators (0-3) and rows (4,
+ * 5; and 6 below 16 rows) of min(m, 16) rows (a tile product costs by its rows: a decode's single row is not
+ * run as 16), weights (7; and 6 from 16 rows) of 16 pairs of columns. */
+static void amx_configure(int m) {
+    amx_config_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = t < 7 && m < AMX_ROWS ? m : AMX_ROWS;
+    _tile_loadconfig(&cfg);
+}
+
+/* rows padded to whole tiles */
+static inline int amx_padded(int m) { return (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS; }
+
+/* Rows [r0, r1) of x (k floats, ldx apart) split into bf16 hi, mid and lo parts: xs [3][plane] with row r at
+ * r * k of each part (see the section's comment). */
+static void amx_split(const float *x, long ldx, int r0, int r1, int k, uint16_t *xs, size_t plane) {
+    for (int r = r0; r < r1; r++) {
+        const float *xr = x + (size_t)r * ldx;
+        uint16_t *hi = xs + (size_t)r * k, *mid = hi + plane, *lo = mid + plane;
+        for (int c = 0; c < k; c += 16) {
+            const __mmask16 keep = first_lanes(k - c);
+            const __m512 v = _mm512_maskz_loadu_ps(keep, xr + c);
+            const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+            const __m512 rest = _mm512_sub_ps(v, widen_bf16(h));
+            const __m256i md = (__m256i)_mm512_cvtneps_pbh(rest);
+            const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(rest, widen_bf16(md)));
+            _mm256_mask_storeu_epi16(hi + c, keep, h);
+            _mm256_mask_storeu_epi16(mid + c, keep, md);
+            _mm256_mask_storeu_epi16(lo + c, keep, l);
+        }
+    }
+}
+
+/* zero rows [r0, r1) of the three parts (the rows past m that fill a last tile) */
+static void amx_zero(int r0, int r1, int k, uint16_t *xs, size_t plane) {
+    for (int part = 0; part < 3; part++) memset(xs + part * plane + (size_t)r0 * k, 0, sizeof(uint16_t) * (r1 - r0) * k);
+}
+
+/* The nt (1-4) tiles of a group from wg (tiles k * 16 values apart) for m rows of split parts xs (planes
+ * `plane` apart; whole tiles of rows, zero past m), into c [m][F32_LD]; the tiles as amx_configure(m) left
+ * them. */
+static void amx_group(const uint16_t *wg, int k, int nt, const uint16_t *xs, size_t plane, int m, float *c) {
+    float part[AMX_ROWS * F32_LD] __attribute__((aligned(64)));
+    const size_t tile = (size_t)k * F32_TILE;
+    const long lda = (long)k * 2;
+    for (int r0 = 0; r0 < m; r0 += AMX_ROWS) {
+        const uint16_t *a = xs + (size_t)r0 * k;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int k0 = 0; k0 < k; k0 += AMX_K) {
+            const uint16_t *wk = wg + (size_t)k0 * F32_TILE;
+            if (m < AMX_ROWS) {
+                /* a few rows (a decode step's): the three parts in tiles 4-6 and each weight tile once into 7,
+                 * its lines fetched AMX_AHEAD blocks of k ahead (it comes from memory) */
+                if (k0 + AMX_AHEAD * AMX_K < k)
+                    for (int t = 0; t < nt; t++)
+                        for (int l = 0; l < 16; l++)
+                            _mm_prefetch((const char *)(wk + t * tile + (size_t)AMX_AHEAD * AMX_K * F32_TILE) + 64 * l,
+                                         _MM_HINT_T0);
+                _tile_loadd(4, a + k0, lda);
+                _tile_loadd(5, a + plane + k0, lda);
+                _tile_loadd(6, a + 2 * plane + k0, lda);
+                { _tile_loadd(7, wk + 0 * tile, 64); _tile_dpbf16ps(0, 4, 7); _tile_dpbf16ps(0, 5, 7); _tile_dpbf16ps(0, 6, 7); }
+                if (nt > 1) { _tile_loadd(7, wk + 1 * tile, 64); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(1, 5, 7); _tile_dpbf16ps(1, 6, 7); }
+                if (nt > 2) { _tile_loadd(7, wk + 2 * tile, 64); _tile_dpbf16ps(2, 4, 7); _tile_dpbf16ps(2, 5, 7); _tile_dpbf16ps(2, 6, 7); }
+                if (nt > 3) { _tile_loadd(7, wk + 3 * tile, 64); _tile_dpbf16ps(3, 4, 7); _tile_dpbf16ps(3, 5, 7); _tile_dpbf16ps(3, 6, 7); }
+                continue;
+            }
+            /* whole tiles of rows: part S's rows into tile 4 + S % 2, then each weight tile T into 6 + T % 2
+             * and its product, the four accumulators' products interleaved (each waits on its own last one),
+             * the weight from L1 after part 0 (the same sums, in the same order, as above) */
+            _tile_loadd(4, a + 0 * plane + k0, lda);
+            { _tile_loadd(6, wk + 0 * tile, 64); _tile_dpbf16ps(0, 4, 6); }
+            if (nt > 1) { _tile_loadd(7, wk + 1 * tile, 64); _tile_dpbf16ps(1, 4, 7); }
+            if (nt > 2) { _tile_loadd(6, wk + 2 * tile, 64); _tile_dpbf16ps(2, 4, 6); }
+            if (nt > 3) { _tile_loadd(7, wk + 3 * tile, 64); _tile_dpbf16ps(3, 4, 7); }
+            _tile_loadd(5, a + 1 * plane + k0, lda);
+            { _tile_loadd(6, wk + 0 * tile, 64); _tile_dpbf16ps(0, 5, 6); }
+            if (nt > 1) { _tile_loadd(7, wk + 1 * tile, 64); _tile_dpbf16ps(1, 5, 7); }
+            if (nt > 2) { _tile_loadd(6, wk + 2 * tile, 64); _tile_dpbf16ps(2, 5, 6); }
+            if (nt > 3) { _tile_loadd(7, wk + 3 * tile, 64); _tile_dpbf16ps(3, 5, 7); }
+            _tile_loadd(4, a + 2 * plane + k0, lda);
+            { _tile_loadd(6, wk + 0 * tile, 64); _tile_dpbf16ps(0, 4, 6); }
+            if (nt > 1) { _tile_loadd(7, wk + 1 * tile, 64); _tile_dpbf16ps(1, 4, 7); }
+            if (nt > 2) { _tile_loadd(6, wk + 2 * tile, 64); _tile_dpbf16ps(2, 4, 6); }
+            if (nt > 3) { _tile_loadd(7, wk + 3 * tile, 64); _tile_dpbf16ps(3, 4, 7); }
+        }
+        const int rows = m - r0 < AMX_ROWS ? m - r0 : AMX_ROWS;
+        float *dst = rows == AMX_ROWS || m < AMX_ROWS ? c + (size_t)r0 * F32_LD : part; /* (tiles of m rows) */
+        _tile_stored(0, dst, F32_LD * 4);
+        if (nt > 1) _tile_stored(1, dst + F32_TILE, F32_LD * 4);
+        if (nt > 2) _tile_stored(2, dst + 2 * F32_TILE, F32_LD * 4);
+        if (nt > 3) _tile_stored(3, dst + 3 * F32_TILE, F32_LD * 4);
+        if (dst == part) memcpy(c + (size_t)r0 * F32_LD, part, sizeof(float) * rows * F32_LD);
+    }
+}
+#endif
+
 /* Group g (F32_GROUP tiles from tile g * F32_GROUP) of the product for all m rows, into c [m][F32_LD]; returns
- * its number of tiles. wide: F32_WIDE floats of scratch, or NULL: with many rows, a bf16 weight's slice is
+ * its number of tiles. xs: NULL, or (AMX) the rows' split parts (see amx_split), planes `plane` apart, from
+ * which the group runs on the tile unit instead. wide: F32_WIDE floats of scratch, or NULL: with many rows, a bf16 weight's slice is
  * widened once there for all of them rather than in registers for each F32_ROWS (the same values). `then`:
  * the group this thread takes next (-1: none), fetched as this one is read: unwidened, whole, with the first
  * row block; widened, from a weight of F32_FETCH_BYTES or more, the slice widened next (this group's next
@@ -198,11 +343,20 @@ static void f32_widen(const uint16_t *w, int k, int nt, int p0, int p1, float *w
  * from memory again for each panel of rows, and the widening waited on every line; a small one's stay in the
  * caches, where the fetching only costs). */
 static int f32_group(const void *w, int bf16, int n, int k, const float *x, long ldx, int m, float *c, int g,
-                     float *wide, int then) {
+                     float *wide, int then, const uint16_t *xs, size_t plane) {
     const int tiles = (n + F32_TILE - 1) / F32_TILE, groups = (tiles + F32_GROUP - 1) / F32_GROUP, pairs = k / 2;
     const size_t tile_bytes = (size_t)k * F32_TILE * (bf16 ? 2 : 4);
     const int tile0 = g * F32_GROUP, nt = tiles - tile0 < F32_GROUP ? tiles - tile0 : F32_GROUP;
     const char *wg = (const char *)w + (size_t)tile0 * tile_bytes;
+#ifdef __AMX_BF16__
+    if (xs) {
+        (void)x, (void)ldx, (void)wide, (void)then;
+        amx_group((const uint16_t *)wg, k, nt, xs, plane, m, c);
+        return nt;
+    }
+#else
+    (void)xs, (void)plane;
+#endif
     const int widen = bf16 && wide && m >= F32_WIDEN_ROWS, blocks = (m + F32_ROWS - 1) / F32_ROWS;
     const char *wthen = then >= 0 && then < groups ? (const char *)w + (size_t)then * F32_GROUP * tile_bytes : NULL;
     const int fetch = widen && (size_t)tiles * tile_bytes >= F32_FETCH_BYTES;
@@ -237,14 +391,14 @@ static int f32_group(const void *w, int bf16, int n, int k, const float *x, long
  * only). */
 static void f32_matmul_part(const void *w, int bf16, int n, int k, const float *x, long ldx, int m, const float *bias,
                             float *out, long ldo, float *best, int32_t *where, float *c, float *wide, int *next,
-                            int chunk) {
+                            int chunk, const uint16_t *xs, size_t plane) {
     const int groups = ((n + F32_TILE - 1) / F32_TILE + F32_GROUP - 1) / F32_GROUP, panel = f32_panel_rows(m, k);
     const int units = (m + panel - 1) / panel * groups;
     f32_queue q = f32_queue_new(next, chunk, units);
     for (int u, after; (u = f32_unit(&q, next, chunk, units, &after)) >= 0;) {
         const int r0 = u / groups * panel, g = u % groups, rows = m - r0 < panel ? m - r0 : panel;
         const int nt = f32_group(w, bf16, n, k, x + (size_t)r0 * ldx, ldx, rows, c, g, wide,
-                                 after < 0 ? -1 : after % groups);
+                                 after < 0 ? -1 : after % groups, xs ? xs + (size_t)r0 * k : NULL, plane);
         f32_finish(c, rows, g * F32_GROUP, nt, n, bias, out ? out + (size_t)r0 * ldo : NULL, ldo,
                    best ? best + (size_t)r0 * F32_TILE : NULL, where ? where + (size_t)r0 * F32_TILE : NULL);
     }
@@ -275,7 +429,7 @@ static void f32_finish_swiglu(const float *c, const float *cu, int m, int tile0,
  * [m][2 * inter] product is never written. c: 2 * f32_panel_rows * F32_LD floats of scratch. */
 static void f32_swiglu_part(const void *w, int bf16, int n, int k, const float *x, long ldx, int m, const float *bias,
                             float *out, long ldo, float *best, int32_t *where, float *c, float *wide, int *next,
-                            int chunk) {
+                            int chunk, const uint16_t *xs, size_t plane) {
     (void)best, (void)where;
     const int half = n / 2 / (F32_GROUP * F32_TILE), panel = f32_panel_rows(m, k);
     const int units = (m + panel - 1) / panel * half;
@@ -284,8 +438,9 @@ static void f32_swiglu_part(const void *w, int bf16, int n, int k, const float *
     for (int u, after; (u = f32_unit(&q, next, chunk, units, &after)) >= 0;) {
         const int r0 = u / half * panel, g = u % half, rows = m - r0 < panel ? m - r0 : panel;
         const float *xr = x + (size_t)r0 * ldx;
-        const int nt = f32_group(w, bf16, n, k, xr, ldx, rows, c, g, wide, g + half);
-        f32_group(w, bf16, n, k, xr, ldx, rows, cu, g + half, wide, after < 0 ? -1 : after % half);
+        const uint16_t *xsr = xs ? xs + (size_t)r0 * k : NULL;
+        const int nt = f32_group(w, bf16, n, k, xr, ldx, rows, c, g, wide, g + half, xsr, plane);
+        f32_group(w, bf16, n, k, xr, ldx, rows, cu, g + half, wide, after < 0 ? -1 : after % half, xsr, plane);
         f32_finish_swiglu(c, cu, rows, g * F32_GROUP, nt, n / 2, bias, out + (size_t)r0 * ldo, ldo);
     }
 }

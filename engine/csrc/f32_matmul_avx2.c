@@ -166,8 +166,8 @@ static inline int f32_panel_rows(int m, int k) {
 
 static void f32_matmul_part(const void *w, int bf16, int n, int k, const float *x, long ldx, int m, const float *bias,
                             float *out, long ldo, float *best, int32_t *where, float *c, float *wide, int *next,
-                            int chunk) {
-    (void)wide; /* (F32_WIDE is 0 here) */
+                            int chunk, const uint16_t *xs, size_t plane) {
+    (void)wide, (void)xs, (void)plane; /* (F32_WIDE is 0 here; no AMX) */
     const int tiles = (n + F32_TILE - 1) / F32_TILE, groups = (tiles + F32_GROUP - 1) / F32_GROUP, pairs = k / 2;
     const size_t tile_bytes = (size_t)k * F32_TILE * (bf16 ? 2 : 4);
     for (int g0, g1; f32_take(next, chunk, groups, &g0, &g1);) {

@@ -42,6 +42,8 @@ needs_avx2 = pytest.mark.skipif(not AVX2, reason="this CPU lacks AVX2/FMA")
 needs_f32_kernel = pytest.mark.skipif(not (AVX512 or AVX2), reason="this CPU lacks AVX-512F/BW/VL and AVX2/FMA")
 # the float32 linears' instruction sets: each test of them runs on every one this CPU has
 ISAS = [pytest.param("AVX-512F", marks=needs_avx512), pytest.param("AVX2", marks=needs_avx2)]
+AMX = {*_ISA, "avx512_bf16", "amx_tile", "amx_bf16"} <= cpu_kernels.cpu_flags()
+needs_amx = pytest.mark.skipif(not AMX, reason="this CPU lacks AMX-BF16")
 
 
 @pytest.fixture
@@ -55,8 +57,13 @@ def fresh_kernels(tmp_path, monkeypatch):
 
 def _kernel(isa: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> F32Matmul:
     """The float32 linear on one instruction set's library (F32Matmul.build takes the best this CPU has)."""
-    lib = kernels.f32_layers() if isa == "AVX-512F" else kernels.f32_matmul_avx2()
+    lib = kernels.f32_layers() if isa in ("AVX-512F", "AMX") else kernels.f32_matmul_avx2()
     assert lib is not None, f"the {isa} float32 kernel did not build"
+    if isa == "AMX":
+        assert kernels.f32_amx(), "the AMX build of the float32 kernels did not load"
+        kernel = F32Matmul(lib, "AVX-512F", weight, bias, amx=True)
+        assert kernel.isa == "AMX"
+        return kernel
     return F32Matmul(lib, isa, weight, bias)
 
 
@@ -208,6 +215,71 @@ def test_swiglu_in_the_epilogue_needs_whole_groups_of_64():
     assert _kernel("AVX-512F", torch.randn(2 * 128, 32)).swiglu_ok
 
 
+def _amx_tolerance(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A bound on AMX's error against the exact products: its rows' three bf16 parts are exact (x = hi + mid +
+    lo) and so are their products; each block of 32 columns of a part lands in the float32 sum with one
+    rounding of at most 2^-24 of the running sum of |products|, and a block's own sum with as much again."""
+    blocks = 3 * -(-x.shape[1] // 32)
+    return x.abs().double() @ w.abs().double().T * (2 * blocks + 2) * 2**-24 + 1e-30
+
+
+@needs_amx
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 700), k=st.integers(1, 12).map(lambda h: 32 * h), rows=st.integers(1, 70),
+       bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_amx_matmul_is_float32_math_on_the_same_bf16_weights(n, k, rows, bias, seed):
+    """AMX's products (a bf16 weight, K a multiple of 32): the exact products within a few float32 roundings of
+    each block of 32 columns (far inside the order tolerance of a float32 chain over k), torch's float32
+    F.linear up to the order of its sums, and a row's values the same whatever its batch (1 to 70 rows: tiles
+    of fewer than 16 rows, whole ones and a last partial one)."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    kernel = _kernel("AMX", weight, b)
+    out = kernel(x)
+    assert out.dtype == torch.float32 and out.shape == (rows, n)
+    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    assert ((out.double() - exact).abs() <= _amx_tolerance(x, weight.float()) + 2**-23 * exact.abs()).all()
+    torch_fp32 = F.linear(x, weight.float(), b)
+    assert ((out - torch_fp32).double().abs() <= 2 * _order_tolerance(x, weight.float()) + 2**-22 * exact.abs()).all()
+    alone = torch.cat([kernel(x[r : r + 1]) for r in range(rows)])
+    assert torch.equal(alone, out), "a row's values depend on its batch"
+
+
+@needs_amx
+def test_amx_rows_do_not_depend_on_the_threads_and_long_prompts_keep_the_bits():
+    """One thread or two, and 1,100 rows of k = 1024 (past one panel of rows, a last tile of 12 rows) against
+    16 rows at a time, for the plain product and SwiGLU's; the argmax is the first index of the maximum of
+    AMX's logits."""
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(2 * 1088, 1024, generator=g).bfloat16(), torch.randn(1100, 1024, generator=g)
+    kernel = _kernel("AMX", weight)
+    assert kernel.swiglu_ok
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = kernel(x[:40])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(kernel(x[:40]), alone)
+    for product in (kernel, kernel.swiglu):
+        assert torch.equal(product(x), torch.cat([product(x[r : r + 16]) for r in range(0, 1100, 16)]))
+    gate, up = kernel(x[:70]).double().chunk(2, dim=-1)
+    exact = F.silu(gate) * up
+    assert ((kernel.swiglu(x[:70]).double() - exact).abs() <= 2**-20 * exact.abs() + 1e-30).all()
+    logits = kernel(x[:70])
+    assert torch.equal(kernel.argmax(x[:70]), (logits == logits.amax(dim=1, keepdim=True)).float().argmax(dim=1))
+
+
+@needs_amx
+def test_amx_takes_bf16_weights_whose_k_is_a_multiple_of_32_and_no_others():
+    assert F32Matmul.build(torch.randn(64, 96).bfloat16()).isa == "AMX"
+    assert F32Matmul.build(torch.randn(64, 88).bfloat16()).isa == "AVX-512F"  # K not a multiple of 32
+    assert F32Matmul.build(torch.randn(64, 96)).isa == "AVX-512F"  # a float32 weight
+    assert F32Matmul.build(torch.randn(64, 96).bfloat16(), amx=False).isa == "AVX-512F"
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @settings(max_examples=30, deadline=None)
 @given(vocab=st.integers(1, 3000), rows=st.integers(1, 70), ties=st.integers(0, 5), bf16=st.booleans(),
@@ -326,8 +398,10 @@ def test_a_bf16_checkpoint_in_float32_keeps_bf16_weights_and_generates_torch_fp3
     assert runner.one_call == AVX512
     assert isinstance(runner.lm_head.kernel, F32Matmul) and runner.lm_head.kernel.bf16
     linears = [m for m in runner.model.modules() if hasattr(m, "run")]
-    assert linears and all(isinstance(m.run, F32Matmul) and m.run.isa == isa and m.run.bf16
-                           and m.weight.dtype == torch.bfloat16 for m in linears)
+    assert linears and all(isinstance(m.run, F32Matmul) and m.run.bf16 and m.weight.dtype == torch.bfloat16
+                           for m in linears)
+    # on AMX a bf16 weight whose K is a multiple of 32 runs there, the others on AVX-512F
+    assert all(m.run.isa == ("AMX" if AMX and m.run.k % 32 == 0 else isa) for m in linears)
     assert all(m.run is None and m.weight.dtype == torch.float32 for m in ref.model.modules() if hasattr(m, "run"))
     requests = [seq(f"r{i}", p, max_tokens=24, temperature=0.0) for i, p in enumerate(PROMPTS)]
     assert generate(runner, sched, requests) == generate(ref, ref_sched, [seq(s.request_id, s.token_ids[:len(p)],
@@ -575,12 +649,13 @@ def test_float32_rope_store_is_torchs_rotary_and_the_cache_writes(tokens, kv_hea
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])  # (nothing written)
 
 
-@pytest.mark.parametrize("hide", ["avx512f", "avx512f,avx2", "all"])
+@pytest.mark.parametrize("hide", ["amx_bf16", "avx512f", "avx512f,avx2", "all"])
 def test_cpus_without_the_instructions_run_other_paths_with_the_same_tokens(hide, tmp_path, fresh_kernels,
                                                                           monkeypatch):
-    """SLUICE_CPU_HIDE=avx512f stands for an AVX2 CPU: the linears on the AVX2 kernel, the rest as torch ops;
-    avx512f,avx2 for an older one and SLUICE_CPU_KERNELS=0 for kernels turned off: no kernel runs. The
-    tokens are those of the best path this CPU has."""
+    """SLUICE_CPU_HIDE=amx_bf16 stands for an AVX-512 CPU without AMX: every linear on AVX-512F, the step in
+    one call; avx512f for an AVX2 CPU: the linears on the AVX2 kernel, the rest as torch ops; avx512f,avx2 for
+    an older one and SLUICE_CPU_KERNELS=0 for kernels turned off: no kernel runs. The tokens are those of the
+    best path this CPU has."""
     path = _bf16_checkpoint(tmp_path / "m", **VARIANTS["qwen3-qk-norm"])
     runner, sched = make_engine(path)
     tokens = generate(runner, sched, [seq(f"r{i}", p, max_tokens=16, temperature=0.0) for i, p in enumerate(PROMPTS)])
@@ -588,8 +663,10 @@ def test_cpus_without_the_instructions_run_other_paths_with_the_same_tokens(hide
     cpu_kernels.clear()
     runner, sched = make_engine(path)
     linears = [m for m in runner.model.modules() if hasattr(m, "run")]
-    assert not runner.one_call
-    if hide == "avx512f" and AVX2:
+    assert runner.one_call == (hide == "amx_bf16" and AVX512)
+    if hide == "amx_bf16" and AVX512:
+        assert all(m.run.isa == "AVX-512F" for m in linears)
+    elif hide == "avx512f" and AVX2:
         assert isinstance(runner.lm_head.kernel, F32Matmul) and runner.lm_head.kernel.isa == "AVX2"
         assert all(m.run.isa == "AVX2" and m.weight.dtype == torch.bfloat16 for m in linears)
     else:
