@@ -70,10 +70,21 @@ def int8_argmax():
                      [P, P, P, P, P, P, INT, INT, FLOAT, FLOAT, FLOAT, P, INT, P])
 
 
+_F32_INT8_ARGMAX = [P, P, P, P, P, P, INT, INT, INT, FLOAT, FLOAT, FLOAT, P, INT, P]
+
+
 @_cached
 def f32_int8_argmax():
-    return _function("f32_int8_argmax", _AVX512_VL_VNNI, "sluice_f32_int8_argmax",
-                     [P, P, P, P, P, P, INT, INT, INT, FLOAT, FLOAT, FLOAT, P, INT, P])
+    return _function("f32_int8_argmax", _AVX512_VL_VNNI, "sluice_f32_int8_argmax", _F32_INT8_ARGMAX)
+
+
+@_cached
+def f32_int8_argmax_amx():
+    """The same screen built with AMX, which settles an AMX head's rows as its product computes them (None
+    where f32_layers' linears do not run on AMX)."""
+    if not f32_amx():
+        return None
+    return _function("f32_int8_argmax", (*_AMX, "avx512_vnni"), "sluice_f32_int8_argmax", _F32_INT8_ARGMAX)
 
 
 @_cached

@@ -40,8 +40,7 @@ class CpuLMHead(LMHead):
     @classmethod
     def build(cls, weight: torch.Tensor, dtype: torch.dtype) -> "CpuLMHead":
         """The head of `weight` for activations in `dtype` (the first path of the module's doc that runs)."""
-        # (not on AMX: the int8 screen settles its rows on AVX-512F's logits, which must be the head's own)
-        if dtype == torch.float32 and (kernel := F32Matmul.build(narrow := narrowed(weight), amx=False)) is not None:
+        if dtype == torch.float32 and (kernel := F32Matmul.build(narrow := narrowed(weight))) is not None:
             return cls(weight, kernel, Int8Argmax.build(kernel, narrow), None)
         if dtype == torch.bfloat16 and (bf16 := Bf16Matmul.build(weight)) is not None:
             return cls(weight, bf16, Int8Argmax.build(bf16, weight), None)

@@ -202,7 +202,7 @@ class Int8Argmax:
                                                 kernel.packed)]
         self.f32 = isinstance(kernel, F32Matmul)
         if self.f32:
-            self._weights.append(kernel.bf16)
+            self._weights.append(kernel.mode)
         self.rows = self.redone = 0
 
     @classmethod
@@ -211,7 +211,10 @@ class Int8Argmax:
         4) or cannot run (see `load`: AVX512-VNNI, and AVX512-BF16 for the bf16 kernel's)."""
         if kernel is None or kernel.k % 4:
             return None
-        fn = kernels.f32_int8_argmax() if isinstance(kernel, F32Matmul) else kernels.int8_argmax()
+        if isinstance(kernel, F32Matmul):  # (an AMX head's rows settled the AMX way: its own logits)
+            fn = kernels.f32_int8_argmax_amx() if kernel.mode == F32Matmul.AMX else kernels.f32_int8_argmax()
+        else:
+            fn = kernels.int8_argmax()
         return None if fn is None else cls(fn, kernel, weight)
 
     @property

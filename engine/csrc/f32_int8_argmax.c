@@ -23,9 +23,11 @@ static inline int take_groups(int *next, int groups, int *g0, int *g1) { return 
 
 /* The exact float32 logits of row h at the `count` (<= 16) columns col of the packed weight w (bf16 pairs or
  * float32): those columns gathered into one tile (`tile`: room for one tile) and run through f32_matmul.c's
- * block for one tile, over the pairs in its blocks of F32_KP, as the full product runs them. */
-static void exact_logits(const void *w, int bf16, int k, const float *h, const int32_t *col, int count, void *tile,
-                         float *out) {
+ * block for one tile, over the pairs in its blocks of F32_KP, as the full product runs them; on AMX (bf16 ==
+ * F32_AMX) through its tile product, from the row's split parts hs (3 x k, planes k apart) with the tiles
+ * configured for one row. */
+static void exact_logits(const void *w, int bf16, int k, const float *h, const uint16_t *hs, const int32_t *col,
+                         int count, void *tile, float *out) {
     const size_t elem = bf16 ? 2 : 4, tile_elems = (size_t)k * TILE;
     memset(tile, 0, elem * tile_elems);
     for (int j = 0; j < count; j++) {
@@ -42,6 +44,15 @@ static void exact_logits(const void *w, int bf16, int k, const float *h, const i
         }
     }
     float c[F32_LD];
+#ifdef __AMX_BF16__
+    if (bf16 == F32_AMX) {
+        (void)h;
+        amx_group(tile, k, 1, hs, (size_t)k, 1, c);
+        for (int j = 0; j < count; j++) out[j] = c[j];
+        return;
+    }
+#endif
+    (void)hs;
     for (int p0 = 0; p0 < k / 2; p0 += F32_KP) {
         const int p1 = p0 + F32_KP < k / 2 ? p0 + F32_KP : k / 2;
         F32_BLOCK_FN[bf16 != 0][1][1](tile, k, p0, p1, h, k, c, p0 == 0, NULL);
@@ -66,8 +77,9 @@ int sluice_f32_int8_argmax(const int8_t *q, const int32_t *start, const float *s
     int32_t *tr = malloc(sizeof(int32_t) * m);
     int32_t *kept = malloc(sizeof(int32_t) * (size_t)threads * CAP);
     void *tile = malloc(sizeof(float) * (size_t)k * TILE);
-    if (!u || !rows || !bad || !pools || !redo || !hr || !tr || !kept || !tile) {
-        free(u), free(rows), free(bad), free(pools), free(redo), free(hr), free(tr), free(kept), free(tile);
+    uint16_t *hs = malloc(sizeof(uint16_t) * 3 * (size_t)k); /* AMX: a row's split parts */
+    if (!u || !rows || !bad || !pools || !redo || !hr || !tr || !kept || !tile || !hs) {
+        free(u), free(rows), free(bad), free(pools), free(redo), free(hr), free(tr), free(kept), free(tile), free(hs);
         return -1;
     }
     for (int r = 0; r < m; r++)
@@ -80,9 +92,15 @@ int sluice_f32_int8_argmax(const int8_t *q, const int32_t *start, const float *s
         const float *hrow = h + (size_t)r * k;
         float best = -INFINITY, vals[TILE];
         int32_t at = INT32_MAX;
+#ifdef __AMX_BF16__
+        if (bf16 == F32_AMX && count) { /* (configured for each row: the redo below configures for its own) */
+            amx_split(hrow, k, 0, 1, k, hs, (size_t)k);
+            amx_configure(1);
+        }
+#endif
         for (int j0 = 0; j0 < count; j0 += TILE) {
             const int some = count - j0 < TILE ? count - j0 : TILE;
-            exact_logits(w, bf16, k, hrow, kept + j0, some, tile, vals);
+            exact_logits(w, bf16, k, hrow, hs, kept + j0, some, tile, vals);
             for (int j = 0; j < some; j++)
                 if (vals[j] > best || (vals[j] == best && kept[j0 + j] < at)) {
                     best = vals[j];
@@ -99,6 +117,6 @@ int sluice_f32_int8_argmax(const int8_t *q, const int32_t *start, const float *s
     int status = redone;
     if (redone && sluice_f32_matmul(w, bf16, n, k, hr, k, redone, NULL, NULL, 0, tr)) status = -1;
     for (int i = 0; status >= 0 && i < redone; i++) tokens[redo[i]] = tr[i];
-    free(u), free(rows), free(bad), free(pools), free(redo), free(hr), free(tr), free(kept), free(tile);
+    free(u), free(rows), free(bad), free(pools), free(redo), free(hr), free(tr), free(kept), free(tile), free(hs);
     return status;
 }

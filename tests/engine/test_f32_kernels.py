@@ -305,11 +305,11 @@ def test_the_float32_lm_head_runs_the_best_kernel_this_cpu_has_and_says_which():
     weight = torch.randn(3000, 64).bfloat16()
     hidden = torch.randn(5, 64)
     head = lm_head(weight, torch.float32)
-    isa = "AVX-512F" if AVX512 else "AVX2"
+    isa = "AMX" if AMX else "AVX-512F" if AVX512 else "AVX2"
     assert isinstance(head.kernel, F32Matmul) and head.kernel.isa == isa and head.kernel.bf16
     assert f"({isa}, the weight in bf16)" in head.path
     logits = head(hidden)
-    assert torch.equal(logits, _in_order(hidden, weight, None))
+    assert torch.equal(logits, _kernel(isa, weight)(hidden))
     assert torch.equal(head.argmax(hidden), logits.argmax(dim=1))
 
 
@@ -346,6 +346,7 @@ def test_int8_screened_float32_argmax_is_the_float32_kernels(vocab, dim, rows, t
         weight = weight.bfloat16()
     head = lm_head(weight, torch.float32)
     assert head.screen is not None and head.screen.f32
+    assert head.kernel.isa == ("AMX" if AMX and bf16 and dim % 32 == 0 else "AVX-512F")  # (AMX: settled there)
     assert torch.equal(head.screen(hidden), head.kernel.argmax(hidden))
 
 
