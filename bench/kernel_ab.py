@@ -3,13 +3,17 @@
     git archive <commit> | tar -x -C /tmp/atHEAD      # the tree to compare with (once)
     python -m bench.kernel_ab --base /tmp/atHEAD [--linears 4096x1024,576x1536] [--rows 1,16,2080]
         [--causal 9/3x64,16/8x128] [--tokens 2000] [--calls 11]
+    python -m bench.kernel_ab --amx [--linears ...] [--rows ...]   # this tree's AVX-512F products against AMX's
+    python -m bench.kernel_ab --amx --base /tmp/atHEAD [...]      # the other tree's AMX products against these
 
 These machines' speed drifts by tens of percent within minutes, so two runs minutes apart cannot tell a 5%
 change in a kernel. Here both builds of a library (csrc/f32_layers.c's float32 products with bf16 weights;
 csrc/causal_attention.c's prompts' attention) are loaded into one process and called in turn on the same
 inputs: each figure is the median of --calls calls (the first two dropped), with the ratio this / base and
 whether the two outputs are bit-equal (the products must be: each output is one FMA chain over k in order;
-SwiGLU: the stacked weight's silu(gate half) * up half, where N is whole groups of 128).
+SwiGLU: the stacked weight's silu(gate half) * up half, where N is whole groups of 128). With --amx, "base" is
+this tree's AVX-512F products and "this" its AMX ones, in the same library (their outputs differ by the order
+of the sums: the difference is printed).
 """
 from __future__ import annotations
 
@@ -32,10 +36,11 @@ from engine.cpu_kernels import cpu_flags
 LIBRARIES = {"f32_layers": "_AVX512_VL", "causal_attention": "_AVX512"}
 
 
-def built(tree: Path, name: str) -> ctypes.CDLL:
-    """`tree`'s build of the kernel library `name` (built into the kernel cache if it is not there yet)."""
+def built(tree: Path, name: str, isa: str | None = None) -> ctypes.CDLL:
+    """`tree`'s build of the kernel library `name` (for the instruction sets engine.cpu.kernels names `isa`, by
+    default as it loads it; built into the kernel cache if it is not there yet)."""
     code = (f"from engine.cpu_kernels import load; from engine.cpu import kernels as k\n"
-            f"lib = load({name!r}, k.{LIBRARIES[name]}); print(lib._name if lib else '')")
+            f"lib = load({name!r}, k.{isa or LIBRARIES[name]}); print(lib._name if lib else '')")
     out = subprocess.run([sys.executable, "-c", code], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
                          capture_output=True, text=True, check=True).stdout.split()
     if not out:
@@ -66,12 +71,15 @@ def report(what: str, ms: list[float], outs: list[torch.Tensor]) -> None:
     print(f"{what:34} base {ms[0]:9.4f} ms  this {ms[1]:9.4f} ms  this/base {ms[1] / ms[0]:.3f}  {same}", flush=True)
 
 
-def linears(base: ctypes.CDLL, this: ctypes.CDLL, shapes: list[str], rows: list[int], calls: int) -> None:
+def linears(base: ctypes.CDLL, this: ctypes.CDLL, shapes: list[str], rows: list[int], calls: int,
+            amx: bool = False) -> None:
+    """Each shape's products, base against this (amx: one library, AVX-512F against AMX)."""
     g = torch.Generator().manual_seed(0)
     for shape in shapes:
         n, k = map(int, shape.split("x"))
         weight = torch.randn(n, k, generator=g).bfloat16()
-        pair = [F32Matmul(lib, "AVX-512F", weight, None) for lib in (base, this)]
+        pair = [F32Matmul(lib, "AVX-512F", weight, None, amx=amx and (i == 1 or base is not this))
+                for i, lib in enumerate((base, this))]
         for m in rows:
             x = torch.randn(m, k, generator=g)
             kinds = [("linear", lambda f: f)] + ([("SwiGLU", lambda f: f.swiglu)] if pair[0].swiglu_ok else [])
@@ -111,7 +119,8 @@ def causal(base: ctypes.CDLL, this: ctypes.CDLL, shapes: list[str], tokens: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base", type=Path, required=True, help="the other tree (its engine/csrc)")
+    parser.add_argument("--base", type=Path, help="the other tree (its engine/csrc)")
+    parser.add_argument("--amx", action="store_true", help="instead: AVX-512F's products against AMX's, this tree")
     parser.add_argument("--linears", default="4096x1024,1024x2048,6144x1024,1024x3072,960x576,3072x576,576x1536",
                         help="weight shapes N x K ('' for none)")
     parser.add_argument("--rows", default="1,16,64,256,2080")
@@ -120,6 +129,15 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=11)
     args = parser.parse_args()
     print("CPU flags:", " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")))), flush=True)
+    if args.amx:
+        if not kernels.f32_amx():
+            raise SystemExit("AMX's products do not run on this CPU")
+        lib = kernels.f32_layers()
+        base = lib if args.base is None else built(args.base, "f32_layers", "_AMX")
+        linears(base, lib, args.linears.split(","), [int(r) for r in args.rows.split(",")], args.calls, amx=True)
+        return
+    if args.base is None:
+        raise SystemExit("--base (or --amx) is required")
     if args.linears:
         linears(built(args.base, "f32_layers"), built(Path.cwd(), "f32_layers"), args.linears.split(","),
                 [int(r) for r in args.rows.split(",")], args.calls)

@@ -47,7 +47,7 @@ static void exact_logits(const void *w, int bf16, int k, const float *h, const u
 #ifdef __AMX_BF16__
     if (bf16 == F32_AMX) {
         (void)h;
-        amx_group(tile, k, 1, hs, (size_t)k, 1, c);
+        amx_group(tile, k, 1, hs, (size_t)k, 1, c, F32_LD);
         for (int j = 0; j < count; j++) out[j] = c[j];
         return;
     }

@@ -272,9 +272,10 @@ static void amx_zero(int r0, int r1, int k, uint16_t *xs, size_t plane) {
 }
 
 /* The nt (1-4) tiles of a group from wg (tiles k * 16 values apart) for m rows of split parts xs (planes
- * `plane` apart; whole tiles of rows, zero past m), into c [m][F32_LD]; the tiles as amx_configure(m) left
- * them. */
-static void amx_group(const uint16_t *wg, int k, int nt, const uint16_t *xs, size_t plane, int m, float *c) {
+ * `plane` apart; whole tiles of rows, zero past m), into c [m][nt * 16] (rows ldc floats apart); the tiles as
+ * amx_configure(m) left them. */
+static void amx_group(const uint16_t *wg, int k, int nt, const uint16_t *xs, size_t plane, int m, float *c,
+                      long ldc) {
     float part[AMX_ROWS * F32_LD] __attribute__((aligned(64)));
     const size_t tile = (size_t)k * F32_TILE;
     const long lda = (long)k * 2;
@@ -323,27 +324,31 @@ static void amx_group(const uint16_t *wg, int k, int nt, const uint16_t *xs, siz
             if (nt > 3) { _tile_loadd(7, wk + 3 * tile, 64); _tile_dpbf16ps(3, 4, 7); }
         }
         const int rows = m - r0 < AMX_ROWS ? m - r0 : AMX_ROWS;
-        float *dst = rows == AMX_ROWS || m < AMX_ROWS ? c + (size_t)r0 * F32_LD : part; /* (tiles of m rows) */
-        _tile_stored(0, dst, F32_LD * 4);
-        if (nt > 1) _tile_stored(1, dst + F32_TILE, F32_LD * 4);
-        if (nt > 2) _tile_stored(2, dst + 2 * F32_TILE, F32_LD * 4);
-        if (nt > 3) _tile_stored(3, dst + 3 * F32_TILE, F32_LD * 4);
-        if (dst == part) memcpy(c + (size_t)r0 * F32_LD, part, sizeof(float) * rows * F32_LD);
+        const int whole = rows == AMX_ROWS || m < AMX_ROWS; /* (tiles of m rows below 16) */
+        float *dst = whole ? c + (size_t)r0 * ldc : part;
+        const long ld = whole ? ldc : F32_LD;
+        _tile_stored(0, dst, ld * 4);
+        if (nt > 1) _tile_stored(1, dst + F32_TILE, ld * 4);
+        if (nt > 2) _tile_stored(2, dst + 2 * F32_TILE, ld * 4);
+        if (nt > 3) _tile_stored(3, dst + 3 * F32_TILE, ld * 4);
+        if (!whole)
+            for (int r = 0; r < rows; r++)
+                memcpy(c + (size_t)(r0 + r) * ldc, part + (size_t)r * F32_LD, sizeof(float) * nt * F32_TILE);
     }
 }
 #endif
 
 /* Group g (F32_GROUP tiles from tile g * F32_GROUP) of the product for all m rows, into c [m][F32_LD]; returns
  * its number of tiles. xs: NULL, or (AMX) the rows' split parts (see amx_split), planes `plane` apart, from
- * which the group runs on the tile unit instead. wide: F32_WIDE floats of scratch, or NULL: with many rows, a bf16 weight's slice is
+ * which the group runs on the tile unit instead, into c's rows ldc floats apart (else F32_LD). wide: F32_WIDE floats of scratch, or NULL: with many rows, a bf16 weight's slice is
  * widened once there for all of them rather than in registers for each F32_ROWS (the same values). `then`:
  * the group this thread takes next (-1: none), fetched as this one is read: unwidened, whole, with the first
  * row block; widened, from a weight of F32_FETCH_BYTES or more, the slice widened next (this group's next
  * pairs, else group then's first) into L2, a few lines for each block of rows (a large weight's slices come
  * from memory again for each panel of rows, and the widening waited on every line; a small one's stay in the
  * caches, where the fetching only costs). */
-static int f32_group(const void *w, int bf16, int n, int k, const float *x, long ldx, int m, float *c, int g,
-                     float *wide, int then, const uint16_t *xs, size_t plane) {
+static int f32_group(const void *w, int bf16, int n, int k, const float *x, long ldx, int m, float *c, long ldc,
+                     int g, float *wide, int then, const uint16_t *xs, size_t plane) {
     const int tiles = (n + F32_TILE - 1) / F32_TILE, groups = (tiles + F32_GROUP - 1) / F32_GROUP, pairs = k / 2;
     const size_t tile_bytes = (size_t)k * F32_TILE * (bf16 ? 2 : 4);
     const int tile0 = g * F32_GROUP, nt = tiles - tile0 < F32_GROUP ? tiles - tile0 : F32_GROUP;
@@ -351,12 +356,13 @@ static int f32_group(const void *w, int bf16, int n, int k, const float *x, long
 #ifdef __AMX_BF16__
     if (xs) {
         (void)x, (void)ldx, (void)wide, (void)then;
-        amx_group((const uint16_t *)wg, k, nt, xs, plane, m, c);
+        amx_group((const uint16_t *)wg, k, nt, xs, plane, m, c, ldc);
         return nt;
     }
 #else
     (void)xs, (void)plane;
 #endif
+    (void)ldc; /* (F32_LD: the blocks' own) */
     const int widen = bf16 && wide && m >= F32_WIDEN_ROWS, blocks = (m + F32_ROWS - 1) / F32_ROWS;
     const char *wthen = then >= 0 && then < groups ? (const char *)w + (size_t)then * F32_GROUP * tile_bytes : NULL;
     const int fetch = widen && (size_t)tiles * tile_bytes >= F32_FETCH_BYTES;
@@ -397,10 +403,14 @@ static void f32_matmul_part(const void *w, int bf16, int n, int k, const float *
     f32_queue q = f32_queue_new(next, chunk, units);
     for (int u, after; (u = f32_unit(&q, next, chunk, units, &after)) >= 0;) {
         const int r0 = u / groups * panel, g = u % groups, rows = m - r0 < panel ? m - r0 : panel;
-        const int nt = f32_group(w, bf16, n, k, x + (size_t)r0 * ldx, ldx, rows, c, g, wide,
-                                 after < 0 ? -1 : after % groups, xs ? xs + (size_t)r0 * k : NULL, plane);
-        f32_finish(c, rows, g * F32_GROUP, nt, n, bias, out ? out + (size_t)r0 * ldo : NULL, ldo,
-                   best ? best + (size_t)r0 * F32_TILE : NULL, where ? where + (size_t)r0 * F32_TILE : NULL);
+        /* AMX's tiles straight into the output where it takes them as they are (no bias, whole tiles) */
+        const int direct = xs && out && !bias && (g + 1) * F32_GROUP * F32_TILE <= n;
+        const int nt = f32_group(w, bf16, n, k, x + (size_t)r0 * ldx, ldx, rows,
+                                 direct ? out + (size_t)r0 * ldo + g * F32_GROUP * F32_TILE : c, direct ? ldo : F32_LD,
+                                 g, wide, after < 0 ? -1 : after % groups, xs ? xs + (size_t)r0 * k : NULL, plane);
+        if (!direct)
+            f32_finish(c, rows, g * F32_GROUP, nt, n, bias, out ? out + (size_t)r0 * ldo : NULL, ldo,
+                       best ? best + (size_t)r0 * F32_TILE : NULL, where ? where + (size_t)r0 * F32_TILE : NULL);
     }
 }
 
@@ -439,8 +449,8 @@ static void f32_swiglu_part(const void *w, int bf16, int n, int k, const float *
         const int r0 = u / half * panel, g = u % half, rows = m - r0 < panel ? m - r0 : panel;
         const float *xr = x + (size_t)r0 * ldx;
         const uint16_t *xsr = xs ? xs + (size_t)r0 * k : NULL;
-        const int nt = f32_group(w, bf16, n, k, xr, ldx, rows, c, g, wide, g + half, xsr, plane);
-        f32_group(w, bf16, n, k, xr, ldx, rows, cu, g + half, wide, after < 0 ? -1 : after % half, xsr, plane);
+        const int nt = f32_group(w, bf16, n, k, xr, ldx, rows, c, F32_LD, g, wide, g + half, xsr, plane);
+        f32_group(w, bf16, n, k, xr, ldx, rows, cu, F32_LD, g + half, wide, after < 0 ? -1 : after % half, xsr, plane);
         f32_finish_swiglu(c, cu, rows, g * F32_GROUP, nt, n / 2, bias, out + (size_t)r0 * ldo, ldo);
     }
 }
