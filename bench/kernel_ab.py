@@ -13,7 +13,7 @@ inputs: each figure is the median of --calls calls (the first two dropped), with
 whether the two outputs are bit-equal (the products must be: each output is one FMA chain over k in order;
 SwiGLU: the stacked weight's silu(gate half) * up half, where N is whole groups of 128). With --amx, "base" is
 this tree's AVX-512F products and "this" its AMX ones, in the same library (their outputs differ by the order
-of the sums: the difference is printed).
+of the sums: the difference is printed); with --base too, the other tree's AMX products against these.
 """
 from __future__ import annotations
 

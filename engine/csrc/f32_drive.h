@@ -37,7 +37,7 @@ static int f32_run(f32_part_fn part, int scratch, const void *w, int bf16, int n
 #ifdef __AMX_BF16__
     const int own = m <= AMX_OWN_ROWS; /* each thread its own split rows, else one split shared */
     if (bf16 == F32_AMX) {
-        plane = (size_t)amx_padded(m) * k;
+        plane = (size_t)amx_rows(m) * k;
         if (!(xs = malloc(sizeof(uint16_t) * 3 * plane * (own ? threads : 1)))) {
             free(best);
             free(where);
@@ -53,12 +53,12 @@ static int f32_run(f32_part_fn part, int scratch, const void *w, int bf16, int n
         if (xs && own) { /* all the rows into this thread's own parts */
             mine = xs + (size_t)th * 3 * plane;
             amx_split(x, ldx, 0, m, k, mine, plane);
-            amx_zero(m, amx_padded(m), k, mine, plane);
+            amx_zero(m, amx_rows(m), k, mine, plane);
             amx_configure(m);
         } else if (xs) { /* each thread splits its share of the rows, the last one zeroes the last tile's rest */
             const int nth = omp_get_num_threads();
             amx_split(x, ldx, (int)((long)m * th / nth), (int)((long)m * (th + 1) / nth), k, xs, plane);
-            if (th == nth - 1) amx_zero(m, amx_padded(m), k, xs, plane);
+            if (th == nth - 1) amx_zero(m, amx_rows(m), k, xs, plane);
             amx_configure(m);
 #pragma omp barrier
         }

@@ -86,6 +86,9 @@ int sluice_f32_int8_argmax(const int8_t *q, const int32_t *start, const float *s
         bad[r] = quantize_row(h + (size_t)r * k, k, u + (size_t)r * k, err_w, norm_w, norm_q, 2, 0x1p-16f, rows + r);
     init_pools(pools, threads, m, bad);
     screen_rows(&c, u, m, rows, pools, threads);
+#ifdef __AMX_BF16__
+    if (bf16 == F32_AMX) amx_configure(1); /* (this thread's tiles, for exact_logits; the redo sets its own) */
+#endif
     int redone = 0;
     for (int r = 0; r < m; r++) {
         const int count = merge_pools(pools, threads, m, r, rows + r, kept);
@@ -93,10 +96,7 @@ int sluice_f32_int8_argmax(const int8_t *q, const int32_t *start, const float *s
         float best = -INFINITY, vals[TILE];
         int32_t at = INT32_MAX;
 #ifdef __AMX_BF16__
-        if (bf16 == F32_AMX && count) { /* (configured for each row: the redo below configures for its own) */
-            amx_split(hrow, k, 0, 1, k, hs, (size_t)k);
-            amx_configure(1);
-        }
+        if (bf16 == F32_AMX && count) amx_split(hrow, k, 0, 1, k, hs, (size_t)k);
 #endif
         for (int j0 = 0; j0 < count; j0 += TILE) {
             const int some = count - j0 < TILE ? count - j0 : TILE;

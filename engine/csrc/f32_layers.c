@@ -295,14 +295,14 @@ static void f32_linear_part(const f32_linear_t *l, const float *in, int rows, fl
 #ifdef __AMX_BF16__
     if (l->bf16 == F32_AMX) {
         int r0, r1;
-        plane = (size_t)amx_padded(rows) * l->k;
+        plane = (size_t)amx_rows(rows) * l->k;
         if (rows <= AMX_OWN_ROWS) {
             r0 = 0, r1 = rows;
         } else {
             f32_share(rows, th, nth, &r0, &r1);
         }
         amx_split(in, l->k, r0, r1, l->k, xs, plane);
-        if (r1 == rows) amx_zero(rows, amx_padded(rows), l->k, xs, plane);
+        if (r1 == rows) amx_zero(rows, amx_rows(rows), l->k, xs, plane);
         amx_configure(rows);
         if (rows > AMX_OWN_ROWS) f32_barrier(barrier, sense);
     } else {
@@ -339,7 +339,7 @@ int sluice_f32_layers(const f32_layer_t *layers, int count, const f32_step_t *s,
     int *counters = calloc((size_t)count * 5, sizeof(int)); /* each layer's four linears and attention */
     uint16_t *xs = NULL; /* AMX: a linear's rows split (see f32_linear_part) */
 #ifdef __AMX_BF16__
-    const size_t xs_each = 3 * (size_t)amx_padded(t) * most_k; /* each thread's own below AMX_OWN_ROWS rows */
+    const size_t xs_each = 3 * (size_t)amx_rows(t) * most_k; /* each thread's own below AMX_OWN_ROWS rows */
     if (amx) xs = malloc(sizeof(uint16_t) * xs_each * (t <= AMX_OWN_ROWS ? omp_get_max_threads() : 1));
 #else
     (void)most_k, (void)amx;

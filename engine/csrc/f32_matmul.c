@@ -243,8 +243,9 @@ static void amx_configure(int m) {
     _tile_loadconfig(&cfg);
 }
 
-/* rows padded to whole tiles */
-static inline int amx_padded(int m) { return (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS; }
+/* The rows a product's split parts hold (each part a plane of amx_rows(m) * k): m below 16 (the tiles are
+ * configured for m rows: amx_configure), else whole tiles of 16 (zero past m). */
+static inline int amx_rows(int m) { return m < AMX_ROWS ? m : (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS; }
 
 /* Rows [r0, r1) of x (k floats, ldx apart) split into bf16 hi, mid and lo parts: xs [3][plane] with row r at
  * r * k of each part (see the section's comment). */
@@ -272,13 +273,16 @@ static void amx_zero(int r0, int r1, int k, uint16_t *xs, size_t plane) {
 }
 
 /* The nt (1-4) tiles of a group from wg (tiles k * 16 values apart) for m rows of split parts xs (planes
- * `plane` apart; whole tiles of rows, zero past m), into c [m][nt * 16] (rows ldc floats apart); the tiles as
- * amx_configure(m) left them. */
+ * `plane` apart, see amx_rows: a product's m rows, or a panel of them), into c [m][nt * 16] (rows ldc floats
+ * apart); the tiles as amx_configure left them for the product. */
 static void amx_group(const uint16_t *wg, int k, int nt, const uint16_t *xs, size_t plane, int m, float *c,
                       long ldc) {
     float part[AMX_ROWS * F32_LD] __attribute__((aligned(64)));
     const size_t tile = (size_t)k * F32_TILE;
     const long lda = (long)k * 2;
+    /* a product of fewer than 16 rows (tiles of m rows); a last panel of fewer rows in a larger product takes
+     * the whole tiles' path below (tiles of 16 rows, zero past the product's m) */
+    const int few = m < AMX_ROWS && plane == (size_t)m * k;
     for (int r0 = 0; r0 < m; r0 += AMX_ROWS) {
         const uint16_t *a = xs + (size_t)r0 * k;
         _tile_zero(0);
@@ -287,7 +291,7 @@ static void amx_group(const uint16_t *wg, int k, int nt, const uint16_t *xs, siz
         _tile_zero(3);
         for (int k0 = 0; k0 < k; k0 += AMX_K) {
             const uint16_t *wk = wg + (size_t)k0 * F32_TILE;
-            if (m < AMX_ROWS) {
+            if (few) {
                 /* a few rows (a decode step's): the three parts in tiles 4-6 and each weight tile once into 7,
                  * its lines fetched AMX_AHEAD blocks of k ahead (it comes from memory) */
                 if (k0 + AMX_AHEAD * AMX_K < k)
@@ -324,7 +328,7 @@ static void amx_group(const uint16_t *wg, int k, int nt, const uint16_t *xs, siz
             if (nt > 3) { _tile_loadd(7, wk + 3 * tile, 64); _tile_dpbf16ps(3, 4, 7); }
         }
         const int rows = m - r0 < AMX_ROWS ? m - r0 : AMX_ROWS;
-        const int whole = rows == AMX_ROWS || m < AMX_ROWS; /* (tiles of m rows below 16) */
+        const int whole = rows == AMX_ROWS || few;
         float *dst = whole ? c + (size_t)r0 * ldc : part;
         const long ld = whole ? ldc : F32_LD;
         _tile_stored(0, dst, ld * 4);

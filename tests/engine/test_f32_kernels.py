@@ -273,6 +273,22 @@ def test_amx_rows_do_not_depend_on_the_threads_and_long_prompts_keep_the_bits():
 
 
 @needs_amx
+@pytest.mark.parametrize("rows", [485, 490, 495])
+def test_amx_writes_a_last_short_panel_of_rows_and_nothing_past_the_output(rows):
+    """A product of more than 16 rows whose last panel of rows holds fewer than 16 (k = 1,024: panels of 480
+    rows): its tiles were configured for 16 rows, so that panel must go through the whole tiles' path and
+    write its own rows only (a tile stored whole would run past the output's last row)."""
+    g = torch.Generator().manual_seed(rows)
+    weight, x = torch.randn(256, 1024, generator=g).bfloat16(), torch.randn(rows, 1024, generator=g)
+    kernel = _kernel("AMX", weight)
+    out = torch.full((rows + 16, 256), float("nan"))
+    assert kernel.fn(kernel.packed.data_ptr(), kernel.mode, kernel.n, kernel.k, x.data_ptr(), x.stride(0), rows,
+                     None, out.data_ptr(), kernel.n, None) == 0
+    assert out[rows:].isnan().all(), "rows written past the output"
+    assert torch.equal(out[:rows], torch.cat([kernel(x[r : r + 16]) for r in range(0, rows, 16)]))
+
+
+@needs_amx
 def test_amx_takes_bf16_weights_whose_k_is_a_multiple_of_32_and_no_others():
     assert F32Matmul.build(torch.randn(64, 96).bfloat16()).isa == "AMX"
     assert F32Matmul.build(torch.randn(64, 88).bfloat16()).isa == "AVX-512F"  # K not a multiple of 32
