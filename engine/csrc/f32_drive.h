@@ -49,17 +49,8 @@ static int f32_run(f32_part_fn part, int scratch, const void *w, int bf16, int n
     {
         const int th = omp_get_thread_num();
 #ifdef __AMX_BF16__
-        uint16_t *mine = xs;
-        if (xs && own) { /* all the rows into this thread's own parts */
-            mine = xs + (size_t)th * 3 * plane;
-            amx_split(x, ldx, 0, m, k, mine, plane);
-            amx_zero(m, amx_rows(m), k, mine, plane);
-            amx_configure(m);
-        } else if (xs) { /* each thread splits its share of the rows, the last one zeroes the last tile's rest */
-            const int nth = omp_get_num_threads();
-            amx_split(x, ldx, (int)((long)m * th / nth), (int)((long)m * (th + 1) / nth), k, xs, plane);
-            if (th == nth - 1) amx_zero(m, amx_rows(m), k, xs, plane);
-            amx_configure(m);
+        uint16_t *mine = xs && own ? xs + (size_t)th * 3 * plane : xs;
+        if (xs && amx_ready(x, ldx, m, k, th, omp_get_num_threads(), mine, plane)) {
 #pragma omp barrier
         }
 #else

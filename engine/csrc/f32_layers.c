@@ -286,25 +286,15 @@ static inline void f32_share(int t, int th, int nth, int *r0, int *r1) {
 }
 
 /* this thread's share of in @ l^T into out [rows][l->n] (the block counter *next, shared by the team). On
- * AMX (l->bf16 == F32_AMX) the rows are split into xs first (room for 3 * whole tiles of rows * l->k): up to
- * AMX_OWN_ROWS rows each thread splits them all into its own xs, else the team its shares of one xs and waits
- * at the barrier. */
+ * AMX (l->bf16 == F32_AMX) the rows are readied in xs first (amx_ready: room for 3 * amx_rows(rows) * l->k,
+ * the thread's own up to AMX_OWN_ROWS rows, else the team's, which waits at the barrier). */
 static void f32_linear_part(const f32_linear_t *l, const float *in, int rows, float *out, float *c, int *next, int th,
                             int nth, uint16_t *xs, f32_barrier_t *barrier, int *sense) {
     size_t plane = 0;
 #ifdef __AMX_BF16__
     if (l->bf16 == F32_AMX) {
-        int r0, r1;
         plane = (size_t)amx_rows(rows) * l->k;
-        if (rows <= AMX_OWN_ROWS) {
-            r0 = 0, r1 = rows;
-        } else {
-            f32_share(rows, th, nth, &r0, &r1);
-        }
-        amx_split(in, l->k, r0, r1, l->k, xs, plane);
-        if (r1 == rows) amx_zero(rows, amx_rows(rows), l->k, xs, plane);
-        amx_configure(rows);
-        if (rows > AMX_OWN_ROWS) f32_barrier(barrier, sense);
+        if (amx_ready(in, l->k, rows, l->k, th, nth, xs, plane)) f32_barrier(barrier, sense);
     } else {
         xs = NULL;
     }

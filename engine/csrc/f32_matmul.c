@@ -194,7 +194,6 @@ static void f32_widen(const uint16_t *w, int k, int nt, int p0, int p1, float *w
         }
 }
 
-
 #ifdef __AMX_BF16__
 /* AMX (built with -mamx-tile -mamx-bf16 -mavx512bf16; run only after sluice_f32_amx_init says yes): a bf16
  * weight's products in float32 on the tile unit. Each float32 row x is split into three bf16 parts, x = hi +
@@ -240,7 +239,9 @@ static void amx_configure(int m) {
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = t < 7 && m < AMX_ROWS ? m : AMX_ROWS;
-    _tile_loadconfig(&cfg);
+    /* (not _tile_loadconfig: GCC 12 does not see its builtin read the struct, and where it inlined this
+     * function it dropped the stores above as dead: tiles left unconfigured, SIGILL at the first product) */
+    __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
 /* The rows a product's split parts hold (each part a plane of amx_rows(m) * k): m below 16 (the tiles are
@@ -270,6 +271,19 @@ static void amx_split(const float *x, long ldx, int r0, int r1, int k, uint16_t 
 /* zero rows [r0, r1) of the three parts (the rows past m that fill a last tile) */
 static void amx_zero(int r0, int r1, int k, uint16_t *xs, size_t plane) {
     for (int part = 0; part < 3; part++) memset(xs + part * plane + (size_t)r0 * k, 0, sizeof(uint16_t) * (r1 - r0) * k);
+}
+
+/* Thread th of nth's part in readying a product of m rows of x (k floats, ldx apart) for amx_group: the rows
+ * split into xs (planes `plane` = amx_rows(m) * k apart, zero past m) and this thread's tiles configured. Up to
+ * AMX_OWN_ROWS rows each thread splits them all into an xs of its own; past that the team shares one xs, each
+ * thread splitting its share, and returns 1: the team must then wait at a barrier before the product. */
+static int amx_ready(const float *x, long ldx, int m, int k, int th, int nth, uint16_t *xs, size_t plane) {
+    const int shared = m > AMX_OWN_ROWS;
+    const int r0 = shared ? (int)((long)m * th / nth) : 0, r1 = shared ? (int)((long)m * (th + 1) / nth) : m;
+    amx_split(x, ldx, r0, r1, k, xs, plane);
+    if (r1 == m) amx_zero(m, amx_rows(m), k, xs, plane);
+    amx_configure(m);
+    return shared;
 }
 
 /* The nt (1-4) tiles of a group from wg (tiles k * 16 values apart) for m rows of split parts xs (planes
@@ -343,9 +357,10 @@ static void amx_group(const uint16_t *wg, int k, int nt, const uint16_t *xs, siz
 #endif
 
 /* Group g (F32_GROUP tiles from tile g * F32_GROUP) of the product for all m rows, into c [m][F32_LD]; returns
- * its number of tiles. xs: NULL, or (AMX) the rows' split parts (see amx_split), planes `plane` apart, from
- * which the group runs on the tile unit instead, into c's rows ldc floats apart (else F32_LD). wide: F32_WIDE floats of scratch, or NULL: with many rows, a bf16 weight's slice is
- * widened once there for all of them rather than in registers for each F32_ROWS (the same values). `then`:
+ * its number of tiles. xs: NULL, or (AMX) the rows' split parts (see amx_ready), planes `plane` apart, from
+ * which the group runs on the tile unit instead, into c's rows ldc floats apart (else F32_LD). wide: F32_WIDE
+ * floats of scratch, or NULL: with many rows, a bf16 weight's slice is widened once there for all of them
+ * rather than in registers for each F32_ROWS (the same values). `then`:
  * the group this thread takes next (-1: none), fetched as this one is read: unwidened, whole, with the first
  * row block; widened, from a weight of F32_FETCH_BYTES or more, the slice widened next (this group's next
  * pairs, else group then's first) into L2, a few lines for each block of rows (a large weight's slices come
