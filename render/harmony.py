@@ -92,8 +92,24 @@ def harmony_prompt_ids(request: ChatCompletionRequest, today: str | None = None)
     tools = function_tools(request)
     head = _system_ids(request.reasoning_effort or "medium", today or date.today().isoformat(), bool(tools))
     head += _developer_ids(developer_instructions(request), msgspec.json.encode(tools))
+    if all(m.role in ("system", "developer", "user") for m in request.messages):
+        return [*head, *_user_turn_ids(request)]
     convo = Conversation.from_messages(turn_messages(request))
     return [*head, *harmony_encoding().render_conversation_for_completion(convo, Role.ASSISTANT)]
+
+
+def _user_turn_ids(request: ChatCompletionRequest) -> list[int]:
+    """harmony's render of user turns alone (most requests): each is `<|start|>user<|message|>`, its text
+    encoded as ordinary text, `<|end|>`, and the completion opens `<|start|>assistant`. harmony's own
+    render rebuilds its special-token tables at every call, which cost it more than encoding the text."""
+    enc = harmony_encoding()
+    ids: list[int] = []
+    for m in request.messages:
+        if m.role == "user":
+            ids += _special_ids("<|start|>user<|message|>")
+            ids += enc.encode(message_text(m), disallowed_special=())  # special tokens' text is plain text here
+            ids += _special_ids("<|end|>")
+    return ids + list(_special_ids("<|start|>assistant"))
 
 
 @lru_cache(maxsize=16)  # keyed on the date, so a past day's entries fall out

@@ -189,3 +189,22 @@ def test_cached_system_and_developer_tokens_equal_harmonys_full_render(messages,
     full = harmony_encoding().render_conversation_for_completion(convo, Role.ASSISTANT)
     assert harmony_prompt_ids(request, today) == full
     assert harmony_prompt_ids(request, today) == full  # from the caches
+
+
+_specials = st.sampled_from(["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>",
+                             "<|constrain|>", "<|endoftext|>", "<|reserved_200012|>"])
+_any_text = st.lists(st.text(max_size=20) | _specials, max_size=6).map("".join)
+
+
+@settings(max_examples=200, deadline=None)
+@given(turns=st.lists(st.tuples(st.sampled_from(["system", "developer", "user", "user"]), _any_text), min_size=1,
+                      max_size=5),
+       today=st.sampled_from([None, "2026-12-02"]))
+def test_user_turns_render_as_harmony_renders_them(turns, today):
+    """User turns (any text: special tokens' text, any unicode) take their own path past harmony's render of
+    the conversation; the tokens are harmony's."""
+    request = msgspec.convert({"model": "m", "messages": [{"role": r, "content": c} for r, c in turns]},
+                              ChatCompletionRequest)
+    convo = Conversation.from_messages(harmony_messages(request, today))
+    assert harmony_prompt_ids(request, today) == harmony_encoding().render_conversation_for_completion(
+        convo, Role.ASSISTANT)
