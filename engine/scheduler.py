@@ -103,19 +103,27 @@ class Scheduler:
         self._budget = self.max_num_batched_tokens
         tail = self.tail_tokens  # (a prompt takes all it has left when that is within the budget and a tail)
         bm, window_pool, window, step = self.bm, self.window_pool, self.sliding_window, self._step
+        # (once a step for every running sequence: the budget in a local, bm.has_room inline)
+        block_size, budget = bm.block_size, self._budget
         for seq in list(self.running):
-            if seq.status is not _RUNNING or self._budget <= 0:
+            if seq.status is not _RUNNING or budget <= 0:
                 continue
-            u = len(seq.token_ids) - seq.num_computed_tokens
-            n = u if u <= self._budget + tail else self._budget
+            computed = seq.num_computed_tokens
+            u = len(seq.token_ids) - computed
+            n = u if u <= budget + tail else budget
             if window:  # this step's first query sees keys from here on
-                (window_pool or bm).free_outside_window(seq, seq.num_computed_tokens - window + 1)
-            if not (bm.has_room(seq, n) and (window_pool is None or window_pool.has_room(seq, n))):
-                if not self._make_room(seq, n, []):
+                (window_pool or bm).free_outside_window(seq, computed - window + 1)
+            if (computed + n > len(seq.block_table) * block_size
+                    or window_pool is not None and not window_pool.has_room(seq, n)):
+                self._budget = budget
+                fits = self._make_room(seq, n, [])  # (gives back the budget of what it preempts)
+                budget = self._budget
+                if not fits:
                     continue  # seq itself was preempted
                 self._allocate(seq, n, [])
             step[seq] = n
-            self._budget -= n
+            budget -= n
+        self._budget = budget
         i = 0
         while i < len(self.waiting) and len(self.running) < self.max_num_seqs and self._budget > 0:
             seq = self.waiting[i]
@@ -212,6 +220,10 @@ class Scheduler:
                 result.exported.append((seq, token))
                 continue
             new_tokens.append((seq, token))
+            sp, num_tokens = seq.sampling, len(seq.token_ids)
+            if (seq.grammar is None and token not in sp.stop_token_ids and num_tokens < self.max_model_len
+                    and num_tokens - seq.num_prompt_tokens < sp.max_tokens):
+                continue  # what _finish_reason says of most tokens (None), sooner
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self._finish(seq)

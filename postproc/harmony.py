@@ -116,6 +116,16 @@ class HarmonyParser:
                 self._call_delta(piece, self._done, delta)
         return piece
 
+    def plain_text(self, token: int) -> tuple[str, bool] | None:
+        """For a token that adds text to a reasoning or content message and changes nothing else (no partial
+        character waiting, whole characters of its own, not a stop token): its text and whether it is
+        reasoning, what `feed` gives for it; None for any other token (feed that one)."""
+        kind = self._kind
+        if kind is None or kind == "call" or self._bytes or self._undecoded or token in self._vocab.stops:
+            return None
+        text = self._vocab.texts.get(token)
+        return (text, kind == "reasoning") if text else None
+
     def _frame(self, token: int) -> None:
         """A token outside a message's content: <|start|> opens a message, then its header up to <|message|>.
         Anything else between messages is malformed output: keep what was parsed, stop here."""

@@ -123,6 +123,10 @@ class RequestOutput:
         self.choices = [Choice(spec, tokenizer) for _ in range(spec.n)]
         self.framer = framer_for(spec, started.num_prompt_tokens, started.num_cached_tokens, text_of)
         self._adds = not spec.stream or getattr(self.framer, "takes_each_piece", False)  # TakesEachPiece
+        # A streamed harmony output with no stop strings nor logprobs: most of its tokens only add text
+        # (HarmonyParser.plain_text), which `feed` merges into the pending piece itself.
+        self._lean = (spec.stream and not self._adds and not spec.logprobs and self.choices[0].harmony is not None
+                      and not self.choices[0].stops.stops)
         self.first_token_at = 0.0
         self.timings: list[Timings] = []  # the engine's, one per finished choice
         self.num_finished = 0  # choices with a finish reason
@@ -158,6 +162,21 @@ class RequestOutput:
         elif choice.last_token_at and gaps is not None:
             gaps.append(now - choice.last_token_at)
         choice.last_token_at = now
+        if (self._lean and finish_reason is None and (harmony := choice.harmony) is not None
+                and (plain := harmony.plain_text(token)) is not None):
+            # what on_token and the pending merge below do with such a token's piece
+            text, reasoning = plain
+            choice.num_tokens += 1
+            choice._reasoning = reasoning
+            choice.reasoning_tokens += reasoning
+            if not choice.pending_ids:
+                choice.pending = Piece(reasoning=text) if reasoning else Piece(content=text)
+            elif reasoning:
+                choice.pending.reasoning += text
+            else:
+                choice.pending.content += text
+            choice.pending_ids.append(token)
+            return None
         piece = choice.on_token(token, finish_reason)
         finish = choice.finish_reason
         if finish is not None:

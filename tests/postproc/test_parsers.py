@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from unittest import mock
 
 import msgspec
 import pytest
@@ -279,3 +280,47 @@ def test_hermes_with_one_call_allowed_reads_the_first_call_only(cuts):
     message = _message(out)
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [("a", {"x": 1})]
     assert parser.done and out.content.strip() == ""
+
+
+_unicode_texts = st.text(st.sampled_from("ab .\u00e9\u4e2d\U0001f980\n\""), min_size=1, max_size=12)
+_unicode_messages = st.lists(st.tuples(st.sampled_from(["analysis", "final", "commentary"]), _unicode_texts)
+                             | st.tuples(st.just("call"), st.sampled_from(["add"]), st.just({"n": 1})),
+                             min_size=1, max_size=4)
+
+
+@settings(max_examples=150, deadline=None)
+@given(head=_unicode_messages, soup=st.lists(st.sampled_from(HARMONY_STRAYS) | _unicode_messages, max_size=4),
+       steps=st.lists(st.integers(1, 3), max_size=40), ends=st.booleans(), interval=st.sampled_from([1, 1, 3]),
+       lead_bytes=st.lists(st.integers(0, 1000), max_size=2))
+def test_lean_harmony_tokens_frame_as_every_other_token_does(head, soup, steps, ends, interval, lead_bytes):
+    """The tokens that only add text take a shorter way through a streamed harmony output (RequestOutput's
+    lean path): the same frames, counts and final frame as the whole way, for any output cut into any steps
+    (characters split over tokens, a lone lead byte before whole characters too)."""
+    tokens = harmony_tokens(head)
+    for part in soup:
+        tokens += _ids("<|start|>assistant") + harmony_tokens(part) if isinstance(part, list) else _ids(part)
+    for at in lead_bytes:
+        tokens.insert(at % len(tokens), 172)  # the byte 0xf0 alone
+    spec = msgspec.structs.replace(_spec(True), stream_interval=interval)
+    with mock.patch("postproc.harmony.new_call_id", lambda: "call_x"):  # (the one thing drawn at random)
+        _frame_lean_and_whole(spec, tokens, steps, ends)
+
+
+def _frame_lean_and_whole(spec: PostprocSpec, tokens: list[int], steps: list[int], ends: bool) -> None:
+    lean, whole = (RequestOutput(spec, None, Started("r", b"", 3), str) for _ in range(2))
+    assert lean._lean
+    whole._lean = False
+    sizes = iter(steps)
+    i = 0
+    while i < len(tokens):  # a step's worth of tokens, then a chunk: what a shard does with each request
+        n = next(sizes, 1)
+        for k, tok in enumerate(tokens[i:i + n]):
+            verdict = "stop_token" if ends and i + k == len(tokens) - 1 else None
+            assert lean.feed(0, tok, verdict, None, [], 1.0 + i + k) == whole.feed(0, tok, verdict, None, [],
+                                                                                     1.0 + i + k)
+        assert lean.chunk(0) == whole.chunk(0)
+        i += n
+    a, b = lean.choices[0], whole.choices[0]
+    assert (a.num_tokens, a.reasoning_tokens, a.finish_reason) == (b.num_tokens, b.reasoning_tokens, b.finish_reason)
+    if lean.done:
+        assert lean.final().data == whole.final().data
