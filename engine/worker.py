@@ -218,6 +218,7 @@ class Engine:
         self.cfg = cfg
         hf = cfg.hf_config()
         device = pick_device(cfg.device)
+        self.cpu_compute = cfg.runner != "replay" and device.type == "cpu"  # its kernels use every core
         dtype = pick_dtype(cfg.dtype, hf, device)
         exporter = exporter_for(cfg, dtype, device)  # a context worker's cache where its KV transport reads it
         if cfg.runner == "replay":
@@ -405,7 +406,7 @@ def run_engine(cfg: ServerConfig) -> None:
     stats = EngineStats(addr.stats_path)
     sched = engine.scheduler
     stats.set(kv_total_blocks=sched.bm.num_blocks, alive=1)
-    PushChannel[SupervisorInput](ctx, addr.supervisor).put(Ready("engine", 0, os.getpid()))
+    PushChannel[SupervisorInput](ctx, addr.supervisor).put(Ready("engine", 0, os.getpid(), engine.cpu_compute))
     steps = tokens = 0
     step_time = step_seconds = 0.0
     while True:

@@ -251,6 +251,7 @@ class Ready(msgspec.Struct, tag=True, **_WIRE):
     role: Role
     index: int
     pid: int
+    cpu_compute: bool = False  # the engine: its model runs on this host's CPU (its kernels use every core)
 
 
 class IngressStatus(msgspec.Struct, tag=True, **_WIRE):

@@ -113,6 +113,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         "engine steps a postproc worker may have waiting (sent, not yet taken); past it the engine waits for it "
         "(0: no limit), so a postproc that falls behind neither piles steps up nor coalesces more than that "
         "many tokens an event", ge=0)] = 2
+    cpu_affinity: Annotated[str, option(
+        "CPUs the engine and the postproc workers share (they trade a message every step): auto (where the stages "
+        "outnumber the cores and the engine does not compute on the CPU: the last core; else none), off, or a "
+        "list such as 3 or 2-3,6", pattern=r"^(auto|off|\d+(-\d+)?(,\d+(-\d+)?)*)$")] = "auto"
     kv_timing_output: Annotated[str | None, option("append one JSON line of timings per finished request to this "
                                                    "file")] = None
     log_format: Annotated[Literal["text", "json"], option("log line format")] = "text"

@@ -29,7 +29,7 @@ from ipc.messages import (ControlInput, Drain, DrainTimedOut, EngineDied, Ingres
 from ipc.shm import shm_base
 from ipc.stats import EngineStats
 from ipc.transport import PubChannel, PullChannel, PushChannel
-from sluice import envs, procs
+from sluice import affinity, envs, procs
 from sluice.config import ServerConfig
 from sluice.logs import setup_logging
 
@@ -132,6 +132,8 @@ class Supervisor:
         self.stages: dict[tuple[str, int], mp.Process] = {}
         self.granian: subprocess.Popen | None = None
         self.ingress_status: dict[int, tuple[float, int]] = {}  # pid -> (time, in flight)
+        self._token_path: dict[tuple[str, int], int] = {}  # the engine's and the postproc workers' pids
+        self._token_cpus: set[int] | None = None  # where they run (None: anywhere)
         self._stop_requested = False
 
     # ---- start ----------------------------------------------------------------
@@ -162,6 +164,22 @@ class Supervisor:
             if isinstance(msg, Ready):
                 waiting.discard((msg.role, msg.index))
                 log.info("%s[%d] ready (pid %d)", msg.role, msg.index, msg.pid)
+                self._place(msg)
+
+    def _place(self, ready: Ready) -> None:
+        """Pins the engine and the postproc workers to --cpu-affinity's CPUs (decided once the engine says
+        whether it computes on the CPU; a postproc worker that was ready before, or is restarted, follows)."""
+        if ready.role == "engine":
+            c = self.cfg
+            busy = 1 + c.render_workers + c.postproc_workers + c.ingress_workers
+            self._token_cpus = affinity.token_path_cpus(c.cpu_affinity, busy, ready.cpu_compute)
+            if self._token_cpus is not None:
+                log.info("the engine and the postproc workers run on CPUs %s", sorted(self._token_cpus))
+        if ready.role in ("engine", "postproc"):
+            self._token_path[ready.role, ready.index] = ready.pid
+            if self._token_cpus is not None:
+                for pid in ([ready.pid] if ready.role == "postproc" else self._token_path.values()):
+                    affinity.pin(pid, self._token_cpus)
 
     def start_ingress(self) -> None:
         c = self.cfg
@@ -255,6 +273,7 @@ class Supervisor:
                 self.ingress_status[msg.pid] = (time.monotonic(), msg.in_flight)
             elif isinstance(msg, Ready):  # a restarted stage
                 log.info("%s[%d] ready (pid %d)", msg.role, msg.index, msg.pid)
+                self._place(msg)
             msg = self.inbox.get_nowait()
 
     def _fail_in_flight(self) -> None:

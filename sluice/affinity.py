@@ -1,0 +1,58 @@
+"""Where the engine and the postproc workers run (--cpu-affinity).
+
+The engine sends each postproc worker a message every step and waits for its answer when it is
+--max-steps-ahead steps ahead; where the stage processes outnumber the cores they keep being moved
+between cores, and every such message then wakes a process on the other core (a cross-CPU wake-up,
+dear in a VM). On one core together, the exchange stays there: on 2 cores the replay pipeline streams
+1.2x the tokens (bench/RESULTS.md). An engine that computes on the CPU needs every core for its
+kernels, so it is left where it is.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("sluice")
+
+
+def allowed_cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def parse_cpus(spec: str) -> set[int]:
+    """`2-3,6` -> {2, 3, 6}."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def token_path_cpus(spec: str, busy_stages: int, cpu_compute: bool) -> set[int] | None:
+    """The CPUs for the engine and the postproc workers, or None to leave them anywhere. `busy_stages`: the
+    stage processes that work under load (engine, render, postproc, ingress workers)."""
+    if spec == "off":
+        return None
+    allowed = allowed_cpus()
+    if spec != "auto":
+        cpus = parse_cpus(spec)
+        if not cpus <= set(allowed):
+            raise SystemExit(f"sluice: --cpu-affinity {spec}: this process may run on CPUs {allowed} only")
+        return cpus
+    if cpu_compute or busy_stages <= len(allowed):
+        return None
+    return {allowed[-1]}
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` on `cpus` (threads it starts later inherit it from the thread starting
+    them). A thread or process that ended meanwhile is skipped."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            pass
