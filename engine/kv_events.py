@@ -2,6 +2,7 @@
 
 An XPUB socket: every subscription (a router that connects, or one that lost a message and subscribes
 again) is answered with a snapshot of every cached hash; after it, each step's stored and removed hashes.
+Until the first subscription nothing is recorded (the snapshot covers what came before).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ _MAX_QUEUED = 10_000  # messages per subscriber before ZeroMQ drops (the subscri
 class KvEventPublisher:
     def __init__(self, ctx: zmq.Context, address: str, bm: BlockManager) -> None:
         self.bm = bm
-        self.events = bm.events = CacheEvents()
+        self.events = CacheEvents()  # recorded by the block manager once a router subscribed: before, nobody reads them
         self._sock = ctx.socket(zmq.XPUB)
         self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, repeated ones too, asks for a snapshot
         self._sock.setsockopt(zmq.SNDHWM, _MAX_QUEUED)
@@ -33,6 +34,7 @@ class KvEventPublisher:
         while self._sock.get(zmq.EVENTS) & _POLLIN:  # (asking is cheaper than a receive that fails, each step)
             snapshot |= self._sock.recv()[:1] == b"\x01"
         if snapshot:
+            self.bm.events = self.events
             self._send(KvEvents(self._seq, list(self.bm.cached), snapshot=True))
         elif self.events.stored or self.events.removed:
             self._send(KvEvents(self._seq, self.events.stored, self.events.removed))

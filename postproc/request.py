@@ -158,7 +158,7 @@ class RequestOutput:
         now = now or time.time()
         if not self.first_token_at:
             self.first_token_at = now
-            metrics.TTFT.observe(now - self.spec.arrival_time)
+            metrics.LATER.observe(metrics.TTFT, now - self.spec.arrival_time)
         elif choice.last_token_at and gaps is not None:
             gaps.append(now - choice.last_token_at)
         choice.last_token_at = now

@@ -50,7 +50,6 @@ class Shard:
         self._token_text: dict[int, str] = {}
         self._timing_file = open(kv_timing_output, "a", buffering=1) if kv_timing_output else None
         self._gaps: list[float] = []  # inter-token gaps not yet in the ITL histogram
-        self._metrics_at = 0.0
 
     def text_of(self, token: int) -> str:
         text = self._token_text.get(token)
@@ -86,7 +85,7 @@ class Shard:
             elif data[rid]:
                 out[req.spec.reply_to].append(Frame(rid, data[rid]))
         self._gaps += step.gaps
-        if not self.requests or time.monotonic() - self._metrics_at >= _METRICS_INTERVAL_S:
+        if not self.requests or time.monotonic() - metrics.LATER.at >= _METRICS_INTERVAL_S:
             self._record_metrics()
         to_engine: list[EngineInput] = []
         if step.ended_choices:
@@ -110,8 +109,8 @@ class Shard:
         whenever the shard empties, so an idle server's metrics are complete)."""
         metrics.observe_many(metrics.ITL, self._gaps)
         metrics.IN_FLIGHT.labels("postproc").set(len(self.requests))
+        metrics.LATER.flush(time.monotonic())
         self._gaps = []
-        self._metrics_at = time.monotonic()
 
     def _feed(self, msg: StepOutputs, step: "_Feed") -> None:
         touched = step.touched
@@ -165,11 +164,12 @@ class Shard:
 
     def _finished(self, req: RequestOutput) -> None:
         summary = req.summary()
+        later = metrics.LATER
         for choice in req.choices:
-            metrics.REQUEST_SUCCESS.labels(choice.finish_reason).inc()
-        metrics.PROMPT_TOKENS.inc(summary["prompt_tokens"])
-        metrics.GENERATION_TOKENS.inc(summary["completion_tokens"])
-        metrics.E2E.observe(summary["e2e_ms"] / 1000)
+            later.inc(metrics.REQUEST_SUCCESS, 1, str(choice.finish_reason))
+        later.inc(metrics.PROMPT_TOKENS, summary["prompt_tokens"])
+        later.inc(metrics.GENERATION_TOKENS, summary["completion_tokens"])
+        later.observe(metrics.E2E, summary["e2e_ms"] / 1000)
         log.info("request done", extra={"fields": summary})
         if self._timing_file is not None:
             self._timing_file.write(json.dumps(summary) + "\n")

@@ -61,12 +61,14 @@ def test_the_engine_publishes_a_snapshot_to_each_new_subscriber():
     seq.num_computed_tokens = 9
     bm.register_full_blocks(seq)
     decode = msgspec.msgpack.Decoder(KvEvents).decode
+    assert bm.events is None  # nobody subscribed yet: nothing is recorded
     for _ in range(100):
         pub.publish()
         if sub.poll(10):
             first = decode(sub.recv())
             break
     assert first.snapshot and set(first.stored) == set(bm.cached) and len(first.stored) == 2
+    assert bm.events is pub.events
     bm.deallocate(seq)
     other = Sequence("s", list(range(100, 132)), SamplingParams(max_tokens=1), seed=0)
     bm.allocate(other, 32)  # takes every free block: the cached ones are evicted
