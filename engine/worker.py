@@ -33,10 +33,9 @@ from ipc.messages import (Abort, EngineInput, EngineRequest, Failed, Finished, L
                           ids_to_bytes)
 from ipc.stats import EngineStats
 from ipc.transport import PullChannel, PushChannel
+from sluice import metrics
 from sluice.config import ServerConfig
 from sluice.disagg import endpoint
-from sluice import metrics
-from sluice.metrics import observe_finished
 
 log = logging.getLogger("sluice.engine")
 _IDLE_POLL_S = 0.25
@@ -159,7 +158,7 @@ def step_outputs(result: StepResult, samples: StepSamples | None, ended: Ended) 
         out.finished.append(Finished(seq.request_id, seq.index, reason))
         out.timings.append(Timings(seq.request_id, seq.index, seq.arrival_time, seq.render_done_time,
                                    seq.first_scheduled_time, seq.first_token_time, seq.last_token_time))
-        observe_finished(seq)
+        metrics.observe_finished(seq)
     for seq in ended.aborted:
         if (seq.leader or seq).started:  # else its shard never heard of it
             shard_of(seq).aborted[seq.request_id] = None
