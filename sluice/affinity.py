@@ -1,11 +1,12 @@
 """Where the engine and the postproc workers run (--cpu-affinity).
 
 The engine sends each postproc worker a message every step and waits for its answer when it is
---max-steps-ahead steps ahead; where the stage processes outnumber the cores they keep being moved
-between cores, and every such message then wakes a process on the other core (a cross-CPU wake-up,
-dear in a VM). On one core together, the exchange stays there: on 2 cores the replay pipeline streams
-1.2x the tokens (bench/RESULTS.md). An engine that computes on the CPU needs every core for its
-kernels, so it is left where it is.
+--max-steps-ahead steps ahead. Where the stage processes outnumber the cores, the kernel keeps moving
+them between cores, and each of those messages (four threads: two ZeroMQ I/O threads and the two
+stages) then hops between cores. On one core together, the exchange stays there: on 2 cores the replay
+pipeline streams 1.07-1.2x the tokens (bench/RESULTS.md, 2026-12-02 fifth session), and pinning only
+their main threads, or their I/O threads elsewhere, is worse than pinning every thread. An engine that
+computes on the CPU needs every core for its kernels, so it is left where it is.
 """
 from __future__ import annotations
 
