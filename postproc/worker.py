@@ -105,8 +105,9 @@ class Shard:
 
     def _record_metrics(self) -> None:
         """Each multiprocess metric update checks the pid and packs into an mmap: per step that costs more
-        than framing the step's tokens, so the per-step ones go in at most every _METRICS_INTERVAL_S (and
-        whenever the shard empties, so an idle server's metrics are complete)."""
+        than framing the step's tokens, so the per-step ones, and the finished requests' (metrics.LATER), go
+        in at most every _METRICS_INTERVAL_S (and whenever the shard empties, so an idle server's metrics are
+        complete)."""
         metrics.observe_many(metrics.ITL, self._gaps)
         metrics.IN_FLIGHT.labels("postproc").set(len(self.requests))
         metrics.LATER.flush(time.monotonic())
