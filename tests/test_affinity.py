@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -76,3 +78,10 @@ def test_auto_pins_a_replay_engine_where_the_stages_outnumber_the_cores():
 
 def test_an_engine_computing_on_the_cpu_keeps_every_core(server):
     assert _cpus(server.stage_pid("engine")) == {frozenset(affinity.allowed_cpus())}
+
+
+def test_a_cpu_the_server_may_not_use_is_refused_before_anything_starts():
+    cpu = max(affinity.allowed_cpus()) + 1
+    done = subprocess.run([sys.executable, "-m", "sluice.cli", "serve", "--runner", "replay", "--cpu-affinity",
+                           str(cpu), "--port", "1"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and f"--cpu-affinity {cpu}: this process may run on CPUs" in done.stderr
