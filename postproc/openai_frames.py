@@ -93,6 +93,16 @@ class OpenAIFramer:
                 out += self._head + _json.encode(choice) + self._tail
         return out
 
+    def text_chunk(self, index: int, piece: Piece) -> bytes | None:
+        """What `chunk` frames for an opened choice whose piece is text of one kind alone (content, or
+        reasoning shown), with nothing else to say; None for any other piece (`chunk` it)."""
+        if not self._plain or not self._opened[index] or piece.tool_calls:
+            return None
+        reasoning = piece.reasoning if self.spec.include_reasoning else ""
+        if piece.content:
+            return None if reasoning else self._text_chunk(index, piece.content, False)
+        return self._text_chunk(index, reasoning, True) if reasoning else None
+
     def _text_chunk(self, index: int, text: str, reasoning: bool) -> bytes:
         """The chunk of choice `index` whose delta is `text` alone (content, or reasoning), nothing else."""
         parts = self._text_parts.get((index, reasoning))

@@ -127,6 +127,9 @@ class RequestOutput:
         # (HarmonyParser.plain_text), which `feed` merges into the pending piece itself.
         self._lean = (spec.stream and not self._adds and not spec.logprobs and self.choices[0].harmony is not None
                       and not self.choices[0].stops.stops)
+        # and with a chunk each token, such a run of text is framed by the framer's text_chunk where it has one
+        self._text_chunk = getattr(self.framer, "text_chunk", None) if self._lean and spec.stream_interval == 1 \
+            else None
         self.first_token_at = 0.0
         self.timings: list[Timings] = []  # the engine's, one per finished choice
         self.num_finished = 0  # choices with a finish reason
@@ -203,6 +206,11 @@ class RequestOutput:
         choice = self.choices[index]
         if not self.spec.stream or not choice.pending_ids:
             return b""
+        if (self._text_chunk is not None and choice.frames_sent and not choice.finish_reason
+                and (out := self._text_chunk(index, choice.pending)) is not None):
+            choice.frames_sent += 1  # (what the way below does with such a piece, in fewer steps)
+            choice.pending_ids = []
+            return out
         interval = 1 if choice.frames_sent == 0 else self.spec.stream_interval
         if not choice.finish_reason and (not choice.pending or len(choice.pending_ids) < interval):
             if choice.frames_sent:

@@ -290,12 +290,13 @@ _unicode_messages = st.lists(st.tuples(st.sampled_from(["analysis", "final", "co
 
 @settings(max_examples=150, deadline=None)
 @given(head=_unicode_messages, soup=st.lists(st.sampled_from(HARMONY_STRAYS) | _unicode_messages, max_size=4),
-       steps=st.lists(st.integers(1, 3), max_size=40), ends=st.booleans(), interval=st.sampled_from([1, 1, 3]),
+       steps=st.lists(st.integers(1, 9), max_size=40), ends=st.booleans(), interval=st.sampled_from([1, 1, 3]),
        lead_bytes=st.lists(st.integers(0, 1000), max_size=2))
 def test_lean_harmony_tokens_frame_as_every_other_token_does(head, soup, steps, ends, interval, lead_bytes):
-    """The tokens that only add text take a shorter way through a streamed harmony output (RequestOutput's
-    lean path): the same frames, counts and final frame as the whole way, for any output cut into any steps
-    (characters split over tokens, a lone lead byte before whole characters too)."""
+    """The tokens that only add text, and the chunks of such text, take a shorter way through a streamed harmony
+    output (RequestOutput's lean path, the framer's text_chunk): the same frames, counts and final frame as the
+    whole way, for any output cut into any steps (characters split over tokens, a lone lead byte before whole
+    characters too; a step across messages)."""
     tokens = harmony_tokens(head)
     for part in soup:
         tokens += _ids("<|start|>assistant") + harmony_tokens(part) if isinstance(part, list) else _ids(part)
@@ -308,8 +309,8 @@ def test_lean_harmony_tokens_frame_as_every_other_token_does(head, soup, steps, 
 
 def _frame_lean_and_whole(spec: PostprocSpec, tokens: list[int], steps: list[int], ends: bool) -> None:
     lean, whole = (RequestOutput(spec, None, Started("r", b"", 3), str) for _ in range(2))
-    assert lean._lean
-    whole._lean = False
+    assert lean._lean and (lean._text_chunk is not None) == (spec.stream_interval == 1)
+    whole._lean, whole._text_chunk = False, None
     sizes = iter(steps)
     i = 0
     while i < len(tokens):  # a step's worth of tokens, then a chunk: what a shard does with each request
@@ -324,3 +325,12 @@ def _frame_lean_and_whole(spec: PostprocSpec, tokens: list[int], steps: list[int
     assert (a.num_tokens, a.reasoning_tokens, a.finish_reason) == (b.num_tokens, b.reasoning_tokens, b.finish_reason)
     if lean.done:
         assert lean.final().data == whole.final().data
+
+
+@pytest.mark.parametrize("include_reasoning", [True, False])
+def test_lean_chunks_of_reasoning_and_content_in_one_step(include_reasoning):
+    """A step that ends the reasoning and starts the answer: its chunk holds both kinds (not a text chunk)."""
+    tokens = harmony_tokens([("analysis", "think it over"), ("final", "the answer"), ("analysis", "more")])
+    spec = msgspec.structs.replace(_spec(True), include_reasoning=include_reasoning)
+    for cut in range(1, len(tokens)):  # (the first step opens the reasoning and shows some of it)
+        _frame_lean_and_whole(spec, tokens, [4, cut], ends=True)
