@@ -5,8 +5,9 @@ The engine sends each postproc worker a message every step and waits for its ans
 them between cores, and each of those messages (four threads: two ZeroMQ I/O threads and the two
 stages) then hops between cores. On one core together, the exchange stays there: on 2 cores the replay
 pipeline streams 1.07-1.2x the tokens (bench/RESULTS.md, 2026-12-02 fifth session), and pinning only
-their main threads, or their I/O threads elsewhere, is worse than pinning every thread. An engine that
-computes on the CPU needs every core for its kernels, so it is left where it is.
+their main threads, or their I/O threads elsewhere, is worse than pinning every thread; as SCHED_BATCH
+there (see pin) another 1.05-1.1x. An engine that computes on the CPU needs every core for its kernels,
+so it is left where it is.
 """
 from __future__ import annotations
 
@@ -47,7 +48,11 @@ def token_path_cpus(spec: str, busy_stages: int, cpu_compute: bool) -> set[int] 
 
 def pin(pid: int, cpus: set[int]) -> None:
     """Every thread of process `pid` on `cpus` (threads it starts later inherit it from the thread starting
-    them). A thread or process that ended meanwhile is skipped."""
+    them); on a single core, as SCHED_BATCH: a message from the other stage there then does not preempt the
+    one running (each finishes what it has), while the HTTP side's wake-ups still do. A thread or process
+    that ended meanwhile is skipped."""
+    if not hasattr(os, "sched_setaffinity"):  # not Linux
+        return
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -55,5 +60,7 @@ def pin(pid: int, cpus: set[int]) -> None:
     for tid in tids:
         try:
             os.sched_setaffinity(int(tid), cpus)
+            if len(cpus) == 1:
+                os.sched_setscheduler(int(tid), os.SCHED_BATCH, os.sched_param(0))
         except OSError:
             pass

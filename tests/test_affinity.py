@@ -44,6 +44,10 @@ def _cpus(pid: int) -> set[frozenset[int]]:
     return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
 
 
+def _policies(pid: int) -> set[int]:
+    return {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
 def _pid(server: Server, role: str, nth: int = 0) -> int:
     return int(re.findall(rf"{role}\[0\] ready \(pid (\d+)\)", server.output())[nth])
 
@@ -53,15 +57,17 @@ def test_engine_and_postproc_run_where_they_are_told_a_restarted_postproc_too():
     last = allowed[-1]
     s = Server("--runner", "replay", "--cpu-affinity", str(last))
     try:
-        for role in ("engine", "postproc"):
-            assert _cpus(_pid(s, role)) == {frozenset({last})}, role
-        assert _cpus(_pid(s, "render")) == {frozenset(allowed)}  # the other stages run anywhere
+        for role in ("engine", "postproc"):  # on one core: SCHED_BATCH (they do not preempt each other)
+            assert _cpus(_pid(s, role)) == {frozenset({last})} and _policies(_pid(s, role)) == {os.SCHED_BATCH}, role
+        assert _cpus(_pid(s, "render")) == {frozenset(allowed)}  # the other stages run anywhere, as before
+        assert _policies(_pid(s, "render")) == {os.SCHED_OTHER}
         os.kill(_pid(s, "postproc"), signal.SIGKILL)
         deadline = time.monotonic() + 60
         while len(re.findall(r"postproc\[0\] ready", s.output())) < 2:
             assert time.monotonic() < deadline, s.output()
             time.sleep(0.1)
         assert _cpus(_pid(s, "postproc", 1)) == {frozenset({last})}
+        assert _policies(_pid(s, "postproc", 1)) == {os.SCHED_BATCH}
     finally:
         s.stop()
 
