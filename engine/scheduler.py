@@ -231,6 +231,7 @@ class Scheduler:
         return result
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        # (update() skips this call for a token it can tell ends nothing: keep its check in step with these)
         sp = seq.sampling
         num_tokens = len(seq.token_ids)
         grammar = seq.grammar

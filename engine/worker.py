@@ -42,7 +42,6 @@ _IDLE_POLL_S = 0.25
 _HELD_POLL_S = 0.01
 _STALE_S = 1.0  # a postproc shard that takes no steps for this long is not waited for (it died)
 _MAX_EARLY_ABORTS = 10_000
-_METRICS_INTERVAL_S = 0.25  # deferred metrics go in at least this often
 _MAX_FAILED_STEPS = 3  # steps failing in a row: the engine itself is broken, not one request
 _REPLAY_KV_BLOCKS = 1 << 16  # nothing is stored: blocks are only accounted
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc mallopt parameters
@@ -438,5 +437,5 @@ def run_engine(cfg: ServerConfig) -> None:
                   generated_tokens=tokens, prefix_queries=st.prefix_queries, prefix_hits=st.prefix_hits,
                   step_time=step_time, step_seconds=step_seconds)
         now = time.monotonic()
-        if not len(sched) or now - metrics.LATER.at >= _METRICS_INTERVAL_S:
+        if not len(sched) or now - metrics.LATER.at >= metrics.FLUSH_S:
             metrics.LATER.flush(now)  # the finished requests' timings, in a batch

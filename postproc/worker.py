@@ -23,7 +23,6 @@ from sluice.config import ServerConfig
 
 _spec_decoder = msgspec.msgpack.Decoder(PostprocSpec)
 log = logging.getLogger("sluice.postproc")
-_METRICS_INTERVAL_S = 0.25
 # Tokens framed per message to the ingress when steps queued up: frames are not held back for a whole backlog,
 # which bounds the gaps between a stream's events; two steps of 256 rows still make one part, so a request's
 # tokens from the engine's window (--max-steps-ahead 2) go out in one event at 256 streams as at 64 (bench/ceiling.py,
@@ -85,7 +84,7 @@ class Shard:
             elif data[rid]:
                 out[req.spec.reply_to].append(Frame(rid, data[rid]))
         self._gaps += step.gaps
-        if not self.requests or time.monotonic() - metrics.LATER.at >= _METRICS_INTERVAL_S:
+        if not self.requests or time.monotonic() - metrics.LATER.at >= metrics.FLUSH_S:
             self._record_metrics()
         to_engine: list[EngineInput] = []
         if step.ended_choices:
@@ -106,7 +105,7 @@ class Shard:
     def _record_metrics(self) -> None:
         """Each multiprocess metric update checks the pid and packs into an mmap: per step that costs more
         than framing the step's tokens, so the per-step ones, and the finished requests' (metrics.LATER), go
-        in at most every _METRICS_INTERVAL_S (and whenever the shard empties, so an idle server's metrics are
+        in at most every metrics.FLUSH_S (and whenever the shard empties, so an idle server's metrics are
         complete)."""
         metrics.observe_many(metrics.ITL, self._gaps)
         metrics.IN_FLIGHT.labels("postproc").set(len(self.requests))

@@ -11,13 +11,11 @@ so it is left where it is.
 """
 from __future__ import annotations
 
-import logging
 import os
-
-log = logging.getLogger("sluice")
 
 
 def allowed_cpus() -> list[int]:
+    """The CPUs this process may run on (its cpuset, not the machine's count)."""
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 

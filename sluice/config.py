@@ -8,7 +8,6 @@ flag table are all derived from these fields (sluice/cli.py).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -16,6 +15,7 @@ import msgspec
 from msgspec import Meta
 
 from ipc.addresses import Addresses
+from sluice.affinity import allowed_cpus
 
 # Connections beyond --max-pending by default: health checks, /metrics, and the 503s of a full server need one each.
 CONNECTION_HEADROOM = 1024
@@ -41,8 +41,7 @@ def auto_workers() -> int:
     keeps up with ~140k tokens/s on a core of its own (bench/RESULTS.md: 6.7-7.2 CPU-ms per 1,000 tokens for
     the ingress and the postproc); a second one of each halves their load where cores are plenty, and where
     they are few costs more than it gives (2 cores: 0.63-0.79x the tokens/s of one of each)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return 2 if cores >= 16 else 1
+    return 2 if len(allowed_cpus()) >= 16 else 1
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -71,6 +71,7 @@ class Deferred:
 
 
 LATER = Deferred()  # this process's
+FLUSH_S = 0.25  # a stage flushes LATER (and its per-step metrics) at least this often while busy
 
 
 def observe_finished(seq) -> None:
