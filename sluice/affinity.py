@@ -28,17 +28,23 @@ def parse_cpus(spec: str) -> set[int]:
     return cpus
 
 
+def listed_cpus(spec: str) -> set[int] | None:
+    """The CPUs a --cpu-affinity list names (None for auto and off); SystemExit for any this process may not
+    use (checked at startup, before anything starts)."""
+    if spec in ("auto", "off"):
+        return None
+    cpus, allowed = parse_cpus(spec), allowed_cpus()
+    if not cpus <= set(allowed):
+        raise SystemExit(f"sluice: --cpu-affinity {spec}: this process may run on CPUs {allowed} only")
+    return cpus
+
+
 def token_path_cpus(spec: str, busy_stages: int, cpu_compute: bool) -> set[int] | None:
     """The CPUs for the engine and the postproc workers, or None to leave them anywhere. `busy_stages`: the
     stage processes that work under load (engine, render, postproc, ingress workers)."""
-    if spec == "off":
-        return None
-    allowed = allowed_cpus()
     if spec != "auto":
-        cpus = parse_cpus(spec)
-        if not cpus <= set(allowed):
-            raise SystemExit(f"sluice: --cpu-affinity {spec}: this process may run on CPUs {allowed} only")
-        return cpus
+        return listed_cpus(spec)
+    allowed = allowed_cpus()
     if cpu_compute or busy_stages <= len(allowed):
         return None
     return {allowed[-1]}

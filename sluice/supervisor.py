@@ -134,7 +134,7 @@ class Supervisor:
         self.ingress_status: dict[int, tuple[float, int]] = {}  # pid -> (time, in flight)
         self._token_path: dict[tuple[str, int], int] = {}  # the engine's and the postproc workers' pids
         self._token_cpus: set[int] | None = None  # where they run (None: anywhere)
-        affinity.token_path_cpus(cfg.cpu_affinity, 0, True)  # a list of CPUs this process may not use: now
+        affinity.listed_cpus(cfg.cpu_affinity)  # refuses CPUs this process may not use, now
         self._stop_requested = False
 
     # ---- start ----------------------------------------------------------------
