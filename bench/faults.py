@@ -2,13 +2,14 @@
 idle-then-active connections. Each reports how requests ended: ok, error (an error response or
 in-band error event), cut (connection lost), hung (still open at the deadline; must be 0).
 Abuse scenarios: connections that never finish a request, random unknown paths, a stream
-nobody reads, a flood of /health_generate.
+nobody reads, a flood of /health_generate. A render worker stuck on a job turns /health and
+/ready to 503.
 
 The test suite runs them small (tests/e2e/test_faults.py, tests/e2e/test_limits.py); this
 script runs them large:
 
     python -m bench.faults [--streams 64] [--clients 200] [--connections 1000] [--held 1100]
-                           [--paths 25000] [--unread-n 128]
+                           [--paths 25000] [--unread-n 128] [--only truncation|render_stall]
 
 Loopback only; every load is bounded in count and time.
 """
@@ -385,6 +386,63 @@ def health_generate_flood(server: Server, calls: int) -> dict[int, int]:
     return {s: statuses.count(s) for s in sorted(set(statuses))}
 
 
+def wait_status(server: Server, path: str, status: int, timeout: float) -> float:
+    """Seconds until `path` answers `status` (asked every 0.1 s, for at most `timeout` seconds)."""
+    start = time.monotonic()
+    while httpx.get(server.url + path, timeout=5).status_code != status:
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"{path} did not answer {status} within {timeout}s")
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def render_stall(server: Server, requests: int, timeout: float = 60) -> dict:
+    """render[0] stopped (SIGSTOP: a render stuck where its deadline cannot cut it, in C code) with `requests`
+    streams waiting on the pool: /health and /ready answer 503 once it has been stuck past its stall limit
+    (--render-timeout + --grammar-compile-timeout + --stall-timeout), and 200 again once it goes on (SIGCONT),
+    its streams then served. The seconds each took, /health's answer while stuck, and how the streams ended."""
+    pid = server.stage_pid("render")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        results, threads, started = run_streams(server.url, requests, dict(STREAM, max_tokens=4))
+        unready = wait_status(server, "/ready", 503, timeout)
+        health = httpx.get(server.url + "/health", timeout=5)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    ready = wait_status(server, "/ready", 200, timeout)
+    try:
+        started.wait()
+    except threading.BrokenBarrierError:  # (a stream that failed before its headers: finish() counts it)
+        pass
+    return {"unready_after_s": round(unready, 2), "health_while_stuck": health.status_code,
+            "health_says": health.json()["error"]["message"], "ready_again_after_s": round(ready, 2),
+            **finish(threads, results, timeout)}
+
+
+def long_truncation(server: Server, items: int) -> dict:
+    """A Responses request of `items` short turns with truncation 'auto' (its prompt far past the context, so
+    most turns go), and a one-token chat request sent while it renders: the seconds each took, and their
+    statuses (the render pool must not be held by the first: issue 37)."""
+    turns = [{"role": ("user", "assistant")[i % 2], "content": f"turn {i} words"} for i in range(items)]
+    body = {"model": MODEL, "input": turns, "truncation": "auto", "max_output_tokens": 4, "store": False}
+    got: dict = {}
+
+    def truncated() -> None:
+        start = time.monotonic()
+        r = httpx.post(server.url + "/v1/responses", json=body, timeout=300)
+        got["truncation"] = (r.status_code, round(time.monotonic() - start, 3))
+
+    thread = threading.Thread(target=truncated)
+    thread.start()
+    time.sleep(0.05)
+    start = time.monotonic()
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=300,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    beside = (chat.status_code, round(time.monotonic() - start, 3))
+    thread.join()
+    return {"items": items, "truncation (status, s)": got["truncation"], "chat beside it (status, s)": beside}
+
+
 def fleet(*extra: str) -> Server:
     return Server("--render-workers", "2", "--postproc-workers", "2", "--ingress-workers", "2", "--max-num-seqs",
                   "512", *extra)
@@ -416,6 +474,14 @@ def kill_renders_slow_engine(requests: int) -> dict[str, int]:
         server.stop()
 
 
+def render_stall_fleet(requests: int) -> dict:
+    server = fleet("--render-timeout", "1", "--grammar-compile-timeout", "1")  # stall limit: 1 + 1 + 2 s
+    try:
+        return render_stall(server, requests)
+    finally:
+        server.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=64)
@@ -424,7 +490,19 @@ def main() -> None:
     parser.add_argument("--held", type=int, default=1100, help="connections that never finish a request")
     parser.add_argument("--paths", type=int, default=25000, help="requests to distinct unknown /v1/ paths")
     parser.add_argument("--unread-n", type=int, default=128, help="choices of the stream nobody reads")
+    parser.add_argument("--only", choices=["truncation", "render_stall"],
+                        help="run this scenario alone (truncation: 800, 1,600 and 3,200 items on one render worker)")
     args = parser.parse_args()
+    if args.only == "truncation":
+        server = Server("--render-workers", "1", "--max-model-len", "2048")
+        try:
+            for items in (800, 1600, 3200):
+                print(json.dumps(long_truncation(server, items)))
+        finally:
+            server.stop()
+        return
+    if args.only == "render_stall":
+        return print(json.dumps({"render_stall": render_stall_fleet(args.streams)}))
     server = fleet()
     try:
         rows = {
@@ -440,6 +518,7 @@ def main() -> None:
     rows[f"kill -9 the engine, {args.streams} streams"] = kill_engine(args.streams)
     rows[f"kill -9 every render worker, {args.streams} decoding"] = kill_renders_slow_engine(args.streams)
     print(json.dumps({"abuse": abuse(args)}))
+    print(json.dumps({"render_stall": render_stall_fleet(args.streams)}))
     print(f"{'scenario':48} {'ok':>5} {'error':>6} {'cut':>5} {'hung':>5}")
     for name, c in rows.items():
         print(f"{name:48} {c['ok']:>5} {c['error']:>6} {c['cut']:>5} {c['hung']:>5}"

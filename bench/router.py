@@ -6,20 +6,20 @@ import subprocess
 import sys
 import tempfile
 
-from bench.server import ROOT, free_port, wait_healthy
+from bench.server import ROOT, announced_port, wait_healthy
 
 
 class RouterProc:
-    def __init__(self, *args: str, startup_timeout: float = 60.0) -> None:
-        """`sluice router` flags in args (--workers URL..., or --context/--generation); `.url` once it answers."""
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+    def __init__(self, *args: str, startup_timeout: float = 60.0, headers: dict | None = None) -> None:
+        """`sluice router` flags in args (--workers URL..., or --context/--generation); `.url` once it answers
+        on the port it picked and holds (`headers`: what its health route wants, with --protect-metrics)."""
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sluice-router-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "sluice.cli", "router", "--port", str(self.port), "--health-interval", "0.25",
-               *args]
+        cmd = [sys.executable, "-m", "sluice.cli", "router", "--port", "0", "--health-interval", "0.25", *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         try:
-            wait_healthy(self.proc, self.url, startup_timeout)
+            self.port = announced_port(self.proc, self.log.name, startup_timeout)
+            self.url = f"http://127.0.0.1:{self.port}"
+            wait_healthy(self.proc, self.url, startup_timeout, headers)
         except RuntimeError as e:
             self.stop()
             raise RuntimeError(f"{e}:\n{self.output()}") from None

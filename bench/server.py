@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -12,6 +11,9 @@ import time
 
 import httpx
 
+from sluice import ports
+
+_SERVING_ON = re.compile(r"on http://\S+:(\d+)")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -32,26 +34,42 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, headers: dict
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port, for peers that cannot be told port 0 (another process may take it first)."""
+    return ports.free_port("127.0.0.1")
+
+
+def announced_port(proc: subprocess.Popen, log_path: str, timeout: float) -> int:
+    """The port a Sluice server or router started with --port 0 serves on, read from its log's
+    `on http://HOST:PORT`; RuntimeError if the process exits or the time runs out first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(log_path, errors="replace") as f:
+            if m := _SERVING_ON.search(f.read()):
+                return int(m.group(1))
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited during startup (code {proc.returncode})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not say its port within {timeout}s")
+        time.sleep(0.1)
 
 
 class Server:
     def __init__(self, *args: str, startup_timeout: float = 180.0, env: dict | None = None,
-                 headers: dict | None = None, launcher: tuple[str, ...] = ()) -> None:
+                 headers: dict | None = None, launcher: tuple[str, ...] = (), port: int = 0) -> None:
         """Extra `sluice serve` flags in args; a 2048-block KV cache unless --kv-cache-memory is given;
-        `launcher`: a command that runs it (e.g. setpriv with its options)."""
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        `launcher`: a command that runs it (e.g. setpriv with its options); `port`: 0 for one the server
+        picks and holds (read back from its log: no other process can take it between the pick and the bind)."""
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sluice-e2e-", suffix=".log", delete=False)
         if "--kv-cache-memory" not in args:
             args = ("--num-kv-blocks", "2048", *args)
-        cmd = [*launcher, sys.executable, "-m", "sluice.cli", "serve", "--port", str(self.port), *args]
+        cmd = [*launcher, sys.executable, "-m", "sluice.cli", "serve", "--port", str(port), *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
         try:
-            wait_healthy(self.proc, self.url, startup_timeout, headers)
+            started = time.monotonic()
+            self.port = announced_port(self.proc, self.log.name, startup_timeout)
+            self.url = f"http://127.0.0.1:{self.port}"
+            wait_healthy(self.proc, self.url, startup_timeout - (time.monotonic() - started), headers)
         except RuntimeError as e:
             self.stop()
             raise RuntimeError(f"{e}:\n{self.output()}") from None

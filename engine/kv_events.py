@@ -11,6 +11,7 @@ import zmq
 
 from engine.block_manager import BlockManager, CacheEvents
 from ipc.kv import KvEvents
+from sluice.disagg import bound_port
 
 _POLLIN = int(zmq.POLLIN)  # an int: & with the IntFlag runs enum code in Python
 _MAX_QUEUED = 10_000  # messages per subscriber before ZeroMQ drops (the subscriber then sees a gap)
@@ -25,6 +26,7 @@ class KvEventPublisher:
         self._sock.setsockopt(zmq.SNDHWM, _MAX_QUEUED)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(address)
+        self.port = bound_port(self._sock)
         self._seq = 0
         self._encoder = msgspec.msgpack.Encoder()
 

@@ -39,7 +39,7 @@ from ipc.messages import (EngineRequest, FinishReason, Frame, Frames, IngressInp
 from ipc.openai import DisaggregatedParams
 from ipc.transport import PushPool
 from sluice.config import ServerConfig
-from sluice.disagg import endpoint
+from sluice.disagg import bound_port, endpoint
 
 log = logging.getLogger("sluice.engine")
 _MAX_PEERS = 64  # release sockets kept open to context engines
@@ -126,10 +126,12 @@ class KvHandOff:
         self._peers: OrderedDict[str, zmq.Socket] = OrderedDict()
         self._timing = open(cfg.kv_timing_output, "a", buffering=1) if cfg.kv_timing_output else None
         self._control: zmq.Socket | None = None
+        self.port = 0  # the control port, where this engine exports (a context worker's)
         if exporter is not None:
             self._control = self._ctx.socket(zmq.PULL)
             self._control.bind(endpoint(cfg, cfg.kv_transfer_port, bind=True))
-            self.agent = endpoint(cfg, cfg.kv_transfer_port)
+            self.port = bound_port(self._control)
+            self.agent = endpoint(cfg, self.port)
 
     @property
     def leased_blocks(self) -> int:

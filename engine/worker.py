@@ -19,7 +19,7 @@ import torch
 import zmq
 
 from engine.block_manager import BlockManager
-from engine.grammar import Grammars
+from engine.grammar import Grammars, Unsatisfiable
 from engine.kv_events import KvEventPublisher
 from engine.kv_handoff import KvHandOff, exporter_for, importer_for
 from engine.loader import load_model
@@ -115,7 +115,7 @@ class Ended:
     """Requests the engine ended outside a step's own verdicts, for their postproc shards to hear of."""
 
     aborted: list[Sequence] = field(default_factory=list)  # every choice of requests ended by an Abort
-    failed: list[tuple[Sequence, str]] = field(default_factory=list)  # (one choice of the request, why)
+    failed: list[tuple[Sequence, Failed]] = field(default_factory=list)  # (one choice of the request, why)
 
     def __bool__(self) -> bool:
         return bool(self.aborted or self.failed)
@@ -161,8 +161,8 @@ def step_outputs(result: StepResult, samples: StepSamples | None, ended: Ended) 
     for seq in ended.aborted:
         if (seq.leader or seq).started:  # else its shard never heard of it
             shard_of(seq).aborted[seq.request_id] = None
-    for seq, message in ended.failed:
-        shard_of(seq).failed.append(Failed(seq.request_id, message))
+    for seq, failed in ended.failed:
+        shard_of(seq).failed.append(failed)
     return {shard: StepOutputs(out.started, out.request_ids, ids_to_bytes(out.indices), ids_to_bytes(out.tokens),
                                out.finished, list(out.aborted), out.failed, out.logprobs, out.prompt_logprobs,
                                out.timings)
@@ -251,9 +251,9 @@ class Engine:
                                    if hybrid else None)
         self.grammars = Grammars(cfg.model_path, hf["vocab_size"], cfg.grammar_backend)
         self.kv = KvHandOff(cfg, self.scheduler, self.runner, exporter, importer_for(cfg, self.runner),
-                            lambda seq, message: self._ended.failed.append((seq, message)))
+                            lambda seq, message: self._ended.failed.append((seq, Failed(seq.request_id, message))))
         self.kv_events = KvEventPublisher(zmq.Context.instance(), endpoint(cfg, cfg.kv_events_port, bind=True),
-                                          self.scheduler.bm) if cfg.kv_events_port else None
+                                          self.scheduler.bm) if cfg.kv_events else None
         # Constrained requests, in arrival order, while their grammar loads.
         self._held: list[tuple[EngineRequest, Future]] = []
         # Aborts that overtook their request (a client gone while it was rendering).
@@ -296,10 +296,11 @@ class Engine:
             try:
                 compiled = grammar.result()
                 for seq in seqs:
-                    seq.grammar = self.grammars.state(compiled, msg.grammar_trigger, msg.sampling.stop_token_ids)
+                    seq.grammar = self.grammars.state(compiled, msg.grammar_trigger, msg.sampling.stop_token_ids,
+                                                      msg.grammar_param or "structured output")
             except Exception as e:  # xgrammar raises several types
                 log.exception("structured output could not start for %s", msg.request_id)
-                self._ended.failed.append((seqs[0], f"structured output could not start: {e}"))
+                self._ended.failed.append((seqs[0], Failed(msg.request_id, f"structured output could not start: {e}")))
                 return
         if msg.kv is not None:
             return self.kv.start(msg, seqs)
@@ -320,12 +321,12 @@ class Engine:
                 if len(self._early_aborts) > _MAX_EARLY_ABORTS:
                     self._early_aborts.popitem(last=False)
 
-    def fail(self, request_id: str, message: str) -> None:
+    def fail(self, request_id: str, message: str, status: int = 500, param: str | None = None) -> None:
         """Ends every choice of a request that cannot go on; its client gets an error, the others go on."""
         self.kv.forget(request_id)
         seqs = self.scheduler.abort(request_id)
         if seqs:
-            self._ended.failed.append((seqs[0], message))
+            self._ended.failed.append((seqs[0], Failed(request_id, message, status, param)))
 
     def take_ended(self) -> Ended:
         ended, self._ended = self._ended, Ended()
@@ -376,8 +377,15 @@ class Engine:
         result = self.scheduler.update(batch, samples.tokens)
         for seq in batch.seqs:
             if seq.grammar is not None and seq.grammar.error is not None:
-                self.fail(seq.request_id, seq.grammar.error)
+                self._fail_grammar(seq.request_id, seq.grammar.error)
         return result, samples
+
+    def _fail_grammar(self, request_id: str, error: str | Unsatisfiable) -> None:
+        if isinstance(error, str):
+            log.error("structured output failed for %s: %s", request_id, error)
+            return self.fail(request_id, error)
+        log.info("request %s ends: its constraints leave no way on (%s)", request_id, error.message)
+        self.fail(request_id, error.message, 400, error.param)
 
 
 def keep_heap_memory() -> None:
@@ -406,7 +414,9 @@ def run_engine(cfg: ServerConfig) -> None:
     stats = EngineStats(addr.stats_path)
     sched = engine.scheduler
     stats.set(kv_total_blocks=sched.bm.num_blocks, alive=1)
-    PushChannel[SupervisorInput](ctx, addr.supervisor).put(Ready("engine", 0, os.getpid(), engine.cpu_compute))
+    ready = Ready("engine", 0, os.getpid(), engine.cpu_compute, kv_transfer_port=engine.kv.port,
+                  kv_events_port=engine.kv_events.port if engine.kv_events else 0)
+    PushChannel[SupervisorInput](ctx, addr.supervisor).put(ready)
     steps = tokens = 0
     step_time = step_seconds = 0.0
     while True:

@@ -4,20 +4,22 @@ statuses (529 overloaded_error for a full server), and each of its responses car
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
 import uuid
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import msgspec
 
 from ingress.dialects import Dialect, register
 from ingress.http import respond, validation_error
-from ingress.pipeline import DISCONNECTED, TIMED_OUT
 from ingress.routes import Request, route
+from ingress.tokenize import render_only
 from ipc.anthropic import (BatchCreateRequest, CountTokensRequest, DeletedBatch, MessageBatch, MessagesRequest,
                            error_response)
-from ipc.messages import Failure, Frame, RenderJob
+from ipc.messages import Failure
+from sluice import state
 from sluice.batches import BatchStore
+from sluice.config import ServerConfig
 
 _json = msgspec.json.Encoder()
 PING = b'event: ping\ndata: {"type":"ping"}\n\n'
@@ -70,38 +72,43 @@ async def count_tokens(ingress: Any, request: Request, receive, send) -> int:
     if isinstance(got, int):
         return got
     counted, _ = got
-    if (refused := ingress.refusal(counted.model)) is not None:
-        return await ingress.respond_failure(send, MESSAGES, refused)
     # The generation request it stands for: max_tokens is required there, and no part of the prompt.
     body = _json.encode(MessagesRequest(**msgspec.structs.asdict(counted), max_tokens=1))
-    frame = await _render_only(ingress, body)
+    frame = await render_only(ingress, counted.model, "messages", "count", body)
     if frame.error is not None:
         return await ingress.respond_failure(send, MESSAGES, frame.error)
     return await respond(send, 200, frame.data)
 
 
-async def _render_only(ingress: Any, body: bytes) -> Frame:
-    rid = "count_" + uuid.uuid4().hex
-    q = ingress.open(rid)
-    try:
-        ingress.submit(rid, RenderJob(rid, "messages", body, ingress.address, time.time(), count_only=True))
-        frame = await q.get()
-    finally:
-        ingress.close(rid)
-    if frame is TIMED_OUT or frame is DISCONNECTED:
-        return Frame(rid, b"", True, Failure(504, "the request did not finish in time", "timeout"))
-    return frame
-
-
 # ---- Message Batches -------------------------------------------------------------------------------------------
 
 _stores: list[BatchStore] = []  # this worker's connection to the state database, once it needs one
+_opening = threading.Lock()
+T = TypeVar("T")
 
 
-def _store(ingress: Any) -> BatchStore:
-    if not _stores:
-        _stores.append(BatchStore(ingress.cfg))
-    return _stores[0]
+def _store(cfg: ServerConfig) -> BatchStore:
+    """(On a worker thread: opening the database may wait on its lock.)"""
+    with _opening:
+        if not _stores:
+            _stores.append(BatchStore(cfg))
+        return _stores[0]
+
+
+async def _batches(ingress: Any, fn: Callable[..., T], *args: Any) -> T | Failure:
+    """`fn(store, *args)` off the event loop; a state database that fails under it is a Failure (every route
+    answers it in Anthropic's shape, never a plain-text 500)."""
+    try:
+        return await asyncio.to_thread(lambda: fn(_store(ingress.cfg), *args))
+    except state.ERRORS as e:
+        return state.unavailable(ingress.cfg, e)
+
+
+async def _answer(ingress: Any, send, got: Any) -> int:
+    """A store's answer as the response: its JSON, or the failure it is."""
+    if isinstance(got, Failure):
+        return await ingress.respond_failure(send, MESSAGES, got)
+    return await respond(send, 200, _json.encode(got))
 
 
 @route("POST", "/v1/messages/batches", dialect=MESSAGES)
@@ -110,15 +117,15 @@ async def create_batch(ingress: Any, request: Request, receive, send) -> int:
     if isinstance(got, int):
         return got
     try:
-        batch = await asyncio.to_thread(_create, _store(ingress), got[0])
+        requests = await asyncio.to_thread(_checked, got[0])
     except _Refused as e:
         return await ingress.respond_failure(send, MESSAGES, e.failure)
-    return await respond(send, 200, _json.encode(batch))
+    return await _answer(ingress, send, await _batches(ingress, BatchStore.create, requests))
 
 
-def _create(store: BatchStore, body: BatchCreateRequest) -> MessageBatch:
-    """Checks each request as /v1/messages would, then stores the batch (off the event loop: a batch holds up
-    to 100,000 requests)."""
+def _checked(body: BatchCreateRequest) -> list[tuple[str, bytes]]:
+    """Each request checked as /v1/messages would check it (off the event loop: a batch holds up to 100,000
+    requests): the (custom_id, params JSON) to store."""
     seen: set[str] = set()
     for i, item in enumerate(body.requests):
         if item.custom_id in seen:
@@ -132,75 +139,89 @@ def _create(store: BatchStore, body: BatchCreateRequest) -> MessageBatch:
             raise _Refused(Failure(400, message, param=f"requests[{i}].params" + (f".{param}" if param else "")))
         if params.stream:
             raise _Refused(Failure(400, "a batch's requests do not stream", param=f"requests[{i}].params.stream"))
-    return store.create((item.custom_id, bytes(item.params)) for item in body.requests)
+    return [(item.custom_id, bytes(item.params)) for item in body.requests]
 
 
 @route("GET", "/v1/messages/batches", dialect=MESSAGES)
 async def list_batches(ingress: Any, request: Request, receive, send) -> int:
     query = request.query
-    limit = query.get("limit", "20")
-    if not limit.isdigit() or not 1 <= int(limit) <= MAX_LIST_LIMIT:
+    limit = request.integer("limit", 20, 1, MAX_LIST_LIMIT)
+    if limit is None:
         return await _fail(ingress, send, 400, f"limit must be an integer from 1 to {MAX_LIST_LIMIT}", "limit")
     before, after = query.get("before_id"), query.get("after_id")
     if before and after:
         return await _fail(ingress, send, 400, "send before_id or after_id, not both", "before_id")
-    page = await asyncio.to_thread(_store(ingress).page, int(limit), before, after)
+    page = await _batches(ingress, BatchStore.page, limit, before, after)
     if page is None:
         return await _fail(ingress, send, 404, f"no message batch {before or after!r}",
                            "before_id" if before else "after_id")
-    return await respond(send, 200, _json.encode(page))
+    return await _answer(ingress, send, page)
 
 
 @route("GET", "/v1/messages/batches/{id}", dialect=MESSAGES)
 async def get_batch(ingress: Any, request: Request, receive, send) -> int:
-    return await _batch_reply(ingress, request, send, "get")
+    return await _batch_reply(ingress, request, send, BatchStore.get)
 
 
 @route("POST", "/v1/messages/batches/{id}/cancel", dialect=MESSAGES)
 async def cancel_batch(ingress: Any, request: Request, receive, send) -> int:
-    return await _batch_reply(ingress, request, send, "cancel")
+    return await _batch_reply(ingress, request, send, BatchStore.cancel)
 
 
-async def _batch_reply(ingress: Any, request: Request, send, operation: str) -> int:
+async def _batch_reply(ingress: Any, request: Request, send, operation: Callable[..., MessageBatch | None]) -> int:
     """The batch after the store's `operation` on it (get, cancel), or a 404."""
-    batch = await asyncio.to_thread(getattr(_store(ingress), operation), request.params["id"])
+    batch = await _batches(ingress, operation, request.params["id"])
     if batch is None:
         return await _not_found(ingress, send, request)
-    return await respond(send, 200, _json.encode(batch))
+    return await _answer(ingress, send, batch)
 
 
 @route("DELETE", "/v1/messages/batches/{id}", dialect=MESSAGES)
 async def delete_batch(ingress: Any, request: Request, receive, send) -> int:
     batch_id = request.params["id"]
-    outcome = await asyncio.to_thread(_store(ingress).delete, batch_id)
+    outcome = await _batches(ingress, BatchStore.delete, batch_id)
     if outcome is None:
         return await _not_found(ingress, send, request)
+    if isinstance(outcome, Failure):
+        return await _answer(ingress, send, outcome)
     if outcome != "deleted":
         return await _fail(ingress, send, 400, f"message batch {batch_id} is {outcome}: only an ended batch can be "
                            "deleted (cancel it first)")
-    return await respond(send, 200, _json.encode(DeletedBatch(batch_id)))
+    return await _answer(ingress, send, DeletedBatch(batch_id))
 
 
 @route("GET", "/v1/messages/batches/{id}/results", dialect=MESSAGES)
 async def batch_results(ingress: Any, request: Request, receive, send) -> int:
-    """The results as JSONL, read from the database a page at a time as the client takes them."""
-    store, batch_id = _store(ingress), request.params["id"]
-    batch = await asyncio.to_thread(store.get, batch_id)
+    """The results as JSONL, read from the database a page at a time as the client takes them. The first page
+    is read before the response begins (a failure then is an error in Anthropic's shape); a failure after it
+    cuts the connection, so that a client never takes a cut list for the whole."""
+    batch_id = request.params["id"]
+    batch = await _batches(ingress, BatchStore.get, batch_id)
     if batch is None:
         return await _not_found(ingress, send, request)
+    if isinstance(batch, Failure):
+        return await _answer(ingress, send, batch)
     if batch.processing_status != "ended":
         return await _fail(ingress, send, 400, f"message batch {batch_id} is {batch.processing_status}: its "
                            "results are ready once it has ended")
+    lines = await _batches(ingress, BatchStore.results, batch_id, -1, RESULTS_PAGE)
+    if isinstance(lines, Failure):
+        return await _answer(ingress, send, lines)
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/x-jsonl")]})
-    after = -1
     try:
-        while lines := await asyncio.to_thread(store.results, batch_id, after, RESULTS_PAGE):
+        while lines:
             await send({"type": "http.response.body", "body": b"".join(line for _, line in lines), "more_body": True})
-            after = lines[-1][0]
+            lines = await _batches(ingress, BatchStore.results, batch_id, lines[-1][0], RESULTS_PAGE)
+            if isinstance(lines, Failure):
+                raise ResultsCut(lines.message)
         await send({"type": "http.response.body", "body": b""})
     except OSError:  # the client left
         pass
     return 200
+
+
+class ResultsCut(Exception):
+    """The state database failed while a batch's results were being sent: the connection is cut."""
 
 
 async def _not_found(ingress: Any, send, request: Request) -> int:

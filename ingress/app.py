@@ -15,19 +15,23 @@ from typing import Any
 import msgspec
 
 import ingress.anthropic  # noqa: F401  (registers its dialect and routes)
+import ingress.models  # noqa: F401  (registers its route)
 import ingress.responses  # noqa: F401  (registers its dialect and routes)
+import ingress.tokenize  # noqa: F401  (registers its routes)
 import ingress.worker_info  # noqa: F401  (registers its route)
 from ingress.dialects import DIALECTS, OPENAI_CHAT, OPENAI_COMPLETIONS, Dialect
-from ingress.http import (JSON, SSE, BodyTimedOut, BodyTooLarge, authorized, read_body, respond, respond_error,
+from ingress.http import (JSON, SSE, BodyTimedOut, BodyTooLarge, read_body, respond, respond_error,
                           validation_error)
 from ingress.metrics import render_metrics
 from ingress.openapi import openapi_document
 from ingress.pipeline import DISCONNECTED, TIMED_OUT, FrameQueue, Pipeline
-from ingress.routes import Request, find
+from ingress.routes import Request, Route, find
 from ingress.server_options import raise_open_files_limit
 from ipc.messages import Failure, Frame, RenderJob
 from ipc.openai import ModelCard, ModelList, error_body
 from sluice import __version__, envs, metrics, procs
+from sluice.auth import CHALLENGE, MISSING_KEY, authorized
+from sluice.checkpoint import sampling_defaults
 from sluice.config import ServerConfig
 from sluice.disagg import accepted as accepted_disagg
 from sluice.logs import setup_logging
@@ -43,8 +47,10 @@ class Ingress(Pipeline):
         self.names = set(cfg.served_model_names)
         raise_open_files_limit(cfg)
         self.api_keys = [k.encode() for k in cfg.api_keys]
-        models = [ModelCard(n, int(time.time()), max_model_len=cfg.max_model_len, root=cfg.model_path)
-                  for n in cfg.served_model_names]
+        defaults = sampling_defaults(cfg.model_path, cfg.generation_config)
+        models = [ModelCard(n, int(time.time()), max_model_len=cfg.max_model_len, root=cfg.model_path,
+                            sampling_defaults=defaults) for n in cfg.served_model_names]
+        self.models = {m.id: msgspec.json.encode(m) for m in models}
         self._models_body = msgspec.json.encode(ModelList(models))
         self._openapi_body = msgspec.json.encode(openapi_document())
 
@@ -76,16 +82,15 @@ class Ingress(Pipeline):
         shape = dialect or next((r.dialect for r, _ in routes if r.dialect is not None), OPENAI_CHAT)
         send = shape.wrap_send(send)
         if not authorized(path, scope["headers"], self.api_keys, self.cfg.protect_metrics):
-            return await self.respond_failure(send, shape, Failure(
-                401, "missing or invalid API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
-                "invalid_api_key"), [(b"www-authenticate", b"Bearer")]), label
+            return await self.respond_failure(send, shape, Failure(401, MISSING_KEY, "invalid_api_key"),
+                                              [CHALLENGE]), label
         if dialect is not None:
             if method != "POST":
                 return await self.respond_failure(send, dialect, Failure(405, f"use POST for {path}")), label
             return await self.generate(dialect, receive, send, headers=scope["headers"]), label
         for r, params in routes:
             if r.method == method:
-                return await r.handler(self, Request(scope, params), receive, send), label
+                return await self._handle(r, Request(scope, params), receive, send, shape), label
         if routes:
             allowed = ", ".join(sorted(r.method for r, _ in routes))
             return await self.respond_failure(send, shape, Failure(
@@ -94,12 +99,33 @@ class Ingress(Pipeline):
             return await respond_error(send, 405, f"{method} is not allowed on {path}"), "other"
         return await self._fixed(path, send), path if path == "/v1/models" else "other"
 
+    async def _handle(self, r: Route, request: Request, receive, send, dialect: Dialect) -> int:
+        """A route's handler. An exception it lets out before its response began is a 500 in the route's
+        dialect (never granian's plain text); after, it cuts the connection, so that a response cut short is
+        never taken for a whole one."""
+        started = False
+
+        async def tracked(message: dict) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+        try:
+            return await r.handler(self, request, receive, tracked)
+        except Exception:
+            if started:
+                raise
+            log.exception("%s %s failed", r.method, r.template)
+            return await self.respond_failure(send, dialect, Failure(
+                500, f"internal error while serving {r.method} {r.template}", "internal_error"))
+
     async def _fixed(self, path: str, send) -> int:
         if path == "/v1/models":
             return await respond(send, 200, self._models_body)
         if path in ("/health", "/ready"):
-            ok = self.healthy() and not (path == "/ready" and self.draining)
-            return await respond(send, 200 if ok else 503, b"{}" if ok else error_body(503, "engine unavailable"))
+            problem = self.health_problem()
+            ok = problem is None and not (path == "/ready" and self.draining)
+            body = b"{}" if ok else error_body(503, problem or "the server is shutting down")
+            return await respond(send, 200 if ok else 503, body)
         if path == "/health_generate":
             return await self._health_generate(send)
         if path == "/openapi.json":

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import re
 from typing import Sequence
 
@@ -59,21 +58,6 @@ async def respond(send, status: int, body: bytes, headers: list = JSON) -> int:
 async def respond_error(send, status: int, message: str, param: str | None = None, code=None,
                         extra_headers: Sequence[tuple[bytes, bytes]] = ()) -> int:
     return await respond(send, status, error_body(status, message, param, code), JSON + list(extra_headers))
-
-
-OPEN_PATHS = frozenset({"/health", "/ready", "/health_generate", "/metrics", "/version", "/openapi.json"})
-
-
-def authorized(path: str, headers: list[tuple[bytes, bytes]], keys: list[bytes], protect_all: bool) -> bool:
-    """Whether a request may go on: no keys configured, an open path, or 'Authorization: Bearer KEY' (OpenAI's
-    clients) or 'x-api-key: KEY' (Anthropic's)."""
-    if not keys or (path in OPEN_PATHS and not protect_all):
-        return True
-    given = dict(headers)
-    header = given.get(b"authorization", b"")
-    token = header[7:] if header[:7].lower() == b"bearer " else given.get(b"x-api-key", b"")
-    # compare with every key, always, so the time taken says nothing about which key is close
-    return sum(hmac.compare_digest(token, key) for key in keys) > 0
 
 
 def validation_error(e: msgspec.MsgspecError) -> tuple[str, str | None]:

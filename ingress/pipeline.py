@@ -17,7 +17,7 @@ import zmq.asyncio
 from ipc.addresses import shard_of
 from ipc.messages import (Abort, ControlInput, Drain, DrainTimedOut, EngineDied, EngineInput, Failure, Frame, Frames,
                           IngressInput, IngressStatus, RenderInput, RenderJob, StageDied, SupervisorInput)
-from ipc.stats import EngineStats
+from ipc.stats import EngineStats, StageClocks, stall_limits
 from ipc.transport import PullChannel, PushChannel, SubChannel
 from sluice import metrics
 from sluice.config import ServerConfig
@@ -157,6 +157,8 @@ class Pipeline:
         self._engine: PushChannel[EngineInput] = PushChannel(self._ctx, addr.engine)
         self._supervisor: PushChannel[SupervisorInput] = PushChannel(self._ctx, addr.supervisor)
         self.stats = EngineStats(addr.stats_path)
+        self.clocks = StageClocks(addr.stage_clocks_path, cfg.render_workers, cfg.postproc_workers)
+        self._stall_limits = stall_limits(cfg.stall_timeout, cfg.render_timeout, cfg.grammar_compile_timeout)
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -170,9 +172,20 @@ class Pipeline:
         return len(self.pending) >= self.max_pending
 
     def healthy(self) -> bool:
-        """The engine is alive and made progress (or idled, answering) within the stall timeout."""
+        return self.health_problem() is None
+
+    def health_problem(self) -> str | None:
+        """Why the server cannot serve now, if it cannot: the engine died, or made no progress (nor idled,
+        answering) within the stall timeout; or a render or postproc worker has been on one job (or silent)
+        past its stall limit (ipc/stats.py)."""
         s = self.stats.read()
-        return not self.engine_dead and s["alive"] == 1 and time.time() - s["heartbeat"] < self.cfg.stall_timeout
+        if self.engine_dead or s["alive"] != 1 or time.time() - s["heartbeat"] >= self.cfg.stall_timeout:
+            return "engine unavailable"
+        stalls = self.clocks.stalled(self._stall_limits)
+        if stalls:
+            return f"{stalls[0].role} worker {stalls[0].index} is stuck: on one job (or silent) for " \
+                   f"{stalls[0].seconds:.0f}s"
+        return None
 
     # ---- one request -----------------------------------------------------------
 
@@ -194,8 +207,10 @@ class Pipeline:
         self._renders[k].put(job)
 
     def abort(self, rid: str) -> None:
-        """Nobody will read `rid`'s output: the engine drops it."""
+        """Nobody will read `rid`'s output: the engine drops it, and its render worker if it is still there."""
         self._engine.put(Abort([rid]))
+        if (k := self._rendered_by.get(rid)) is not None:
+            self._renders[k].put(Abort([rid]))
 
     def close(self, rid: str) -> None:
         del self.pending[rid]

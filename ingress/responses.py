@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import sqlite3
 import time
 import uuid
 from typing import Any, Callable, TypeVar
@@ -16,11 +15,13 @@ from typing import Any, Callable, TypeVar
 import msgspec
 
 from ingress.dialects import Dialect, openai_error
-from ingress.http import SSE, respond
+from ingress.http import JSON, SSE, respond
 from ingress.routes import Request, route
 from ipc.messages import Failure
+from ipc.openai import INT64_MAX
 from ipc.responses import (CreateResponse, ErrorEvent, InputItem, Part, RenderBody, Response, ResponseError,
                            ResponseEvent, event_head, final_response, new_response, split_events, sse)
+from sluice import state
 from sluice.config import ServerConfig
 from sluice.responses_store import POLL_S, Database, NotFound, NotReady, Store
 
@@ -52,10 +53,8 @@ def database(cfg: ServerConfig) -> Database:
 async def _state(ingress, fn: Callable[..., T], *args) -> T | Failure:
     try:
         return await database(ingress.cfg).run(fn, *args)
-    except (sqlite3.Error, OSError) as e:
-        log.error("the state database failed: %s", e)
-        return Failure(500, f"the state database (--state-dir {ingress.cfg.state_dir}) could not be used: {e}",
-                       "state_unavailable")
+    except state.ERRORS as e:
+        return state.unavailable(ingress.cfg, e)
 
 
 def _missing(rid: str) -> Failure:
@@ -80,10 +79,13 @@ async def create(ingress, request: Request, receive, send) -> int:
     items = _json.encode([_stored(item) for item in r.items])
     if r.background:
         return await _queue(ingress, r, history, items, receive, send)
+    if r.store is not False and isinstance(usable := await _state(ingress, Store.check), Failure):
+        return await ingress.respond_failure(send, RESPONSES, usable)  # (before the work, not after it)
     keeper = Keeper(ingress, bool(r.stream), items if r.store is not False else None)
     dialect = dataclasses.replace(RESPONSES, stream_error=keeper.stream_error)
-    return await ingress.generate(dialect, receive, keeper.wrap(send), body=_json.encode(RenderBody(r, history)),
-                                  request=r)
+    status = await ingress.generate(dialect, receive, keeper.wrap(send), body=_json.encode(RenderBody(r, history)),
+                                    request=r)
+    return keeper.failed or status
 
 
 async def _conversation(ingress, rid: str) -> list[InputItem] | Failure:
@@ -123,7 +125,8 @@ async def _queue(ingress, r: CreateResponse, history: list[InputItem], items: by
 class Keeper:
     """Stands between a served response and its client: counts the stream's events (an error that ends the
     stream is numbered after them), and stores the finished response (when asked to) before its last bytes
-    go out, so that a chained request sent the moment they arrive finds it."""
+    go out, so that a chained request sent the moment they arrive finds it. A response that could not be
+    stored is not delivered as one: it ends in the error instead (a whole body's status waits for the save)."""
 
     def __init__(self, ingress, stream: bool, input_items: bytes | None) -> None:
         self.ingress = ingress
@@ -132,27 +135,51 @@ class Keeper:
         self.ok = False
         self.sent = 0  # stream events so far
         self.first = b""  # the stream's first event (response.created)
+        self.failed = 0  # the status sent instead of a response that could not be stored
 
     def wrap(self, send):
+        held: list[dict] = []  # a whole body's response start, until the body is stored
+
         async def forward(message: dict) -> None:
             if message["type"] == "http.response.start":
                 self.ok = message["status"] == 200
+                if self.ok and not self.stream and self.input_items is not None:
+                    return held.append(message)
             elif self.ok:
-                await self._see(message.get("body", b""), message.get("more_body", False))
+                body = await self._see(message.get("body", b""), message.get("more_body", False))
+                if isinstance(body, Failure):  # a whole body not stored: the error goes out instead
+                    held.clear()
+                    return await self._refuse(send, body)
+                message = {**message, "body": body}
+            for start in held:
+                await send(start)
+            held.clear()
             await send(message)
         return forward
 
-    async def _see(self, body: bytes, more: bool) -> None:
+    async def _see(self, body: bytes, more: bool) -> bytes | Failure:
+        """The bytes to send for `body`, or why a whole body could not be stored."""
         events = split_events(body) if self.stream else []
         if events:
             self.first = self.first or events[0]
             self.sent += len(events)
         if more or self.input_items is None:
-            return
+            return body
         response = (final_response(events[-1]) if events else None) if self.stream else body
-        if response is not None and isinstance(await _state(self.ingress, Store.save, response, self.input_items),
-                                               Failure):
-            log.error("a response was served but could not be stored")
+        if response is None:
+            return body
+        saved = await _state(self.ingress, Store.save, response, self.input_items)
+        if not isinstance(saved, Failure):
+            return body
+        if not self.stream:
+            return saved
+        self.sent -= 1  # the final event does not go out: the error and response.failed take its place
+        return b"".join(events[:-1]) + self.stream_error(saved)
+
+    async def _refuse(self, send, failure: Failure) -> None:
+        self.failed = failure.status
+        await send({"type": "http.response.start", "status": failure.status, "headers": JSON})
+        await send({"type": "http.response.body", "body": openai_error(failure)})
 
     def stream_error(self, failure: Failure) -> bytes:
         """An error after the stream began: an error event, then response.failed."""
@@ -174,6 +201,10 @@ async def retrieve(ingress, request: Request, receive, send) -> int:
     if query.get("include"):
         return await ingress.respond_failure(send, RESPONSES, Failure(
             400, f"include {query['include']!r} is not supported", param="include"))
+    after = request.integer("starting_after", -1, -1, INT64_MAX)
+    if after is None:
+        return await ingress.respond_failure(send, RESPONSES, Failure(
+            400, f"starting_after is a sequence number (an integer from -1 to {INT64_MAX})", param="starting_after"))
     row = await _state(ingress, Store.get, rid)
     if isinstance(row, Failure) or row is None:
         return await ingress.respond_failure(send, RESPONSES, row or _missing(rid))
@@ -182,22 +213,23 @@ async def retrieve(ingress, request: Request, receive, send) -> int:
     if not row["background"]:
         return await ingress.respond_failure(send, RESPONSES, Failure(
             400, "only a background response can be streamed again", param="stream"))
-    after = query.get("starting_after", "-1")
-    if not after.lstrip("-").isdigit() or int(after) < -1:
-        return await ingress.respond_failure(send, RESPONSES, Failure(
-            400, "starting_after is a sequence number (an integer, -1 or more)", param="starting_after"))
-    return await _follow(ingress, rid, int(after), receive, send)
+    return await _follow(ingress, rid, after, receive, send)
 
 
 async def _follow(ingress, rid: str, after: int, receive, send) -> int:
     """A background response's stream from the event after `after`, as the owner stores it, to its end (or
-    until the client leaves, or the response is deleted)."""
+    until the client leaves, or the response is deleted). The state database failing before the stream
+    begins is an error response; after, an error event that ends it."""
+    got = await _state(ingress, Store.events_after, rid, after)
+    if isinstance(got, Failure) or got is None:
+        return await ingress.respond_failure(send, RESPONSES, got or _missing(rid))
     left = asyncio.create_task(_disconnected(receive))
     await send({"type": "http.response.start", "status": 200, "headers": SSE})
     try:
-        while True:
-            got = await _state(ingress, Store.events_after, rid, after)
-            if isinstance(got, Failure) or got is None:
+        while got is not None:  # (None: deleted meanwhile)
+            if isinstance(got, Failure):
+                error = ErrorEvent(sequence_number=after + 1, code=got.code, message=got.message)
+                await send({"type": "http.response.body", "body": sse(error), "more_body": True})
                 break
             events, last = got
             if events:
@@ -208,6 +240,7 @@ async def _follow(ingress, rid: str, after: int, receive, send) -> int:
             done, _ = await asyncio.wait([left], timeout=POLL_S)
             if done:
                 return 200
+            got = await _state(ingress, Store.events_after, rid, after)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     except OSError:
         pass
@@ -253,8 +286,8 @@ async def cancel(ingress, request: Request, receive, send) -> int:
 @route("GET", "/v1/responses/{id}/input_items", dialect=RESPONSES)
 async def input_items(ingress, request: Request, receive, send) -> int:
     rid, query = request.params["id"], request.query
-    limit, order = query.get("limit", "20"), query.get("order", "desc")
-    if not limit.isdigit() or not 1 <= int(limit) <= MAX_PAGE:
+    limit, order = request.integer("limit", 20, 1, MAX_PAGE), query.get("order", "desc")
+    if limit is None:
         return await ingress.respond_failure(send, RESPONSES, Failure(
             400, f"limit is an integer from 1 to {MAX_PAGE}", param="limit"))
     if order not in ("asc", "desc"):
@@ -272,7 +305,7 @@ async def input_items(ingress, request: Request, receive, send) -> int:
             return await ingress.respond_failure(send, RESPONSES, Failure(
                 400, f"no input item {after!r} in this response", param="after"))
         start = ids.index(after) + 1
-    page = items[start:start + int(limit)]
+    page = items[start:start + limit]
     return await respond(send, 200, _json.encode({
         "object": "list", "data": page, "first_id": page[0]["id"] if page else None,
         "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < len(items)}))

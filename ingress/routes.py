@@ -2,11 +2,15 @@
 `@route`; the ingress matches a request's path against the templates (`{name}` takes one path segment)."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 from urllib.parse import parse_qsl
 
 from ingress.dialects import Dialect
+
+
+_INTEGER = re.compile(r"-?[0-9]{1,20}")  # (ASCII digits: str.isdigit takes '²', which int() refuses)
 
 
 @dataclass(frozen=True)
@@ -19,6 +23,18 @@ class Request:
     @property
     def query(self) -> dict[str, str]:
         return dict(parse_qsl(self.scope.get("query_string", b"").decode("latin-1")))
+
+    def integer(self, name: str, default: int, low: int, high: int) -> int | None:
+        """The query's `name` as an integer from `low` to `high` (`default` when it is absent); None when it is
+        not one (the route answers 400 naming it). Bounded here, since past the route an integer meets SQLite
+        (int64) or numpy, where one out of range is a crash, not a 400."""
+        text = self.query.get(name)
+        if text is None:
+            return default
+        if not _INTEGER.fullmatch(text):
+            return None
+        value = int(text)
+        return value if low <= value <= high else None
 
     def header(self, name: bytes) -> bytes | None:
         return next((v for k, v in self.scope["headers"] if k.lower() == name), None)
@@ -36,6 +52,9 @@ class Route:
 
     def match(self, path: str) -> dict[str, str] | None:
         want, got = self.template.strip("/").split("/"), path.strip("/").split("/")
+        if want[-1].endswith(":path}"):  # the last one takes the rest (an id with '/')
+            want[-1] = want[-1].replace(":path}", "}")
+            got = got[:len(want) - 1] + ["/".join(got[len(want) - 1:])]
         if len(want) != len(got):
             return None
         params = {}

@@ -45,6 +45,10 @@ class Addresses:
     def stats_path(self) -> str:
         return os.path.join(self.shm_dir, "engine-stats")
 
+    @property
+    def stage_clocks_path(self) -> str:
+        return os.path.join(self.shm_dir, "stage-clocks")
+
 
 def shard_of(request_id: str, num_shards: int) -> int:
     """The postproc shard that owns a request: stable across processes."""

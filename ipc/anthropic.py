@@ -2,8 +2,10 @@
 the content blocks of requests and responses, and the Message Batches shapes.
 
 Strict where Anthropic is strict: an unknown top-level field, or one in metadata, tool_choice, thinking or
-output_config, is a 400 that names it. Lenient inside content blocks and tool definitions, which clients
-send back with the extra fields the responses carried (citations, cache_control, caller, ...).
+output_config, is a 400 that names it. Every field of the SDK's create calls is decided in ipc/sdk_fields.py
+(honoured, a hint, or refused with a 400 that says why; null is always unset). Lenient inside content blocks
+and tool definitions, which clients send back with the extra fields the responses carried (citations,
+cache_control, caller, ...).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from ipc import sdk_fields
 from ipc.openai import INT32_MAX, PositiveInt
 
 _STRICT = dict(forbid_unknown_fields=True, omit_defaults=True)
@@ -106,6 +109,10 @@ class OutputConfig(msgspec.Struct, **_STRICT):
     format: JsonOutputFormat | None = None
 
 
+_COUNT_REFUSALS = sdk_fields.refused_fields(sdk_fields.COUNT_TOKENS)
+_MESSAGES_REFUSALS = sdk_fields.refused_fields(sdk_fields.MESSAGES)
+
+
 class CountTokensRequest(msgspec.Struct, kw_only=True, **_STRICT):
     """POST /v1/messages/count_tokens: what shapes the prompt."""
 
@@ -116,7 +123,16 @@ class CountTokensRequest(msgspec.Struct, kw_only=True, **_STRICT):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
-    cache_control: Any = None  # Sluice caches every prompt prefix itself
+    # The rest of the SDK's fields: hints, and refusals (what ipc/sdk_fields.py says of each; null is unset).
+    cache_control: Any = None
+    speed: str | None = None
+    billing_policy: Any = None
+    context_management: dict[str, Any] | None = None
+    compaction: Any = None
+    mcp_servers: list[Any] | None = None
+
+    def __post_init__(self) -> None:
+        sdk_fields.refuse(self, _COUNT_REFUSALS)
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True, **_STRICT):
@@ -124,12 +140,21 @@ class MessagesRequest(CountTokensRequest, kw_only=True, **_STRICT):
 
     max_tokens: PositiveInt
     stop_sequences: Annotated[list[str], Meta(max_length=16)] | None = None
-    stream: bool = False
+    stream: bool | None = False
     temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None  # (one tier here: either is honoured)
+    container: Any = None
+    thread: Any = None
+    diagnostics: Any = None
+    inference_geo: str | None = None
+    fallbacks: Any = None
+    fallback_credit_token: Any = None
+
+    def __post_init__(self) -> None:
+        sdk_fields.refuse(self, _MESSAGES_REFUSALS)
 
 
 class Framing(msgspec.Struct, omit_defaults=True):
@@ -145,6 +170,7 @@ class Usage(msgspec.Struct):
     cache_creation_input_tokens: int
     cache_read_input_tokens: int
     output_tokens: int
+    service_tier: Literal["standard"] = "standard"  # (as Anthropic says it: one tier here)
 
 
 class Message(msgspec.Struct, kw_only=True):

@@ -52,6 +52,7 @@ class SamplingParams(msgspec.Struct, frozen=True, **_WIRE):
 # What the client asked through: OpenAI chat / completions, Anthropic messages, OpenAI responses. Only the
 # ingress (its routes and errors), render's translation and postproc's framing look at it.
 Endpoint = Literal["chat", "completions", "messages", "responses"]
+Answer = Literal["engine", "count", "tokens", "text"]
 
 
 class RenderJob(msgspec.Struct, tag=True, **_WIRE):
@@ -61,11 +62,10 @@ class RenderJob(msgspec.Struct, tag=True, **_WIRE):
     reply_to: str  # address of the ingress worker holding the connection (or of the background owner)
     arrival_time: float
     priority: int | None = None  # instead of the request's own: background work runs behind interactive
-    count_only: bool = False  # render and tokenize, then answer the prompt's size ({"input_tokens": N}), no engine
+    # engine: generate. The others answer from the render alone: count the prompt's size ({"input_tokens": N}),
+    # tokens its ids (/tokenize), text the body's `tokens` decoded (/detokenize)
+    answer: Answer = "engine"
     disagg: DisaggregatedParams | None = None  # from the orchestrator (the ingress checked its secret)
-
-
-RenderInput = RenderJob
 
 
 # ---- render / ingress / postproc -> engine ----------------------------------
@@ -83,6 +83,7 @@ class EngineRequest(msgspec.Struct, tag=True, **_WIRE):
     render_done_time: float = 0.0
     grammar: str = ""  # a compiled xgrammar grammar (serialized) that constrains the output
     grammar_trigger: list[int] = []  # the constraint applies once the output ends with these ids ([]: at once)
+    grammar_param: str = ""  # the request field the grammar comes from (the engine's errors about it name it)
     kv: KvExport | KvImport | None = None  # disaggregated serving: this request's KV leaves or arrives
 
 
@@ -105,7 +106,8 @@ class KvImport(msgspec.Struct, tag=True, **_WIRE):
 
 class Abort(msgspec.Struct, tag=True, **_WIRE):
     """Ends whole requests whose output nobody will read (the client left, its deadline passed, a stage
-    failed it). The engine frees them, and tells their postproc shard to forget them."""
+    failed it). The engine frees them, and tells their postproc shard to forget them; a render worker stops
+    rendering them."""
 
     request_ids: list[str]
 
@@ -126,6 +128,7 @@ class StepsTaken(msgspec.Struct, tag=True, **_WIRE):
 
 
 EngineInput = EngineRequest | Abort | EndChoices | StepsTaken
+RenderInput = RenderJob | Abort  # (an abort stops its job's render: see render/deadline.py)
 
 
 # ---- engine -> postproc ------------------------------------------------------
@@ -184,6 +187,9 @@ class Failed(msgspec.Struct, **_WIRE):
 
     request_id: str
     message: str
+    # 400: the request's own constraints leave its output no way on (`param` names the field); 500: the engine's
+    status: int = 500
+    param: str | None = None
 
 
 class StepOutputs(msgspec.Struct, tag=True, **_WIRE):
@@ -252,6 +258,8 @@ class Ready(msgspec.Struct, tag=True, **_WIRE):
     index: int
     pid: int
     cpu_compute: bool = False  # the engine: its model runs on this host's CPU (its kernels use every core)
+    kv_events_port: int = 0  # the engine: the ports its KV sockets bound (0: none)
+    kv_transfer_port: int = 0
 
 
 class IngressStatus(msgspec.Struct, tag=True, **_WIRE):

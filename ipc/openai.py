@@ -2,8 +2,10 @@
 render pool) and response Structs (encoded by the postproc pool).
 
 Top-level request fields are strict: an unknown field is a 400 that names it,
-because a silently ignored constraint fails open. Messages are lenient, since
-SDKs send back assistant messages with extra fields (refusal, annotations...).
+because a silently ignored constraint fails open; every field of the SDK's create
+calls is decided in ipc/sdk_fields.py (honoured, a hint, or refused with a 400
+that says why; null is always unset). Messages are lenient, since SDKs send back
+assistant messages with extra fields (refusal, annotations...).
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
+
+from ipc import sdk_fields
 
 _STRICT = dict(forbid_unknown_fields=True, omit_defaults=True)
 
@@ -28,11 +32,15 @@ MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
 PositiveInt = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]  # render checks it against the vocabulary
 Stop = str | Annotated[list[str], Meta(max_length=16)] | None
+# OpenAI's metadata: up to 16 keys of up to 64 characters, string values of up to 512.
+Metadata = Annotated[dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=512)]],
+                     Meta(max_length=16)]
 
 
 class StreamOptions(msgspec.Struct, **_STRICT):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
+    include_obfuscation: bool | None = None  # (padding against length side channels: never added here)
 
 
 class FunctionCall(msgspec.Struct, omit_defaults=True):
@@ -140,7 +148,8 @@ class _Sampling(msgspec.Struct, **_STRICT):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
-    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    # The body's "n" (a null is unset, as for every field): read as `n`, always a count.
+    n_choices: Annotated[int, Meta(ge=1, le=128)] | None = msgspec.field(default=None, name="n")
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
@@ -159,6 +168,14 @@ class _Sampling(msgspec.Struct, **_STRICT):
     structured_outputs: StructuredOutputs | None = None
     disaggregated_params: DisaggregatedParams | None = None
 
+    @property
+    def n(self) -> int:
+        return self.n_choices or 1
+
+
+_CHAT_REFUSALS = sdk_fields.refused_fields(sdk_fields.CHAT_COMPLETIONS)
+_COMPLETIONS_REFUSALS = sdk_fields.refused_fields(sdk_fields.COMPLETIONS)
+
 
 class ChatCompletionRequest(_Sampling, **_STRICT):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)] = []
@@ -174,7 +191,7 @@ class ChatCompletionRequest(_Sampling, **_STRICT):
     stream_reasoning: bool = True
     return_hidden_states: bool = False
     include_reasoning: bool = True  # vLLM's: False leaves the reasoning out of the response
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: TopLogprobs | None = None
     prompt_token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None
@@ -182,6 +199,25 @@ class ChatCompletionRequest(_Sampling, **_STRICT):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     thinking_token_budget: Count | None = None
+    # The rest of the SDK's fields: hints, and refusals (what ipc/sdk_fields.py says of each; null is unset).
+    metadata: Metadata | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    prediction: dict[str, Any] | None = None
+    store: bool | None = None
+    modalities: list[str] | None = None
+    verbosity: str | None = None
+    audio: Any = None
+    functions: Any = None
+    function_call: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+
+    def __post_init__(self) -> None:
+        sdk_fields.refuse(self, _CHAT_REFUSALS)
 
 
 class CompletionRequest(_Sampling, **_STRICT):
@@ -189,7 +225,12 @@ class CompletionRequest(_Sampling, **_STRICT):
     prompt: str | Annotated[list[Any], Meta(min_length=1)] = ""
     max_tokens: PositiveInt | None = 16
     logprobs: TopLogprobs | None = None
-    echo: bool = False
+    echo: bool | None = False
+    best_of: Int64 | None = None  # (refused past 1: ipc/sdk_fields.py)
+    suffix: str | None = None
+
+    def __post_init__(self) -> None:
+        sdk_fields.refuse(self, _COMPLETIONS_REFUSALS)
 
 
 # ---- responses ---------------------------------------------------------------
@@ -330,6 +371,34 @@ class Completion(_Envelope, kw_only=True, omit_defaults=True):
     usage: Usage | None
 
 
+class TokenizeRequest(msgspec.Struct, **_STRICT):
+    """vLLM's POST /tokenize: a prompt (as /v1/completions takes it), or chat messages rendered as
+    /v1/chat/completions renders them; the ids the model would be given."""
+
+    model: str | None = None  # (the served model, where left out)
+    prompt: str | Annotated[list[Any], Meta(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, **_STRICT):
+    """vLLM's POST /detokenize: token ids back to text (special tokens kept)."""
+
+    tokens: list[TokenId]
+    model: str | None = None
+
+
 class ModelCard(msgspec.Struct):
     id: str
     created: int
@@ -337,6 +406,7 @@ class ModelCard(msgspec.Struct):
     max_model_len: int | None = None
     root: str | None = None
     object: str = "model"
+    sampling_defaults: dict[str, float] = {}  # what a request that sets none samples with (--generation-config)
 
 
 class ModelList(msgspec.Struct):

@@ -2,9 +2,11 @@
 its output items and stream events (built by the postproc framer, kept by the ingress and the background
 owner), and what the responses endpoint's render job carries.
 
-The request's top level is strict (an unknown field is a 400 naming it). Items and tools are lenient, since
-clients send back the items they were given (with annotations, logprobs...); what this server cannot honour
-(a hosted tool, an image, encrypted reasoning) is refused as the body is decoded, with a message naming it.
+The request's top level is strict (an unknown field is a 400 naming it); every field of the SDK's create call
+is decided in ipc/sdk_fields.py (honoured, a hint, or refused with a 400 that says why; null is always unset).
+Items and tools are lenient, since clients send back the items they were given (with annotations, logprobs...);
+what this server cannot honour (a hosted tool, an image, encrypted reasoning) is refused as the body is
+decoded, with a message naming it.
 """
 from __future__ import annotations
 
@@ -12,14 +14,15 @@ from typing import Any, Literal
 
 import msgspec
 
-from ipc.openai import PositiveInt, Temperature, TopP
+from ipc import sdk_fields
+from ipc.openai import Int64, Metadata, PositiveInt, Temperature, TopP
 
 _STRICT = dict(forbid_unknown_fields=True, omit_defaults=True)
 TEXT_PARTS = frozenset({"input_text", "output_text", "text", "reasoning_text", "summary_text"})
 Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
 TERMINAL: frozenset[str] = frozenset({"completed", "incomplete", "failed", "cancelled"})
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
-MAX_METADATA_KEYS = 16
+_REFUSALS = sdk_fields.refused_fields(sdk_fields.RESPONSES)
 
 
 # ---- the request -------------------------------------------------------------
@@ -141,24 +144,32 @@ class CreateResponse(msgspec.Struct, **_STRICT):
     background: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    # The rest of the SDK's fields: hints, and refusals (what ipc/sdk_fields.py says of each; null is unset).
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    background_options: dict[str, Any] | None = None
+    access_programs: dict[str, Any] | None = None
+    image: dict[str, Any] | None = None
     include: list[str] | None = None
-    prompt_cache_key: str | None = None  # a routing hint: one engine's prefix cache needs none
+    conversation: Any = None
+    prompt: Any = None
+    context_management: list[Any] | None = None
+    max_tool_calls: Int64 | None = None
+    top_logprobs: Int64 | None = None
+    moderation: Any = None
 
     def __post_init__(self) -> None:
-        for value in self.include or []:
-            raise ValueError(f"include {value!r} is not supported: this server returns no encrypted reasoning, "
-                             "logprobs or tool sources")
+        sdk_fields.refuse(self, _REFUSALS)
         if self.background and self.store is False:
             raise ValueError("a background response is stored: drop store: false")
         if not self.input and self.previous_response_id is None:
             raise ValueError("input is empty")
-        metadata = self.metadata or {}
-        if len(metadata) > MAX_METADATA_KEYS or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
-            raise ValueError(f"metadata holds at most {MAX_METADATA_KEYS} keys of up to 64 characters, with values "
-                             "of up to 512")
 
     @property
     def items(self) -> list[InputItem]:
@@ -267,6 +278,9 @@ class Response(msgspec.Struct, kw_only=True):
     user: str | None = None
     store: bool = True
     background: bool = False
+    service_tier: Literal["default"] = "default"  # (the tier it was served on: the one there is)
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
 
 def new_response(request: CreateResponse, response_id: str, created_at: int, status: Status) -> Response:
@@ -279,7 +293,8 @@ def new_response(request: CreateResponse, response_id: str, created_at: int, sta
         temperature=r.temperature, top_p=r.top_p,
         reasoning=r.reasoning or ReasoningConfig(), text=r.text or TextConfig(TextFormat("text")),
         truncation=r.truncation or "disabled", previous_response_id=r.previous_response_id,
-        metadata=r.metadata or {}, user=r.user, store=r.store is not False, background=bool(r.background))
+        metadata=r.metadata or {}, user=r.user, store=r.store is not False, background=bool(r.background),
+        safety_identifier=r.safety_identifier, prompt_cache_key=r.prompt_cache_key)
 
 
 class FramerSpec(msgspec.Struct, omit_defaults=True):

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 
 from ipc.messages import (Abort, EndChoices, EngineInput, Failure, Frame, Frames, IngressGone, IngressInput,
                           PostprocInput, PostprocSpec, Ready, StepOutputs, StepsTaken, SupervisorInput, bytes_to_ids)
+from ipc.stats import BEAT_S, StageClocks
 from ipc.transport import PullChannel, PushChannel, PushPool
 from postproc.openai_frames import unpack
 from postproc.request import RequestOutput
@@ -75,7 +76,7 @@ class Shard:
         for rid, (req, message) in step.failed.items():
             if rid in data:  # chunks of its earlier steps (not coalescing): they went out before it failed
                 out[req.spec.reply_to].append(Frame(rid, data[rid]))
-            out[req.spec.reply_to].append(Frame(rid, b"", True, Failure(500, message, "internal_error")))
+            out[req.spec.reply_to].append(Frame(rid, b"", True, failure))
         for rid, req in touched.items():
             if req.done:
                 del self.requests[rid]
@@ -186,9 +187,13 @@ def run_postproc(cfg: ServerConfig, index: int) -> None:
     inbox: PullChannel[PostprocInput] = PullChannel(ctx, addr.postproc(index), PostprocInput)
     engine: PushChannel[EngineInput] = PushChannel(ctx, addr.engine)
     replies: PushPool[IngressInput] = PushPool(ctx, **cfg.bulk())
+    clocks = StageClocks(addr.stage_clocks_path, cfg.render_workers, cfg.postproc_workers)
     PushChannel[SupervisorInput](ctx, addr.supervisor).put(Ready("postproc", index, os.getpid()))
     while True:
-        msgs = [inbox.get(), *inbox.drain()]  # all that waits: steps that queued up go out in one message
+        clocks.beat("postproc", index)
+        if (first := inbox.get(BEAT_S)) is None:
+            continue
+        msgs = [first, *inbox.drain()]  # all that waits: steps that queued up go out in one message
         for msg in msgs:
             if isinstance(msg, IngressGone):
                 gone = shard.drop_destination(msg.address)
@@ -201,6 +206,7 @@ def run_postproc(cfg: ServerConfig, index: int) -> None:
         # Coalescing: a request's tokens from those steps in one event; without: an event per step still. Either
         # way a request's events go in one frame (its relay would write them in one send: they come together).
         for part in parts(steps, _PART_TOKENS):
+            clocks.beat("postproc", index)  # (one part is one job: one that takes past its stall limit is stuck)
             frames_by_address, to_engine = shard.on_steps(part, cfg.coalesce_frames)
             for request in to_engine:
                 engine.put(request)

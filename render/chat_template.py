@@ -17,6 +17,8 @@ from typing import Any, Iterator
 from jinja2 import Template
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
+from render import deadline
+
 RENDER_SECONDS = 5.0
 # One `*` or `**` runs in C, where the time limit cannot stop it: bound what it may build.
 MAX_INT_BITS = 4096
@@ -114,14 +116,16 @@ def _time_limit(seconds: float) -> Iterator[None]:
     def expire(signum, frame):
         raise _Expired
 
-    previous = signal.signal(signal.SIGALRM, expire)
-    outer, _ = signal.getitimer(signal.ITIMER_REAL)
-    start = time.monotonic()
-    signal.setitimer(signal.ITIMER_REAL, min(seconds, outer) if outer else seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        if outer:
-            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - start), 1e-3))
+    with deadline.shielded():  # (a render's deadline must not leave the alarm set, or the handler changed)
+        previous = signal.signal(signal.SIGALRM, expire)
+        outer, _ = signal.getitimer(signal.ITIMER_REAL)
+        start = time.monotonic()
+        signal.setitimer(signal.ITIMER_REAL, min(seconds, outer) if outer else seconds)
+        try:
+            with deadline.interruptible():
+                yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            if outer:
+                signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - start), 1e-3))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import base64
 import binascii
 import time
+from functools import cached_property
 from typing import Any, Callable, Iterator, TypeVar
 
 import msgspec
@@ -11,14 +12,15 @@ import numpy as np
 
 from ipc.addresses import shard_of
 from ipc.messages import EngineRequest, KvExport, KvImport, PostprocSpec, RenderJob, SamplingParams, ids_to_bytes
-from ipc.openai import ChatCompletionRequest, CompletionRequest, DisaggregatedParams, NamedToolChoice
-from render import dialects
+from ipc.openai import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DisaggregatedParams,
+                        NamedToolChoice, TokenizeResponse)
+from render import deadline, dialects
 from render.constraints import check_tool_choice, requested
-from render.dialects import Shorter
 from render.errors import RequestError
 from render.extensions import ServingExtension, message_text
 from render.structured import Constraint, GrammarCompiler, response_format
 from render.tokenizer import PromptBudget, TokenizerBundle, context_length_error
+from render.truncation import Turns, fitting, guess_dropped, message_overhead
 
 _DECODERS: dict[str, msgspec.json.Decoder] = {
     "chat": msgspec.json.Decoder(ChatCompletionRequest),
@@ -34,8 +36,11 @@ MAX_JSON_DEPTH = 100
 class ChatCore:
     def __init__(self, extension: ServingExtension, bundle: TokenizerBundle, *, max_model_len: int,
                  model_vocab_size: int, num_shards: int, grammars: GrammarCompiler | None = None,
-                 perf_metrics: bool = False, stream_interval: int = 1) -> None:
+                 perf_metrics: bool = False, stream_interval: int = 1,
+                 sampling_defaults: dict[str, float] | None = None) -> None:
+        """`sampling_defaults`: a request's sampling values where it sets none (--generation-config)."""
         self.ext = extension
+        self.defaults = sampling_defaults or {}
         self.perf_metrics = perf_metrics
         self.stream_interval = stream_interval
         self.grammars = grammars
@@ -50,46 +55,63 @@ class ChatCore:
         return PromptBudget(self.max_model_len, self.bundle.max_token_chars)
 
     def render(self, job: RenderJob) -> EngineRequest:
-        request, dialect, shorter = self._translate(job)
-        return self._fitting(request, shorter, lambda r: self._render(job, r, dialect))
+        request, dialect, truncate = self._translate(job)
+        return self._fitting(request, truncate, lambda r: self._render(job, r, dialect))
 
     def count(self, job: RenderJob) -> int:
         """The number of prompt tokens `job` renders to, rendered as `render` does, without generating."""
-        request, _, shorter = self._translate(job)
+        request, _, truncate = self._translate(job)
         if not isinstance(request, ChatCompletionRequest):
             raise RequestError(400, "only chat requests are counted")
-        return self._fitting(request, shorter, lambda r: len(self._chat_prompt(r)[0]))
+        return self._fitting(request, truncate, lambda r: len(self._chat_prompt(r)[0]))
+
+    def tokenized(self, job: RenderJob) -> TokenizeResponse:
+        """/tokenize: the prompt ids the job's chat or completions request renders to, each token's string."""
+        ids = self.prompt(job)[0]
+        strings = [self.bundle.tokenizer.id_to_token(i) or "" for i in ids]
+        return TokenizeResponse(len(ids), self.max_model_len, ids, strings)
+
+    def detokenized(self, job: RenderJob) -> dict[str, str]:
+        """/detokenize: the text of the ids the job's body carries (special tokens kept)."""
+        ids = msgspec.json.decode(job.body, type=DetokenizeRequest).tokens
+        self._check_ids(ids, "tokens")
+        return {"prompt": self._decode(ids)}
 
     def prompt(self, job: RenderJob) -> tuple[list[int], str]:
         """The prompt ids `job` renders to and its cache salt, and nothing else of a render (no grammar, no
         sampling): what a router hashes to count a request's cached prefix on each worker."""
-        request, _, shorter = self._translate(job)
+        request, _, truncate = self._translate(job)
         if isinstance(request, ChatCompletionRequest):
-            return self._fitting(request, shorter, lambda r: self._chat_prompt(r)[0]), request.cache_salt or ""
+            return self._fitting(request, truncate, lambda r: self._chat_prompt(r)[0]), request.cache_salt or ""
         return self._completion_prompt(request)[0], request.cache_salt or ""
 
-    @staticmethod
-    def _fitting(request, shorter: Shorter | None, attempt: Callable[[Any], T]) -> T:
-        """attempt(request); while its prompt does not fit and the dialect can shorten it (the Responses API's
-        truncation 'auto'), again without the oldest turn."""
-        while True:
-            try:
-                return attempt(request)
-            except RecursionError:  # past the depth checks: still the request's nesting, not the server's fault
-                raise RequestError(400, "the request nests too deeply to render") from None
-            except RequestError as e:
-                fewer = shorter(request) if shorter is not None and e.code == "context_length_exceeded" else None
-                if fewer is None:
-                    raise
-                request = fewer
+    def _fitting(self, request, truncate: bool, attempt: Callable[[Any], T]) -> T:
+        """attempt(request), or where its prompt does not fit and the dialect truncates (the Responses API's
+        truncation 'auto'), attempt(it without the fewest oldest turns that make it fit)."""
+        return fitting(request, truncate, attempt, self._guess_dropped)
 
-    def _translate(self, job: RenderJob) -> tuple[ChatCompletionRequest | CompletionRequest, bytes, Shorter | None]:
-        """The core's request for the job, what its dialect's framer needs, and how it may be made shorter."""
+    def _guess_dropped(self, turns: Turns) -> int:
+        """Where the search for the turns to drop starts: counted from their text, what leaves room for the
+        output (at least one token)."""
+        r = turns.request
+        room = self.max_model_len - max(r.max_completion_tokens or r.max_tokens or 1, 1)
+        return guess_dropped(turns, room, self._tokens, self._message_overhead, self.bundle.max_token_chars)
+
+    def _tokens(self, text: str) -> int:
+        return len(self.bundle.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    @cached_property
+    def _message_overhead(self) -> float:
+        """The tokens the chat template adds around a message's text (measured once)."""
+        return message_overhead(lambda r: len(self.ext.render_prompt(r, self.budget).prompt_ids), self._tokens)
+
+    def _translate(self, job: RenderJob) -> tuple[ChatCompletionRequest | CompletionRequest, bytes, bool]:
+        """The core's request for the job, what its dialect's framer needs, and whether its oldest turns may go."""
         try:
             if (translate := self.translators.get(job.endpoint)) is not None:
                 translation = translate(job.body)
-                return translation.request, translation.dialect, translation.shorter
-            return _DECODERS[job.endpoint].decode(job.body), b"", None
+                return translation.request, translation.dialect, translation.truncate
+            return _DECODERS[job.endpoint].decode(job.body), b"", False
         except RecursionError:
             raise RequestError(400, "the JSON body nests too deeply") from None
 
@@ -101,7 +123,8 @@ class ChatCore:
             prompt, prefix = imported or self._chat_prompt(request)
             max_tokens = request.max_completion_tokens or request.max_tokens
             max_tokens_field = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
-            grammar, trigger = self._grammar(request, self._chat_constraint(request))
+            constraint = self._chat_constraint(request)
+            grammar, trigger = self._grammar(request, constraint)
             if request.top_logprobs is not None and not request.logprobs:
                 raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
             top_logprobs = request.top_logprobs if request.logprobs else None
@@ -110,7 +133,8 @@ class ChatCore:
             (prompt, echo), prefix = self._completion_prompt(request) if imported is None else \
                 (imported[0], _imported_echo(request, imported[0], self._decode)), []
             max_tokens, top_logprobs = request.max_tokens, request.logprobs
-            grammar, trigger = self._grammar(request, requested(request))
+            constraint = requested(request)
+            grammar, trigger = self._grammar(request, constraint)
             max_tokens_field = "max_tokens"
         max_tokens = self._check_length(len(prompt), max_tokens, max_tokens_field)
         spec = PostprocSpec(
@@ -155,6 +179,7 @@ class ChatCore:
             cache_salt=request.cache_salt or "",
             grammar=grammar,
             grammar_trigger=trigger,
+            grammar_param=constraint[0].param if grammar else "",
             render_done_time=time.time(),
             kv=self._kv(job, request.n, len(prefix), top_logprobs is not None or request.prompt_logprobs is not None),
         )
@@ -234,7 +259,9 @@ class ChatCore:
         if self.grammars is None:
             raise RequestError(400, "this server does not constrain outputs", param=c.param)
         chat = isinstance(request, ChatCompletionRequest)
-        return self.grammars.compile(c), [] if whole or not chat else self.ext.structured_output_format(request)
+        with deadline.shielded():  # (its exchange with the compile process must not be cut: it has its own limit)
+            grammar = self.grammars.compile(c)
+        return grammar, [] if whole or not chat else self.ext.structured_output_format(request)
 
     def _pretokenized(self, request) -> list[int] | None:
         """Prompt ids the client sent itself (`prompt_token_ids`, `prompt_token_ids_b64`), if any."""
@@ -305,18 +332,21 @@ class ChatCore:
         stop_ids.extend(self.ext.extra_stop_token_ids())
         if r.allowed_token_ids:
             self._check_ids(r.allowed_token_ids, "allowed_token_ids")
+        d = self.defaults
+        top_k = int(d.get("top_k", 0)) if r.top_k is None else r.top_k
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if r.temperature is None else r.temperature,
-            top_p=1.0 if r.top_p is None else r.top_p,
-            top_k=0 if r.top_k in (None, -1) or r.top_k >= self.model_vocab_size else r.top_k,  # 0: off
-            min_p=r.min_p or 0.0,
+            temperature=d.get("temperature", 1.0) if r.temperature is None else r.temperature,
+            top_p=d.get("top_p", 1.0) if r.top_p is None else r.top_p,
+            top_k=0 if top_k in (0, -1) or top_k >= self.model_vocab_size else top_k,  # 0: off
+            min_p=d.get("min_p", 0.0) if r.min_p is None else r.min_p,
             seed=r.seed,
             stop_token_ids=tuple(dict.fromkeys(stop_ids)),
             min_tokens=min(r.min_tokens, max_tokens),
             presence_penalty=r.presence_penalty or 0.0,
             frequency_penalty=r.frequency_penalty or 0.0,
-            repetition_penalty=r.repetition_penalty or 1.0,
+            repetition_penalty=d.get("repetition_penalty", 1.0) if r.repetition_penalty is None
+            else r.repetition_penalty,
             logit_bias=self._logit_bias(r.logit_bias),
             bad_words_ids=self._bad_words(r.bad_words or []),
             allowed_token_ids=r.allowed_token_ids,

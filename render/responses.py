@@ -13,6 +13,7 @@ from ipc.openai import (ChatCompletionRequest, ChatMessage, FunctionCall, Functi
                         NamedToolChoice, ResponseFormat, Tool, ToolCall)
 from ipc.responses import FramerSpec, InputItem, RenderBody, TextConfig, ToolChoiceFunction, new_response, text_of
 from render.dialects import Translation, translator
+from render.truncation import without_oldest_turn  # noqa: F401  (re-exported: the rule of truncation "auto")
 
 _decoder = msgspec.json.Decoder(RenderBody)
 _encoder = msgspec.msgpack.Encoder()
@@ -40,7 +41,7 @@ def translate(body: bytes) -> Translation:
     # (created_at 0: the framer takes the request's arrival time)
     framing = FramerSpec(new_response(r, "", job.created_at or 0, "in_progress"),
                          first_sequence_number=1 if job.background else 0)
-    return Translation(chat, _encoder.encode(framing), shorter=without_oldest_turn if r.truncation == "auto" else None)
+    return Translation(chat, _encoder.encode(framing), truncate=r.truncation == "auto")
 
 
 def to_messages(instructions: str | None, items: list[InputItem]) -> list[ChatMessage]:
@@ -91,15 +92,3 @@ def _response_format(text: TextConfig | None) -> ResponseFormat | None:
         return ResponseFormat("json_object")
     return ResponseFormat("json_schema", JsonSchemaFormat(fmt.name or "response", fmt.schema, fmt.description,
                                                           fmt.strict))
-
-
-def without_oldest_turn(request: ChatCompletionRequest) -> ChatCompletionRequest | None:
-    """truncation 'auto': the request without its oldest turn (a user message and all that answered it, up
-    to the next user message); system messages stay. None when the last turn is all that is left."""
-    messages = request.messages
-    turns = [i for i, m in enumerate(messages) if m.role not in ("system", "developer")]
-    starts = turns[:1] + [i for i in turns[1:] if messages[i].role == "user"]
-    if len(starts) < 2:
-        return None
-    kept = [m for i, m in enumerate(messages) if i >= starts[1] or m.role in ("system", "developer")]
-    return msgspec.structs.replace(request, messages=kept)

@@ -1,25 +1,29 @@
-"""Render process: decode a job, run the chat core, send the engine request
-(or the error straight back to the ingress worker)."""
+"""Render process: decode a job, run the chat core (within --render-timeout, and
+only while its client waits), send the engine request (or the error straight back
+to the ingress worker)."""
 from __future__ import annotations
 
 import logging
 import os
-from collections import defaultdict
+from collections import defaultdict, deque
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import msgspec
 import zmq
 
-from ipc.messages import (EngineInput, Failure, Frame, Frames, IngressInput, Ready, Rendered, RenderInput, RenderJob,
-                          SupervisorInput)
+from ipc.messages import (EngineInput, EngineRequest, Failure, Frame, Frames, IngressInput, Ready, Rendered,
+                          RenderInput, RenderJob, SupervisorInput)
+from ipc.stats import BEAT_S, StageClocks
 from ipc.transport import PullChannel, PushChannel, PushPool
+from render import deadline
 from render.core import ChatCore
 from render.errors import RequestError
 from render.extensions import extension_for, options_of
 from render.structured import GrammarCompiler, GrammarLimits
 from render.tokenizer import load_tokenizer
 from sluice import metrics
+from sluice.checkpoint import sampling_defaults
 from sluice.config import ServerConfig
 
 log = logging.getLogger("sluice.render")
@@ -33,7 +37,8 @@ def build_core(cfg: ServerConfig) -> ChatCore:
                     model_vocab_size=hf["vocab_size"], num_shards=cfg.postproc_workers,
                     grammars=GrammarCompiler(cfg.model_path, hf["vocab_size"], grammar_limits(cfg),
                                              cfg.grammar_backend),
-                    perf_metrics=cfg.perf_metrics, stream_interval=cfg.stream_interval)
+                    perf_metrics=cfg.perf_metrics, stream_interval=cfg.stream_interval,
+                    sampling_defaults=sampling_defaults(cfg.model_path, cfg.generation_config))
 
 
 def grammar_limits(cfg: ServerConfig) -> GrammarLimits:
@@ -48,36 +53,106 @@ def run_render(cfg: ServerConfig, index: int) -> None:
     jobs: PullChannel[RenderInput] = PullChannel(ctx, addr.render(index), RenderInput)
     engine: PushChannel[EngineInput] = PushChannel(ctx, addr.engine, **cfg.bulk())
     replies: PushPool[IngressInput] = PushPool(ctx)
+    clocks = StageClocks(addr.stage_clocks_path, cfg.render_workers, cfg.postproc_workers)
+    worker = RenderWorker(core, jobs, cfg.render_timeout)
     PushChannel[SupervisorInput](ctx, addr.supervisor).put(Ready("render", index, os.getpid()))
     while True:
-        backlog = [jobs.get(), *jobs.drain()]
+        clocks.beat("render", index)
+        if not worker.wait(BEAT_S):
+            continue
         rendered: dict[str, list[str]] = defaultdict(list)  # ingress address -> requests now in the engine
-        for i, job in enumerate(backlog):
-            metrics.IN_FLIGHT.labels("render").set(len(backlog) - i)
-            if job.count_only:
-                replies.get(job.reply_to).put(Frames([_count_one(core, job)]))
+        for job in worker.batch():
+            clocks.beat("render", index)  # (a job begins: one that takes past its stall limit is stuck)
+            metrics.IN_FLIGHT.labels("render").set(worker.waiting + 1)
+            if job.answer != "engine":
+                replies.get(job.reply_to).put(Frames([worker.answer(job)]))
                 continue
-            error = _render_one(core, job, engine)
-            if error is None:
-                rendered[job.reply_to].append(job.request_id)
+            request = worker.render(job)
+            if isinstance(request, Frame):
+                replies.get(job.reply_to).put(Frames([request]))
             else:
-                replies.get(job.reply_to).put(Frames([_failed(job, error)]))
+                engine.put(request)  # (outside the render's deadline: a send is never cut in half)
+                rendered[job.reply_to].append(job.request_id)
         for address, rids in rendered.items():
             replies.get(address).put(Rendered(rids))
         metrics.IN_FLIGHT.labels("render").set(0)
 
 
-def _render_one(core: ChatCore, job, engine) -> RequestError | None:
-    """Renders one job and sends it to the engine; the error to answer with, if it cannot be served."""
-    return _guarded(job, lambda: engine.put(core.render(job)))
+class RenderWorker:
+    """A render worker's jobs: those waiting, and the one rendering, each within --render-timeout; an abort
+    (its client left) drops a waiting job, and stops the one rendering (render/deadline.py)."""
+
+    def __init__(self, core: ChatCore, jobs: PullChannel[RenderInput], timeout: float) -> None:
+        self.core, self.jobs, self.timeout = core, jobs, timeout
+        self._waiting: deque[RenderJob] = deque()
+        self._dropped: set[str] = set()  # aborted jobs among those waiting
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def wait(self, timeout: float) -> bool:
+        """Whether jobs wait, once what came within `timeout` seconds is taken in."""
+        if not self._waiting and (msg := self.jobs.get(timeout)) is not None:
+            self._take(msg)
+        self.take()
+        return bool(self._waiting)
+
+    def take(self) -> None:
+        """Takes in every message waiting now: a job joins the queue, an abort ends its job."""
+        for msg in self.jobs.drain():
+            self._take(msg)
+
+    def _take(self, msg: RenderInput) -> None:
+        if isinstance(msg, RenderJob):
+            self._waiting.append(msg)
+            return
+        for rid in msg.request_ids:  # (a job already rendered: the engine has the abort too)
+            deadline.abort(rid)
+            if any(job.request_id == rid for job in self._waiting):
+                self._dropped.add(rid)
+
+    def batch(self) -> Iterator[RenderJob]:
+        """The jobs waiting now, less those aborted before their turn (jobs that come meanwhile wait for the
+        next batch, whose Rendered message they go in)."""
+        for _ in range(len(self._waiting)):
+            job = self._waiting.popleft()
+            if job.request_id in self._dropped:
+                self._dropped.discard(job.request_id)
+                continue
+            yield job
+            self.take()
+
+    def render(self, job: RenderJob) -> EngineRequest | Frame:
+        """The job's engine request, or the frame that answers it instead (why it cannot be served)."""
+        request = self._watched(job, lambda: self.core.render(job))
+        return _failed(job, request) if isinstance(request, RequestError) else request
+
+    def answer(self, job: RenderJob) -> Frame:
+        """The answer of a job that asks the render alone (RenderJob.answer), or why it cannot be given."""
+        body = self._watched(job, lambda: _ANSWERS[job.answer](self.core, job))
+        if isinstance(body, RequestError):
+            return _failed(job, body)
+        return Frame(job.request_id, msgspec.json.encode(body), done=True)
+
+    def _watched(self, job: RenderJob, fn: Callable[[], T]) -> T | RequestError:
+        try:
+            with deadline.watched(job.request_id, self.timeout, self.take):
+                return _guarded(job, fn)
+        except deadline.RenderStopped as e:
+            if e.reason == "aborted":  # (nobody waits for it: the answer only closes the books)
+                log.info("render of %s stopped: its request was aborted", job.request_id)
+                return RequestError(499, "the request was aborted while it rendered", code="aborted")
+            log.warning("render of %s stopped at its deadline (--render-timeout %gs)", job.request_id, self.timeout)
+            return RequestError(408, f"rendering the request took longer than the server's --render-timeout "
+                                f"({self.timeout:g}s); send a shorter one", code="render_timeout")
 
 
-def _count_one(core: ChatCore, job: RenderJob) -> Frame:
-    """A count_only job's answer: its prompt's size, or why it cannot be rendered."""
-    count = _guarded(job, lambda: core.count(job))
-    if isinstance(count, RequestError):
-        return _failed(job, count)
-    return Frame(job.request_id, b'{"input_tokens":%d}' % count, done=True)
+_ANSWERS: dict[str, Callable[[ChatCore, RenderJob], object]] = {
+    "count": lambda core, job: {"input_tokens": core.count(job)},
+    "tokens": lambda core, job: core.tokenized(job),
+    "text": lambda core, job: core.detokenized(job),
+}
 
 
 def _failed(job: RenderJob, error: RequestError) -> Frame:

@@ -19,6 +19,7 @@ from router.metrics import render as render_metrics
 from router.policy import KvIndex, Policy
 from router.prompts import Prompts
 from router.workers import Worker, Workers
+from sluice.auth import CHALLENGE, MISSING_KEY, authorized
 from sluice.disagg import PARAMS_HEADER, SECRET_HEADER
 
 log = logging.getLogger("sluice.router")
@@ -27,6 +28,7 @@ GENERATION = {"/v1/chat/completions": "chat", "/v1/completions": "completions", 
 _BODY_PARAMS = ("/v1/chat/completions", "/v1/completions")  # dialects whose body has disaggregated_params
 _MAX_PARAMS_HEADER = 16 << 10  # a longer handle (a very long prompt's ids) goes in a body, or is not split
 _HOP = {b"host", b"content-length", b"connection", b"transfer-encoding", b"keep-alive", SECRET_HEADER, PARAMS_HEADER}
+_KEYS = {b"authorization", b"x-api-key"}
 _json = msgspec.json.Encoder()
 
 
@@ -51,7 +53,11 @@ class Router:
         self.index = KvIndex()
         self.policy = Policy(cfg.policy, cfg.overlap_weight, cfg.balance_abs_threshold, cfg.balance_rel_threshold)
         kinds = {"replica": cfg.workers, "context": cfg.context, "generation": cfg.generation}
-        self.workers = Workers(kinds, self.index, cfg.health_interval, cfg.health_failures)
+        self.api_keys = [k.encode() for k in cfg.api_keys]
+        # what a worker is sent in place of the client's own key (none given: the client's key is relayed)
+        self._worker_auth = [(b"authorization", b"Bearer " + cfg.worker_api_key.encode())] \
+            if cfg.worker_api_key else []
+        self.workers = Workers(kinds, self.index, cfg.health_interval, cfg.health_failures, self._worker_auth)
         self.prompts = Prompts(cfg.model)
         self.client: aiohttp.ClientSession | None = None  # (made in the event loop, at start)
         self._started: asyncio.Future | None = None
@@ -97,7 +103,10 @@ class Router:
         path, method = scope["path"], scope["method"]
         status = 0
         try:
-            if path in GENERATION and method == "POST":
+            if not authorized(path, scope["headers"], self.api_keys, self.cfg.protect_metrics):
+                status = await _respond(send, 401, errors.body(path, 401, MISSING_KEY, "invalid_api_key"),
+                                        extra=(CHALLENGE,))
+            elif path in GENERATION and method == "POST":
                 status = await self.generate(scope, receive, send)
             elif path in ("/health", "/ready"):
                 ok = any(w.up for w in self.workers.all)
@@ -120,7 +129,7 @@ class Router:
         if _claims_hand_off(path, body):
             return await _respond(send, 403, errors.body(path, 403, "disaggregated_params are the router's own: "
                                                          "clients do not send them", "forbidden"))
-        headers = _forwarded(scope["headers"])
+        headers = self._to_worker(scope["headers"])
         ids, salt = await self.prompts.ids(GENERATION[path], body)
         if self.cfg.disaggregated:
             return await self._disaggregated(path, body, headers, ids, salt, receive, send)
@@ -272,6 +281,12 @@ class Router:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return resp.status
 
+    def _to_worker(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        """The client's headers a worker gets: never a client's own disaggregation headers, and the router's
+        --worker-api-key in place of the client's key where it has one."""
+        drop = _HOP | _KEYS if self._worker_auth else _HOP
+        return [(k, v) for k, v in headers if k.lower() not in drop] + self._worker_auth
+
     # ---- everything else --------------------------------------------------------------------------------------
 
     async def forward(self, scope, receive, send) -> int:
@@ -287,7 +302,7 @@ class Router:
         for w in workers:
             try:
                 async with self.client.request(method, w.url + url_path, data=body,
-                                               headers=_str_headers(_forwarded(scope["headers"]))) as r:
+                                               headers=_str_headers(self._to_worker(scope["headers"]))) as r:
                     answer = r.status, [(k, v) for k, v in r.raw_headers if k.lower() not in _HOP], await r.read()
             except _TRANSPORT as e:
                 self.workers.take_out(w, f"a request failed: {e!r}")
@@ -305,9 +320,6 @@ def _str_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
     return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
 
 
-def _forwarded(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """The client's headers a worker gets: never a client's own disaggregation headers."""
-    return [(k, v) for k, v in headers if k.lower() not in _HOP]
 
 
 def _claims_hand_off(path: str, body: bytes) -> bool:
@@ -355,9 +367,9 @@ async def _disconnected(receive) -> None:
 
 
 async def _respond(send, status: int, body: bytes, content_type: str | bytes | None = None,
-                   retry: bool = False) -> int:
+                   retry: bool = False, extra: tuple[tuple[bytes, bytes], ...] = ()) -> int:
     ctype = content_type.encode() if isinstance(content_type, str) else content_type or b"application/json"
-    headers = [(b"content-type", ctype)] + ([(b"retry-after", b"1")] if retry else [])
+    headers = [(b"content-type", ctype)] + ([(b"retry-after", b"1")] if retry else []) + list(extra)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
     return status

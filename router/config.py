@@ -27,6 +27,9 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
     request_timeout: float = 600.0
     max_request_bytes: int = 32 << 20
     router_workers: int = 1
+    api_keys: list[str] = []  # what the router's own clients must send
+    protect_metrics: bool = False
+    worker_api_key: str | None = None  # what the router sends the workers (None: the client's own key, relayed)
 
     @property
     def disaggregated(self) -> bool:
@@ -62,6 +65,13 @@ _FLAGS: list[tuple[str, dict]] = [
                                help="seconds a worker may stay silent on a relayed request (no byte of its answer; a "
                                     "stream that keeps coming is not cut) before the router gives up (default: 600)")),
     ("--router-workers", dict(type=int, default=1, help="HTTP worker processes (default: 1)")),
+    ("--api-key", dict(dest="api_keys", action="append", default=[], metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' (or 'x-api-key') of the router's clients on /v1 "
+                            "routes (repeatable; also SLUICE_API_KEY, comma-separated)")),
+    ("--protect-metrics", dict(action="store_true", help="require the API key on /metrics and the health routes too")),
+    ("--worker-api-key", dict(metavar="KEY",
+                              help="the key the router sends the workers on every call (health, models, requests); "
+                                   "also SLUICE_WORKER_API_KEY (default: each client's own key, relayed)")),
 ]
 
 
@@ -71,6 +81,8 @@ def parse(argv: list[str]) -> RouterConfig:
         parser.add_argument(flag, **kw)
     args = vars(parser.parse_args(argv))
     args["disagg_secret"] = args.get("disagg_secret") or envs.disagg_secret()
+    args["api_keys"] = args["api_keys"] + envs.api_keys()
+    args["worker_api_key"] = args.get("worker_api_key") or envs.worker_api_key()
     cfg = msgspec.convert(args, RouterConfig)
     if not cfg.workers and not (cfg.context and cfg.generation):
         parser.error("give --workers URL..., or --context URL... and --generation URL...")

@@ -35,7 +35,11 @@ class Worker:
 
 
 class Workers:
-    def __init__(self, urls: dict[str, list[str]], index: KvIndex, interval: float, failures: int) -> None:
+    def __init__(self, urls: dict[str, list[str]], index: KvIndex, interval: float, failures: int,
+                 auth: list[tuple[bytes, bytes]] = ()) -> None:
+        """`auth`: the header every call to a worker carries (the router's --worker-api-key)."""
+        self._auth = {k.decode(): v.decode() for k, v in auth}
+        self._refused: set[str] = set()  # URLs whose refusal was logged
         self.all = [Worker(u.rstrip("/"), kind) for kind, us in urls.items() for u in us]
         self.index = index
         self.interval = interval
@@ -80,7 +84,11 @@ class Workers:
     async def _get(self, url: str) -> bytes | None:
         """The body of a 200 answer (None: another status)."""
         assert self.client is not None
-        async with self.client.get(url, timeout=aiohttp.ClientTimeout(total=_HEALTH_TIMEOUT_S)) as r:
+        async with self.client.get(url, timeout=aiohttp.ClientTimeout(total=_HEALTH_TIMEOUT_S),
+                                   headers=self._auth) as r:
+            if r.status in (401, 403) and url not in self._refused:
+                self._refused.add(url)
+                log.error("%s refuses the router's key (%d): give the router --worker-api-key", url, r.status)
             return await r.read() if r.status == 200 else None
 
     async def _describe(self, w: Worker) -> None:

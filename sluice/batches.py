@@ -22,7 +22,7 @@ import msgspec
 from ipc.anthropic import BatchList, MessageBatch, RequestCounts, error_response
 from ipc.messages import Failure
 from sluice.config import ServerConfig
-from sluice.state import connect, database_path, migrate
+from sluice.state import ERRORS, Outage, connect, database_path, migrate
 
 log = logging.getLogger("sluice.batches")
 EXPIRY_S = 24 * 3600  # as Anthropic: what has not run a day after the batch was made expires
@@ -201,19 +201,27 @@ class BatchRunner:
 
     async def run(self) -> None:
         settled = 0.0
+        outage = Outage(self.owner.cfg, "message batches")
         while True:
-            if time.monotonic() - settled >= POLL_S:
-                await asyncio.to_thread(self.store.settle, set(self.running))
-                settled = time.monotonic()
-            if len(self.running) <= self.window // 2:  # refill in bulk, not a query per finished request
-                for key, params in await asyncio.to_thread(self.store.pending, self.window - len(self.running),
-                                                           set(self.running)):
-                    task = self.running[key] = asyncio.create_task(self._one(key, params))
-                    task.add_done_callback(functools.partial(self._done, key))
+            try:
+                if time.monotonic() - settled >= POLL_S:
+                    await asyncio.to_thread(self.store.settle, set(self.running))
+                    settled = time.monotonic()
+                if len(self.running) <= self.window // 2:  # refill in bulk, not a query per finished request
+                    self._start(await asyncio.to_thread(self.store.pending, self.window - len(self.running),
+                                                        set(self.running)))
+                outage.ok()
+            except ERRORS as e:
+                await outage.failed(e)
             if self.running:
                 await asyncio.wait(list(self.running.values()), timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
             else:
                 await asyncio.sleep(POLL_S)
+
+    def _start(self, pending: list[tuple[Key, bytes]]) -> None:
+        for key, params in pending:
+            task = self.running[key] = asyncio.create_task(self._one(key, params))
+            task.add_done_callback(functools.partial(self._done, key))
 
     def _done(self, key: Key, task: asyncio.Task) -> None:
         del self.running[key]
@@ -243,5 +251,11 @@ async def run(owner: Any) -> None:
     """The background task: runs what the database says is left, then what comes."""
     while not database_path(owner.cfg).exists():  # (nothing was ever submitted: no database to make, wherever
         await asyncio.sleep(1.0)                  # --state-dir points, so a server that cannot write it starts)
-    store = await asyncio.to_thread(BatchStore, owner.cfg)
+    outage = Outage(owner.cfg, "message batches")
+    while True:
+        try:
+            store = await asyncio.to_thread(BatchStore, owner.cfg)
+            break
+        except ERRORS as e:
+            await outage.failed(e)
     await BatchRunner(owner, store).run()

@@ -20,6 +20,23 @@ def eos_token_ids(path: Path) -> list[int]:
     return list(dict.fromkeys(out))
 
 
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(model_path: str, setting: str) -> dict[str, float]:
+    """The sampling defaults `--generation-config` puts in force (as vLLM's --generation-config does): those of
+    SAMPLING_DEFAULTS that generation_config.json sets, in the checkpoint (auto) or in a directory; none for
+    `none`. FileNotFoundError for a directory without one."""
+    if setting == "none":
+        return {}
+    folder = Path(model_path if setting == "auto" else setting)
+    if setting != "auto" and not (folder / "generation_config.json").is_file():
+        raise FileNotFoundError(f"--generation-config {setting}: no generation_config.json there")
+    found = read_json(folder / "generation_config.json")
+    return {k: float(found[k]) for k in SAMPLING_DEFAULTS if isinstance(found.get(k), (int, float))
+            and not isinstance(found.get(k), bool)}
+
+
 def tokenizer_info(model_path: str, vocab_size: int):
     """xgrammar's TokenizerInfo for the checkpoint, straight from tokenizer.json's vocabulary
     (its default stop ids only; each matcher sets its own)."""

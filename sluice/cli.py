@@ -3,19 +3,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import shutil
 import sys
 from pathlib import Path
 
 import msgspec
 
 from render.extensions import ExtensionOptions, check_parsers
-from sluice import envs
+from sluice import envs, ports, state
 from sluice.builtin_models import resolve_model
+from sluice.checkpoint import sampling_defaults
 from sluice.config import ServerConfig
-from sluice.disagg import with_ports
+from sluice.disagg import check_role
 from sluice.logs import setup_logging
 from sluice.options import add_flags, config_file_values, flag_table, validated
 from sluice.supervisor import Supervisor, make_runtime_dir
+
+log = logging.getLogger("sluice")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,10 +88,12 @@ def config_from_args(args: dict) -> ServerConfig:
         kv_timing_output=str(Path(cfg.kv_timing_output).resolve()) if cfg.kv_timing_output else None,
         state_dir=str(Path(cfg.state_dir or envs.state_dir()).resolve()),
     )
+    if defaults := sampling_defaults(cfg.model_path, cfg.generation_config):
+        log.info("sampling defaults (--generation-config %s; a request's own values win): %s", cfg.generation_config,
+                 ", ".join(f"{k} {v:g}" for k, v in defaults.items()))
     if cfg.connection_limit <= cfg.max_pending:
         raise ValueError(f"--max-connections ({cfg.connection_limit}) must exceed --max-pending ({cfg.max_pending}): "
                          f"each pending request holds a connection, and a full server needs more to answer 503")
-    cfg = with_ports(cfg)
     return msgspec.structs.replace(cfg, runtime_dir=make_runtime_dir())
 
 
@@ -111,7 +118,16 @@ def main(argv: list[str] | None = None) -> None:
         cfg = config_from_args(args)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"sluice: {e}")
-    sys.exit(Supervisor(cfg).run())
+    try:
+        state.check_dir(cfg, given="state_dir" in args)
+        check_role(cfg)
+        http = ports.hold(cfg.host, cfg.port)
+        cfg = msgspec.structs.replace(cfg, port=http.getsockname()[1])
+    except (OSError, ValueError) as e:
+        shutil.rmtree(cfg.runtime_dir, ignore_errors=True)
+        sys.exit(f"sluice: cannot listen on {cfg.host}:{cfg.port}: {e.strerror}" if isinstance(e, OSError)
+                 else f"sluice: {e}")
+    sys.exit(Supervisor(cfg, http).run())
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ flag table are all derived from these fields (sluice/cli.py).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -78,6 +79,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], option(
         "compute dtype", default_text="auto: float32 on CPU, the checkpoint's bf16/fp16 on CUDA")] = "auto"
     device: Annotated[Literal["auto", "cpu", "cuda"], option("where the engine runs (auto: CUDA if present)")] = "auto"
+    generation_config: Annotated[str, option(
+        "sampling defaults: auto takes the checkpoint's generation_config.json (temperature, top_p, top_k, min_p, "
+        "repetition_penalty; a request's own values win), none the API's own (temperature 1, ...), or a "
+        "directory holding a generation_config.json")] = "auto"
     tool_parser: Annotated[str | None, option("tool-call parser for chat output: hermes (generic), gpt_oss "
                                               "(gpt-oss)")] = None
     reasoning_parser: Annotated[str | None, option("reasoning parser for chat output: think (generic), gpt_oss "
@@ -97,9 +102,14 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_request_bytes: Annotated[int, option("larger request bodies get 413", unit="bytes", ge=1)] = 32 << 20
     request_timeout: Annotated[float, option("per-request deadline (504, or an error event in a stream; 0: none)",
                                              unit="s", ge=0)] = 0.0
+    render_timeout: Annotated[float, option(
+        "time to render one request (its prompt and grammar; a grammar compile is bound by its own timeout): past "
+        "it, 408, and the render worker goes on to its next job. A render worker on one job longer than this, "
+        "--grammar-compile-timeout and --stall-timeout together turns /health and /ready to 503", unit="s",
+        gt=0)] = 10.0
     max_pending: Annotated[int, option("requests in flight before new ones get 503 with Retry-After", ge=1)] = 4096
-    stall_timeout: Annotated[float, option("without engine progress this long, /health and /ready answer 503",
-                                           unit="s", gt=0)] = 2.0
+    stall_timeout: Annotated[float, option("without engine progress this long (or a postproc worker on one job), "
+                                           "/health and /ready answer 503", unit="s", gt=0)] = 2.0
     perf_metrics: Annotated[bool, option("add each request's stage timings to its response (the last chunk of a "
                                          "stream)")] = False
     stream_interval: Annotated[int, option("stream an event every N tokens per request (the first at once)",
@@ -194,7 +204,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         return json.loads((Path(self.model_path) / "config.json").read_text())
 
     def dump(self, path: Path) -> None:
-        path.write_bytes(msgspec.json.encode(self))
+        """Written whole or not at all (a stage that starts meanwhile reads the old or the new file)."""
+        part = path.with_name(path.name + ".part")
+        part.write_bytes(msgspec.json.encode(self))
+        os.replace(part, path)
 
     @classmethod
     def load(cls, path: str) -> "ServerConfig":

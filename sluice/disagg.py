@@ -7,6 +7,7 @@ import hmac
 import socket
 
 import msgspec
+import zmq
 
 from ipc.messages import Failure
 from ipc.openai import DisaggregatedParams
@@ -58,27 +59,23 @@ def refusal(params: DisaggregatedParams, headers: list[tuple[bytes, bytes]], cfg
     return None
 
 
-def with_ports(cfg: ServerConfig) -> ServerConfig:
-    """The configuration with the KV ports it will use picked (a free one where 0), checked against the role."""
+def check_role(cfg: ServerConfig) -> None:
+    """ValueError where the role lacks what it needs."""
     if cfg.role != "both" and not cfg.disagg_secret:
         raise ValueError(f"--role {cfg.role} needs --disagg-secret: the orchestrator proves itself with it")
-    return msgspec.structs.replace(
-        cfg,
-        kv_transfer_port=cfg.kv_transfer_port or (free_port(cfg.host) if cfg.role == "context" else 0),
-        kv_events_port=cfg.kv_events_port or (free_port(cfg.host) if cfg.kv_events else 0),
-    )
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def endpoint(cfg: ServerConfig, port: int, *, bind: bool = False) -> str:
-    """tcp://HOST:PORT of one of this server's KV ports: where it binds, or where others reach it."""
+    """tcp://HOST:PORT of one of this server's KV ports: where it binds (port 0: one the bind picks, so no
+    other process can take it between a pick and the bind), or where others reach it."""
     host = cfg.host if bind else (cfg.advertise_host or _reachable(cfg.host))
-    return f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
+    return f"tcp://{f'[{host}]' if ':' in host else host}:{'*' if bind and not port else port}"
+
+
+def bound_port(sock: zmq.Socket) -> int:
+    """The TCP port a ZeroMQ socket bound last (0 where it is not bound over TCP)."""
+    bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    return int(bound.rsplit(":", 1)[1]) if bound.startswith("tcp://") else 0
 
 
 def _reachable(host: str) -> str:

@@ -42,6 +42,11 @@ def api_keys() -> list[str]:
     return [k for k in raw.split(",") if k]
 
 
+def worker_api_key() -> str | None:
+    """SLUICE_WORKER_API_KEY: the key `sluice router` sends its workers (kept out of `ps`, unlike a flag)."""
+    return os.environ.get("SLUICE_WORKER_API_KEY") or None
+
+
 def tiktoken_encodings_base() -> str | None:
     """Where openai-harmony looks for o200k_base.tiktoken (set by the user, or by sluice.harmony_vocab)."""
     return os.environ.get("TIKTOKEN_ENCODINGS_BASE")

@@ -108,12 +108,24 @@ class Store:
     def get(self, rid: str) -> sqlite3.Row | None:
         return self.conn.execute("SELECT * FROM responses WHERE id = ?", (rid,)).fetchone()
 
+    def check(self) -> None:
+        """Raises when the database cannot be read: a response to be stored asks before it is generated."""
+        self.conn.execute("SELECT 1 FROM responses LIMIT 1").fetchall()
+
     def conversation(self, rid: str) -> list[InputItem]:
         """The items of the conversation that ends with response `rid`, oldest first: each response's input
-        items and output. It begins at the oldest response still kept (one deleted cuts the chain there)."""
+        items and output. It begins at the oldest response still kept (one deleted cuts the chain there), and
+        reaches back through at most MAX_CHAIN responses (older ones are left out). Rows whose
+        previous_response_id leads back to one already walked (a loop: the state was edited, or is damaged)
+        end the walk there, as a deleted one does, with a warning: each response comes in once."""
         turns: list[list[InputItem]] = []
+        seen: set[str] = set()
         at: str | None = rid
         while at is not None and len(turns) < MAX_CHAIN:
+            if at in seen:
+                log.warning("the chain of stored responses from %s loops back to %s: it begins after it", rid, at)
+                break
+            seen.add(at)
             row = self.get(at)
             if row is None:
                 if at == rid:
@@ -250,17 +262,32 @@ async def run(owner) -> None:
     db = Database(owner.cfg)
     while not db.exists():  # (nothing was ever stored: no database to make, wherever --state-dir points)
         await asyncio.sleep(1.0)
-    for rid in await db.run(Store.interrupted):
-        owner.pipeline.abort(rid)  # a restarted owner's: the engine may still run them
+    outage = state.Outage(owner.cfg, "background responses")
+    while True:
+        try:
+            for rid in await db.run(Store.interrupted):
+                owner.pipeline.abort(rid)  # a restarted owner's: the engine may still run them
+            break
+        except state.ERRORS as e:
+            await outage.failed(e)
     running: dict[str, asyncio.Task] = {}
     while True:
-        for rid in await db.run(Store.settled, list(running)) if running else ():
-            running.pop(rid).cancel()
-        room = 2 * owner.cfg.background_concurrency - len(running)
-        for rid, job in await db.run(Store.queued, room, list(running)) if room > 0 else ():
-            task = running[rid] = asyncio.create_task(_respond(owner, db, rid, job))
-            task.add_done_callback(functools.partial(_forget, running, rid))
+        try:
+            await _settle(owner, db, running)
+            outage.ok()
+        except state.ERRORS as e:
+            await outage.failed(e)
         await asyncio.sleep(POLL_S)
+
+
+async def _settle(owner, db: Database, running: dict[str, asyncio.Task]) -> None:
+    """Stops the running responses cancelled or deleted, and starts queued ones while there is room."""
+    for rid in await db.run(Store.settled, list(running)) if running else ():
+        running.pop(rid).cancel()
+    room = 2 * owner.cfg.background_concurrency - len(running)
+    for rid, job in await db.run(Store.queued, room, list(running)) if room > 0 else ():
+        task = running[rid] = asyncio.create_task(_respond(owner, db, rid, job))
+        task.add_done_callback(functools.partial(_forget, running, rid))
 
 
 async def _respond(owner, db: Database, rid: str, job: bytes) -> None:
@@ -275,7 +302,9 @@ async def _respond(owner, db: Database, rid: str, job: bytes) -> None:
                     return  # cancelled or deleted: closing the frames drops it from the engine
     except Exception:  # (not taken up again: it would fail the same way, over and over)
         log.exception("background response %s failed", rid)
-        await db.run(Store.fail, rid, Failure(500, "internal error while running this response", "internal_error"))
+        with contextlib.suppress(*state.ERRORS):  # (else it stays in progress: the next start fails it)
+            await db.run(Store.fail, rid, Failure(500, "internal error while running this response",
+                                                  "internal_error"))
 
 
 def _forget(running: dict[str, asyncio.Task], rid: str, task: asyncio.Task) -> None:

@@ -21,13 +21,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import zmq
 
 from ingress.server_options import granian_args
 from ipc.messages import (ControlInput, Drain, DrainTimedOut, EngineDied, IngressGone, IngressStatus, PostprocInput,
                           Ready, StageDied, SupervisorInput)
 from ipc.shm import shm_base
-from ipc.stats import EngineStats
+from ipc.stats import EngineStats, StageClocks, stall_limits
 from ipc.transport import PubChannel, PullChannel, PushChannel
 from sluice import affinity, envs, procs
 from sluice.config import ServerConfig
@@ -111,8 +112,9 @@ def sweep_orphans() -> list[str]:
 
 
 class Supervisor:
-    def __init__(self, cfg: ServerConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: ServerConfig, http: socket.socket | None = None) -> None:
+        """`http`: the HTTP port held (sluice.ports.hold) until granian's workers are gone."""
+        self.cfg, self._http = cfg, http
         self.config_path = str(Path(cfg.runtime_dir) / "config.json")
         cfg.dump(Path(self.config_path))
         os.makedirs(cfg.addresses.shm_dir, mode=0o700)
@@ -124,6 +126,9 @@ class Supervisor:
         envs.set_prometheus_dir(metrics_dir)  # inherited by every stage and the granian workers
         envs.default_omp_wait_policy()  # before any stage starts (OpenMP reads it when it loads)
         self.stats = EngineStats(cfg.addresses.stats_path, create=True)
+        self.clocks = StageClocks(cfg.addresses.stage_clocks_path, cfg.render_workers, cfg.postproc_workers,
+                                  create=True)
+        self._stalls: set[tuple[str, int]] = set()  # the render / postproc workers now past their stall limit
         self.ctx = zmq.Context()
         self.inbox: PullChannel[SupervisorInput] = PullChannel(self.ctx, cfg.addresses.supervisor, SupervisorInput)
         self.control: PubChannel[ControlInput] = PubChannel(self.ctx, cfg.addresses.control)
@@ -166,6 +171,18 @@ class Supervisor:
                 waiting.discard((msg.role, msg.index))
                 log.info("%s[%d] ready (pid %d)", msg.role, msg.index, msg.pid)
                 self._place(msg)
+                if msg.role == "engine":
+                    self._kv_ports(msg)
+
+    def _kv_ports(self, ready: Ready) -> None:
+        """The KV ports the engine bound (it picks those given as 0 in the bind itself) written to the config
+        the ingress workers read (they advertise them to routers)."""
+        self.cfg = msgspec.structs.replace(self.cfg, kv_events_port=ready.kv_events_port,
+                                           kv_transfer_port=ready.kv_transfer_port)
+        self.cfg.dump(Path(self.config_path))
+        for name, port in (("KV events", ready.kv_events_port), ("KV transfer", ready.kv_transfer_port)):
+            if port:
+                log.info("%s on port %d", name, port)
 
     def _place(self, ready: Ready) -> None:
         """Pins the engine and the postproc workers to --cpu-affinity's CPUs (decided once the engine says
@@ -247,8 +264,10 @@ class Supervisor:
                 log.error("%s[%d] (pid %d) died (exit code %s): restarting it", role, index, p.pid, p.exitcode)
                 _forget_process(p.pid)
                 if role in ("render", "postproc"):  # (the background owner's requests: as a dead ingress worker's)
+                    self.clocks.clear(role, index)  # (watched again once the new one beats)
                     self.control.put(StageDied(role, index))
                 self._spawn(role, index)
+            self._log_stalls()
             self._check_ingress_workers()
             if self.granian.poll() is not None:
                 log.error("the HTTP server exited (code %s)", self.granian.returncode)
@@ -256,6 +275,19 @@ class Supervisor:
         _sd_notify("STOPPING=1")
         self._drain()
         return 0
+
+    def _log_stalls(self) -> None:
+        """Says when a render or postproc worker passes its stall limit (/health and /ready answer 503 for as
+        long), and when it is back."""
+        c = self.cfg
+        stalls = {(s.role, s.index): s for s in
+                  self.clocks.stalled(stall_limits(c.stall_timeout, c.render_timeout, c.grammar_compile_timeout))}
+        for key in stalls.keys() - self._stalls:
+            log.error("%s[%d] has been on one job (or silent) for %.0fs, past its stall limit: /health and /ready "
+                      "answer 503 until it is done", *key, stalls[key].seconds)
+        for key in self._stalls - stalls.keys():
+            log.info("%s[%d] is working again", *key)
+        self._stalls = set(stalls)
 
     def _check_ingress_workers(self) -> None:
         """granian respawns a dead ingress worker; the requests it held are dropped here, in postproc."""
@@ -318,6 +350,9 @@ class Supervisor:
                         p.kill()
                 _kill_group(p.pid)  # (a stage leads its own group: see stage_main)
         self.stats.close()
+        self.clocks.close()
+        if self._http is not None:
+            self._http.close()
         shutil.rmtree(self.cfg.runtime_dir, ignore_errors=True)
         shutil.rmtree(self.cfg.addresses.shm_dir, ignore_errors=True)
         log.info("stopped")

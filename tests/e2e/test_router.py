@@ -7,6 +7,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -93,8 +95,7 @@ def test_a_worker_that_dies_is_taken_out_and_put_back(trio, monkeypatch):
         for i in range(6):  # none fails: a refused connection is retried on the other worker
             assert _chat(router.url, f"hello {i}").status_code == 200
         assert _counter(router.metrics(), "sluice_router:worker_up", kind="replica", worker=b.url) == 0
-        monkeypatch.setattr("bench.server.free_port", lambda: port)  # back at the address the router knows
-        b = Server()
+        b = Server(port=port)  # back at the address the router knows
         deadline = time.monotonic() + 10
         while not _counter(router.metrics(), "sluice_router:worker_up", kind="replica", worker=b.url):
             assert time.monotonic() < deadline, router.output()
@@ -313,3 +314,38 @@ def test_workers_that_refuse_the_hand_off_still_serve(split):
     finally:
         for r in routers:
             r.stop()
+
+
+def test_a_router_with_keys_serves_key_protected_workers_and_guards_its_own_routes():
+    """Workers that want a key on every route (--api-key --protect-metrics): the router sends its
+    --worker-api-key on each call (health, what they serve, their block events' address, requests), asks its own
+    clients for its own --api-key (its /metrics and health too with --protect-metrics), and routes by cache."""
+    worker = Server("--api-key", "worker-key", "--protect-metrics", headers={"Authorization": "Bearer worker-key"})
+    try:
+        refused = subprocess.run([sys.executable, "-m", "sluice.cli", "router", "--port", "0", "--workers", worker.url,
+                                  "--model", MODEL], capture_output=True, text=True, timeout=60)
+        assert refused.returncode != 0 and "--worker-api-key" in refused.stderr, refused.stderr
+        router = RouterProc("--workers", worker.url, "--model", MODEL, "--worker-api-key", "worker-key",
+                            "--api-key", "router-key", "--protect-metrics",
+                            headers={"Authorization": "Bearer router-key"})
+        try:
+            for path in ("/health", "/metrics", "/v1/models"):
+                assert httpx.get(router.url + path, timeout=10).status_code == 401
+            bad = httpx.post(router.url + "/v1/messages", json={"model": MODEL}, timeout=10,
+                             headers={"x-api-key": "worker-key"})  # (the workers' key is not the router's)
+            assert bad.status_code == 401 and bad.json()["type"] == "error", bad.text
+            key = {"Authorization": "Bearer router-key"}
+            assert httpx.get(router.url + "/v1/models", headers=key, timeout=10).json()["data"][0]["id"] == MODEL
+            for i in range(4):
+                r = httpx.post(router.url + "/v1/chat/completions", headers=key, timeout=60, json={
+                    "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": PREFIX + str(i)}]})
+                assert r.status_code == 200, r.text
+            metrics = httpx.get(router.url + "/metrics", headers=key, timeout=10).text
+            hits = _counter(metrics, "sluice_router:cache_hit_tokens_total")
+            assert hits > 0, router.output()  # it knew what the worker held: its block events reached it
+            an = anthropic.Anthropic(base_url=router.url, api_key="router-key", max_retries=0)
+            assert an.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}]).usage
+        finally:
+            assert router.stop() == 0, router.output()
+    finally:
+        worker.stop()

@@ -22,7 +22,7 @@ from ipc.messages import (Abort, EngineRequest, IngressInput, KvExport, KvImport
                           ids_to_bytes)
 from ipc.transport import PullChannel
 from sluice.config import ServerConfig
-from sluice.disagg import free_port
+from sluice.ports import free_port
 
 _ids = itertools.count()
 LEASE_S = 0.3

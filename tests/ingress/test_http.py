@@ -6,7 +6,8 @@ import time
 import msgspec
 import pytest
 
-from ingress.http import BodyTimedOut, BodyTooLarge, authorized, read_body, validation_error
+from ingress.http import BodyTimedOut, BodyTooLarge, read_body, validation_error
+from sluice.auth import authorized
 from ipc.openai import ChatCompletionRequest
 
 KEYS = [b"k1", b"k2"]

@@ -96,7 +96,7 @@ def test_thinking_text_and_a_tool_call_make_three_blocks(shard):
     assert (message["stop_reason"], message["stop_sequence"]) == ("tool_use", None)
     n = len(shard.tokenizer.encode(TOOLS_OUTPUT, add_special_tokens=False).ids) + 1
     assert message["usage"] == {"input_tokens": 3, "cache_read_input_tokens": 4, "cache_creation_input_tokens": 0,
-                                "output_tokens": n}
+                                "output_tokens": n, "service_tier": "standard"}
 
 
 def test_a_stream_is_a_well_formed_event_sequence(shard):

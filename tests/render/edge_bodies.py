@@ -13,7 +13,7 @@ EDGES = [-1, 0, 1, 2, 2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**6
 
 _SCALARS = ["top_k", "seed", "priority", "n", "min_tokens", "prompt_logprobs", "max_tokens"]
 SCALARS = {"chat": _SCALARS + ["max_completion_tokens", "top_logprobs", "thinking_token_budget"],
-           "completions": _SCALARS + ["logprobs"]}
+           "completions": _SCALARS + ["logprobs", "best_of"]}
 LISTS = {"chat": ["stop_token_ids", "allowed_token_ids", "prompt_token_ids"],
          "completions": ["stop_token_ids", "allowed_token_ids", "prompt"]}
 FIELDS = {endpoint: SCALARS[endpoint] + LISTS[endpoint] + ["logit_bias"] for endpoint in SCALARS}
@@ -55,7 +55,7 @@ def integer_types(t: inspect.Type, path: str = "") -> Iterator[tuple[str, inspec
         yield from integer_types(t.value_type, path + "{}")
     elif isinstance(t, inspect.StructType):
         for f in t.fields:
-            yield from integer_types(f.type, f"{path}.{f.name}" if path else f.name)
+            yield from integer_types(f.type, f"{path}.{f.encode_name}" if path else f.encode_name)  # (as sent)
     elif isinstance(t, inspect.Metadata):
         yield from integer_types(t.type, path)
 

@@ -38,7 +38,8 @@ def core(tiny_chat_dir):
 
 def job(endpoint: str, count_only: bool = False, **body) -> RenderJob:
     body = {"model": "m", **({"max_tokens": 16} if endpoint == "messages" else {}), **body}
-    return RenderJob("msg_1", endpoint, json.dumps(body).encode(), "ipc://reply", 1000.0, count_only=count_only)
+    return RenderJob("msg_1", endpoint, json.dumps(body).encode(), "ipc://reply", 1000.0,
+                     answer="count" if count_only else "engine")
 
 
 def prompt(core, **body) -> list[int]:

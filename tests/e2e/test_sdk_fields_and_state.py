@@ -1,0 +1,179 @@
+"""Today's clients and a state directory that goes away, on one real server (issue 37): every parameter of the
+official SDKs' create calls sent as null is unset; the values frameworks send by default are taken, and
+echoed where the real APIs echo them; what this server cannot honour is a 400 naming the field; an integer out
+of range in a query string is a 400; and with the state database pulled away mid-run, every route of batches
+and responses answers an error in its dialect's shape (the last test: it breaks the server's state)."""
+from __future__ import annotations
+
+import inspect
+import time
+from pathlib import Path
+from typing import Callable
+
+import anthropic
+import httpx
+import openai
+import pytest
+from anthropic.resources.beta.messages import Messages as BetaMessages
+from anthropic.resources.messages import Messages
+from openai.resources.chat.completions import Completions as ChatCompletions
+from openai.resources.completions import Completions
+from openai.resources.responses import Responses
+
+from ipc import sdk_fields
+from tests.e2e.test_batches import serve
+
+MODEL = "builtin:tiny-chat"
+USER = [{"role": "user", "content": "Hello"}]
+CLAUDE_CODE_BETAS = ["context-management-2025-06-27", "interleaved-thinking-2025-05-14",
+                     "prompt-caching-scope-2026-01-05", "mid-conversation-system-2026-04-07", "effort-2025-11-24"]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_chat_dir):
+    state = tmp_path_factory.mktemp("state")
+    s = serve(tmp_path_factory, tiny_chat_dir, state)
+    yield s, state
+    assert s.stop() == 0, s.output()
+
+
+@pytest.fixture(scope="module")
+def oc(served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served[0].url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def ac(served) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=served[0].url, api_key="x", max_retries=0, timeout=60)
+
+
+def _nulls(method: Callable, table: sdk_fields.Table, *given: str) -> dict:
+    """Every body parameter of an SDK call but those `given`, as null: in extra_body, which the SDK sends as
+    it is (some calls of it cannot take None itself for every parameter)."""
+    return {"extra_body": {p: None for p in inspect.signature(method).parameters
+                           if p != "self" and p not in given and table[p].kind != "client"}}
+
+
+def test_every_sdk_parameter_sent_as_null_is_unset(oc, ac):
+    chat = oc.chat.completions.create(model=MODEL, messages=USER, max_completion_tokens=4, **_nulls(
+        ChatCompletions.create, sdk_fields.CHAT_COMPLETIONS, "model", "messages", "max_completion_tokens"))
+    assert chat.choices[0].message.content
+    done = oc.completions.create(model=MODEL, prompt="Hello", max_tokens=4, **_nulls(
+        Completions.create, sdk_fields.COMPLETIONS, "model", "prompt", "max_tokens"))
+    assert done.choices[0].text
+    response = oc.responses.create(model=MODEL, input="Hello", max_output_tokens=4, **_nulls(
+        Responses.create, sdk_fields.RESPONSES, "model", "input", "max_output_tokens"))
+    assert response.status in ("completed", "incomplete") and response.output
+    given = ("model", "messages", "max_tokens")
+    for method, create in ((Messages.create, ac.messages.create), (BetaMessages.create, ac.beta.messages.create)):
+        message = create(model=MODEL, messages=USER, max_tokens=4, **_nulls(method, sdk_fields.MESSAGES, *given))
+        assert message.content[0].text
+    for method, count in ((Messages.count_tokens, ac.messages.count_tokens),
+                          (BetaMessages.count_tokens, ac.beta.messages.count_tokens)):
+        assert count(model=MODEL, messages=USER, **_nulls(method, sdk_fields.COUNT_TOKENS, *given)).input_tokens
+    params = {"model": MODEL, "messages": USER, "max_tokens": 4,
+              **_nulls(BetaMessages.create, sdk_fields.MESSAGES, *given)["extra_body"]}
+    batch = ac.messages.batches.create(requests=[{"custom_id": "nulls", "params": params}])
+    assert batch.processing_status == "in_progress"
+
+
+def test_the_values_frameworks_send_by_default_are_taken_and_echoed(oc, ac):
+    chat = oc.chat.completions.create(
+        model=MODEL, messages=USER, max_completion_tokens=4, store=False, metadata={"app": "sluice-test"},
+        service_tier="auto", prompt_cache_key="thread-1", prompt_cache_retention="24h", safety_identifier="u-1",
+        prediction={"type": "content", "content": "Hello"}, modalities=["text"], verbosity="medium")
+    assert chat.choices[0].message.content
+    chunks = list(oc.chat.completions.create(model=MODEL, messages=USER, max_completion_tokens=4, stream=True,
+                                             stream_options={"include_usage": True, "include_obfuscation": False}))
+    assert chunks[-1].usage.completion_tokens > 0
+    response = oc.responses.create(
+        model=MODEL, input="Hello", max_output_tokens=4, store=False, metadata={"app": "sluice-test"},
+        service_tier="auto", prompt_cache_key="thread-1", safety_identifier="u-1", include=[],
+        background_options={"completion_window": "soonest"})
+    assert response.metadata == {"app": "sluice-test"} and response.service_tier == "default"
+    assert response.prompt_cache_key == "thread-1" and response.safety_identifier == "u-1"
+    # Claude Code's first request, as its current release sends it
+    message = ac.beta.messages.create(
+        model=MODEL, messages=USER, max_tokens=4, betas=CLAUDE_CODE_BETAS, thinking={"type": "adaptive"},
+        output_config={"effort": "high"}, metadata={"user_id": "u-1"},
+        context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]})
+    assert message.content and message.usage.service_tier == "standard"
+
+
+def test_what_this_server_cannot_honour_is_a_400_naming_the_field(oc, ac):
+    for fields, param in (({"audio": {"voice": "alloy", "format": "mp3"}, "modalities": ["text", "audio"]}, "audio"),
+                          ({"store": True}, "store"), ({"web_search_options": {}}, "web_search_options")):
+        with pytest.raises(openai.BadRequestError) as e:
+            oc.chat.completions.create(model=MODEL, messages=USER, max_completion_tokens=4, **fields)
+        assert e.value.param == param and sdk_fields.CHAT_COMPLETIONS[param].note in e.value.message
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ac.beta.messages.create(model=MODEL, messages=USER, max_tokens=4, context_management={
+            "edits": [{"type": "clear_tool_uses_20250919", "keep": {"type": "tool_uses", "value": 3}}]})
+    assert "context_management" in e.value.message and e.value.body["error"]["type"] == "invalid_request_error"
+
+
+def _background(oc: openai.OpenAI) -> str:
+    rid = oc.responses.create(model=MODEL, input="Hello", max_output_tokens=4, background=True).id
+    deadline = time.monotonic() + 60
+    while oc.responses.retrieve(rid).status not in ("completed", "incomplete"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return rid
+
+
+def test_an_integer_out_of_range_in_a_query_string_is_a_400(served, oc):
+    url, rid = served[0].url, _background(oc)
+    for value in ("99999999999999999999999", "9223372036854775808", "-2", "abc", "²"):
+        r = httpx.get(f"{url}/v1/responses/{rid}", params={"stream": "true", "starting_after": value}, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "starting_after", (value, r.text)
+    r = httpx.get(f"{url}/v1/responses/{rid}?stream=true&starting_after=9223372036854775807", timeout=10)
+    assert r.status_code == 200 and r.text == ""  # (in range: nothing comes after it, and the stream ends)
+    r = httpx.get(f"{url}/v1/responses/{rid}/input_items?limit=99999999999999999999999", timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
+    r = httpx.get(f"{url}/v1/messages/batches?limit=99999999999999999999999", timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error" and "limit" in r.text
+
+
+def _pull_away(state: Path) -> None:
+    """The state database, under the server's open connections, no longer one (its files overwritten)."""
+    for path in state.iterdir():
+        if path.is_file():
+            path.write_bytes(b"\xff" * max(path.stat().st_size, 4096))
+
+
+def test_with_the_state_pulled_away_every_state_route_answers_in_its_dialect(served, oc, ac):
+    server, state = served
+    stored = oc.responses.create(model=MODEL, input="Hello", max_output_tokens=4).id
+    background = _background(oc)
+    batch = ac.messages.batches.create(requests=[{"custom_id": "a", "params": {
+        "model": MODEL, "max_tokens": 4, "messages": USER}}]).id
+    _pull_away(state)
+    body = {"model": MODEL, "input": "Hello", "max_output_tokens": 4}
+    batch_body = {"requests": [{"custom_id": "b", "params": {"model": MODEL, "max_tokens": 4, "messages": USER}}]}
+    openai_routes = [
+        ("POST", "/v1/responses", body), ("POST", "/v1/responses", {**body, "stream": True}),
+        ("POST", "/v1/responses", {**body, "background": True}),
+        ("POST", "/v1/responses", {**body, "previous_response_id": stored}),
+        ("GET", f"/v1/responses/{stored}", None), ("GET", f"/v1/responses/{background}?stream=true", None),
+        ("GET", f"/v1/responses/{stored}/input_items", None), ("POST", f"/v1/responses/{background}/cancel", None),
+        ("DELETE", f"/v1/responses/{stored}", None)]
+    anthropic_routes = [
+        ("POST", "/v1/messages/batches", batch_body), ("GET", "/v1/messages/batches", None),
+        ("GET", f"/v1/messages/batches/{batch}", None), ("POST", f"/v1/messages/batches/{batch}/cancel", None),
+        ("GET", f"/v1/messages/batches/{batch}/results", None), ("DELETE", f"/v1/messages/batches/{batch}", None)]
+    for routes, shaped in ((openai_routes, _openai_shaped), (anthropic_routes, _anthropic_shaped)):
+        for method, path, json in routes:
+            r = httpx.request(method, server.url + path, json=json, timeout=30)
+            assert r.status_code == 500 and r.headers["content-type"] == "application/json", (method, path, r.text)
+            assert shaped(r.json()) and "--state-dir" in r.text, (method, path, r.text)
+    # What needs no state still serves
+    assert oc.responses.create(**body, store=False).output
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def _openai_shaped(body: dict) -> bool:
+    return body["error"]["type"] == "server_error" and body["error"]["code"] == "state_unavailable"
+
+
+def _anthropic_shaped(body: dict) -> bool:
+    return body["type"] == "error" and body["error"]["type"] == "api_error"
