@@ -15,7 +15,7 @@ from ingress.http import respond, validation_error
 from ingress.routes import Request, route
 from ingress.tokenize import render_only
 from ipc.anthropic import (BatchCreateRequest, CountTokensRequest, DeletedBatch, MessageBatch, MessagesRequest,
-                           error_response)
+                           check_conversation, error_response)
 from ipc.messages import Failure
 from sluice import state
 from sluice.batches import BatchStore
@@ -40,12 +40,14 @@ def request_id() -> list[tuple[bytes, bytes]]:
 
 
 MESSAGES = register(Dialect("messages", "/v1/messages", MessagesRequest, "msg_", error_body, stream_error,
-                            statuses={503: 529}, response_headers=request_id, keepalive=PING))
+                            statuses={503: 529}, response_headers=request_id, keepalive=PING,
+                            check=check_conversation))
 
 
 def _body_shape(path: str, request_type: type) -> Dialect:
     """How another route of the dialect reads its body (its errors in the dialect's shape)."""
-    return Dialect("messages", path, request_type, "", error_body, stream_error)
+    return Dialect("messages", path, request_type, "", error_body, stream_error,
+                   check=check_conversation if request_type is CountTokensRequest else None)
 
 
 _COUNT = _body_shape("/v1/messages/count_tokens", CountTokensRequest)

@@ -162,7 +162,10 @@ class Ingress(Pipeline):
         except ConnectionResetError:
             return 0
         try:
-            return dialect.decoder.decode(body), body
+            request = dialect.decoder.decode(body)
+            if dialect.check is not None:
+                dialect.check(request)
+            return request, body
         except msgspec.MsgspecError as e:
             message, param = validation_error(e)
             return await self.respond_failure(send, dialect, Failure(400, message, param=param))

@@ -33,6 +33,9 @@ class Dialect:
     # stream begins before it, once the request is rendered); empty: the response waits for the token.
     keepalive: bytes = b""
     keepalive_s: float = 1.0
+    # What the dialect refuses beyond its Struct's types (msgspec.ValidationError, a 400), checked once a body
+    # is decoded
+    check: Callable[[Any], None] | None = None
     decoder: msgspec.json.Decoder = field(init=False)
 
     def __post_init__(self) -> None:  # (one decoder a type: a per-request copy of a dialect builds none)

@@ -9,6 +9,7 @@ cache_control, caller, ...).
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -22,22 +23,34 @@ _STRICT = dict(forbid_unknown_fields=True, omit_defaults=True)
 
 # ---- content blocks (requests and responses) ---------------------------------------------------------------
 
-class TextBlock(msgspec.Struct, tag="text", tag_field="type"):
+class CacheControl(msgspec.Struct, **_STRICT):
+    """A prompt-caching breakpoint (the prefix cache here keeps every prefix: taken, and checked as Anthropic
+    checks it)."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class TextBlock(msgspec.Struct, tag="text", tag_field="type", omit_defaults=True):
     text: str
+    cache_control: CacheControl | None = None
 
 
-class ImageBlock(msgspec.Struct, tag="image", tag_field="type"):
+class ImageBlock(msgspec.Struct, tag="image", tag_field="type", omit_defaults=True):
     source: Any = None
+    cache_control: CacheControl | None = None
 
 
-class DocumentBlock(msgspec.Struct, tag="document", tag_field="type"):
+class DocumentBlock(msgspec.Struct, tag="document", tag_field="type", omit_defaults=True):
     source: Any = None
+    cache_control: CacheControl | None = None
 
 
-class ToolUseBlock(msgspec.Struct, tag="tool_use", tag_field="type"):
+class ToolUseBlock(msgspec.Struct, tag="tool_use", tag_field="type", omit_defaults=True):
     id: str
     name: str
     input: dict[str, Any]
+    cache_control: CacheControl | None = None
 
 
 ToolResultPart = TextBlock | ImageBlock | DocumentBlock
@@ -47,6 +60,7 @@ class ToolResultBlock(msgspec.Struct, tag="tool_result", tag_field="type"):
     tool_use_id: str
     content: str | list[ToolResultPart] = ""
     is_error: bool = False
+    cache_control: CacheControl | None = None
 
 
 class ThinkingBlock(msgspec.Struct, tag="thinking", tag_field="type"):
@@ -80,7 +94,7 @@ class ToolParam(msgspec.Struct, kw_only=True, omit_defaults=True):
     description: str | None = None
     input_schema: dict[str, Any] | None = None
     strict: bool | None = None
-    cache_control: Any = None
+    cache_control: CacheControl | None = None
 
 
 class ToolChoice(msgspec.Struct, **_STRICT):
@@ -124,7 +138,7 @@ class CountTokensRequest(msgspec.Struct, kw_only=True, **_STRICT):
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
     # The rest of the SDK's fields: hints, and refusals (what ipc/sdk_fields.py says of each; null is unset).
-    cache_control: Any = None
+    cache_control: CacheControl | None = None
     speed: str | None = None
     billing_policy: Any = None
     context_management: dict[str, Any] | None = None
@@ -155,6 +169,39 @@ class MessagesRequest(CountTokensRequest, kw_only=True, **_STRICT):
 
     def __post_init__(self) -> None:
         sdk_fields.refuse(self, _MESSAGES_REFUSALS)
+
+
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")
+_Invalid = msgspec.ValidationError
+
+
+def check_conversation(request: CountTokensRequest) -> None:
+    """What Anthropic's API refuses beyond the fields' types, refused as it does (msgspec.ValidationError: a 400
+    naming the place), by the ingress: empty content but in a final assistant message, a tool_result whose
+    tool_use is not in the turn before, tool names that repeat or are not [a-zA-Z0-9_-]{1,128} (its own server
+    tools aside)."""
+    messages, tools = request.messages, request.tools or []
+    for k, tool in enumerate(tools):
+        if tool.type == "custom" and not _TOOL_NAME.fullmatch(tool.name):
+            raise _Invalid(f"tools.{k}.custom.name: String should match pattern '^[a-zA-Z0-9_-]{{1,128}}$' "
+                           f"- at `$.tools[{k}].name`")
+    if len({t.name for t in tools}) < len(tools):
+        raise _Invalid("tools: Tool names must be unique. - at `$.tools`")
+    asked: set[str] = set()  # the tool_use ids of the last assistant turn
+    for i, m in enumerate(messages):
+        if not m.content and not (i == len(messages) - 1 and m.role == "assistant"):
+            raise _Invalid(f"messages.{i}: all messages must have non-empty content except for the optional final "
+                           f"assistant message - at `$.messages[{i}].content`")
+        if m.role == "system" or isinstance(m.content, str):
+            asked = set() if m.role == "assistant" else asked
+            continue
+        for j, block in enumerate(m.content):
+            if isinstance(block, ToolResultBlock) and (m.role != "user" or block.tool_use_id not in asked):
+                raise _Invalid(f"messages.{i}.content.{j}: unexpected `tool_use_id` found in `tool_result` blocks: "
+                               f"{block.tool_use_id}. Each `tool_result` block must have a corresponding `tool_use` "
+                               f"block in the previous message. - at `$.messages[{i}].content[{j}]`")
+        if m.role == "assistant":
+            asked = {b.id for b in m.content if isinstance(b, ToolUseBlock)}
 
 
 class Framing(msgspec.Struct, omit_defaults=True):
