@@ -61,6 +61,8 @@ _SDK_OPTIONS: Table = {
 }
 _ONE_TIER = "one tier here: every request is served alike"
 _CACHE = "the prefix cache keeps every prompt prefix that fits, by its tokens: nothing to key, mark or retain"
+_AFFINITY = ("`sluice router`'s affinity key: requests with one key go to one replica wherever its cache and load "
+             "leave a choice (one server keeps every prefix by its tokens anyway)")
 _NO_MODERATION = "no moderation model runs here"
 _ANTHROPIC_HEADERS: Table = {
     "user_profile_id": client("sent as the anthropic-user-profile-id header: one user profile here"),
@@ -110,7 +112,7 @@ CHAT_COMPLETIONS: Table = {
                      "(store: true is refused); checked (16 keys of up to 64 characters, values of up to 512)"),
     "prediction": hint("a predicted output only makes a response faster, never different: the output is the "
                        "same without it (not used as a draft here)"),
-    "prompt_cache_key": hint(_CACHE),
+    "prompt_cache_key": honoured(_AFFINITY),
     "prompt_cache_options": hint(_CACHE),
     "prompt_cache_retention": hint(_CACHE),
     "safety_identifier": hint(f"an end-user id for abuse detection: {_NO_MODERATION}"),
@@ -159,7 +161,7 @@ RESPONSES: Table = {
     "moderation": refused(_NO_MODERATION),
     "service_tier": hint(f"{_ONE_TIER}; the response says 'default', the tier it was served on"),
     "safety_identifier": hint(f"an end-user id for abuse detection: {_NO_MODERATION}; echoed"),
-    "prompt_cache_key": hint(f"{_CACHE}; echoed"),
+    "prompt_cache_key": honoured(f"{_AFFINITY}; echoed"),
     "prompt_cache_options": hint(_CACHE),
     "prompt_cache_retention": hint(_CACHE),
     "background_options": hint("background work runs as soon as it can (the 'soonest' window); a "

@@ -131,11 +131,12 @@ class Router:
                                                          "clients do not send them", "forbidden"))
         headers = self._to_worker(scope["headers"])
         ids, salt = await self.prompts.ids(GENERATION[path], body)
+        affinity = _affinity(body)
         if self.cfg.disaggregated:
             return await self._disaggregated(path, body, headers, ids, salt, receive, send)
         tried: set[str] = set()
         while candidates := [w for w in self.workers.up("replica") if w.url not in tried]:
-            worker, hashes, new = self._choose(candidates, ids, salt)
+            worker, hashes, new = self._choose(candidates, ids, salt, affinity)
             tried.add(worker.url)
             try:
                 return await self._relay(worker, path, body, headers, receive, send, new)
@@ -143,10 +144,12 @@ class Router:
                 continue
         return await _respond(send, 503, errors.body(path, 503, "no worker is up; retry shortly"), retry=True)
 
-    def _choose(self, workers: list[Worker], ids: list[int] | None, salt: str) -> tuple[Worker, list[bytes], int]:
+    def _choose(self, workers: list[Worker], ids: list[int] | None, salt: str,
+                affinity: str | None = None) -> tuple[Worker, list[bytes], int]:
         """The worker, the prompt's block hashes, and the blocks it must compute (its load until done)."""
         hashes = block_hashes(ids, salt, workers[0].block_size) if ids else []
-        choice = self.policy.choose([w.url for w in workers], hashes, self.index, {w.url: w.load for w in workers})
+        choice = self.policy.choose([w.url for w in workers], hashes, self.index, {w.url: w.load for w in workers},
+                                    affinity)
         DECISIONS.labels(choice.reason).inc()
         if ids:
             PROMPT_TOKENS.inc(len(ids))
@@ -314,6 +317,21 @@ class Router:
         await send({"type": "http.response.start", "status": answer[0], "headers": answer[1]})
         await send({"type": "http.response.body", "body": answer[2]})
         return answer[0]
+
+
+class _Affinity(msgspec.Struct):
+    prompt_cache_key: str | None = None
+
+
+_affinity_of = msgspec.json.Decoder(_Affinity)
+
+
+def _affinity(body: bytes) -> str | None:
+    """The request's prompt_cache_key (OpenAI's routing hint: requests that share one share a replica)."""
+    try:
+        return _affinity_of.decode(body).prompt_cache_key
+    except msgspec.MsgspecError:  # (the worker answers what is wrong with it)
+        return None
 
 
 def _str_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:

@@ -3,6 +3,7 @@ blocks a worker would have to compute against the work it already has (the shape
 SGLang's cache-aware policy use), with a balance guard when load is skewed."""
 from __future__ import annotations
 
+import hashlib
 import itertools
 from dataclasses import dataclass, field
 
@@ -54,6 +55,11 @@ class Load:
         self.blocks -= blocks
 
 
+def _rank(key: str, worker: str) -> bytes:
+    """A worker's place in a key's rendezvous order: each key its own, stable while workers come and go."""
+    return hashlib.blake2b(f"{key}\0{worker}".encode(), digest_size=8).digest()
+
+
 @dataclass(frozen=True)
 class Choice:
     worker: str
@@ -69,10 +75,16 @@ class Policy:
     balance_rel: float = 1.5
     _turn: itertools.count = field(default_factory=itertools.count)
 
-    def choose(self, workers: list[str], hashes: list[bytes], index: KvIndex, loads: dict[str, Load]) -> Choice:
+    def choose(self, workers: list[str], hashes: list[bytes], index: KvIndex, loads: dict[str, Load],
+               affinity: str | None = None) -> Choice:
+        """`affinity`: the client's prompt_cache_key. Requests with one key go to one worker (the first in the
+        key's rendezvous order) wherever the cache and the load leave a choice; without one, ties go round."""
         assert workers, "no worker to choose from"
-        start = next(self._turn)
-        rotated = [workers[(start + i) % len(workers)] for i in range(len(workers))]  # ties go round in turn
+        if affinity is None:
+            start = next(self._turn)
+            rotated = [workers[(start + i) % len(workers)] for i in range(len(workers))]  # ties go round in turn
+        else:
+            rotated = sorted(workers, key=lambda w: _rank(affinity, w))
         overlap = {w: index.overlap(w, hashes) for w in rotated}
         if self.kind == "round_robin":
             return Choice(rotated[0], overlap[rotated[0]], "round_robin")
@@ -82,5 +94,5 @@ class Policy:
             w = min(rotated, key=lambda w: busy[w])
             return Choice(w, overlap[w], "balance")
         cost = {w: self.overlap_weight * (len(hashes) - overlap[w]) + loads.get(w, Load()).blocks for w in rotated}
-        w = min(rotated, key=lambda w: (cost[w], busy[w]))
+        w = min(rotated, key=lambda w: cost[w] if affinity is not None else (cost[w], busy[w]))
         return Choice(w, overlap[w], "kv")

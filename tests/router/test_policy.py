@@ -77,3 +77,27 @@ def test_the_engine_publishes_a_snapshot_to_each_new_subscriber():
     assert evicted.seq == first.seq + 1 and set(evicted.removed) == set(first.stored)
     pub.close()
     sub.close()
+
+
+@given(st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=20, unique=True))
+def test_a_prompt_cache_key_keeps_its_requests_on_one_worker_where_the_cache_leaves_a_choice(keys):
+    index, workers = KvIndex(), ["w1", "w2", "w3"]
+    policy = Policy()
+    for key in keys:
+        first = policy.choose(workers, [], index, {}, affinity=key).worker
+        assert all(policy.choose(workers, [], index, {}, affinity=key).worker == first for _ in range(4))
+        assert policy.choose(workers[::-1], [], index, {}, affinity=key).worker == first  # (whatever the order)
+    rr = Policy("round_robin")
+    assert len({rr.choose(workers, [], index, {}, affinity=keys[0]).worker for _ in range(6)}) == 1
+
+
+def test_the_cache_and_a_skewed_load_still_win_over_a_prompt_cache_key():
+    index, policy, workers = KvIndex(), Policy(), ["w1", "w2"]
+    a = block_hashes(list(range(160)), "", 16)
+    key = next(k for k in map(str, range(100)) if policy.choose(workers, [], index, {}, affinity=k).worker == "w1")
+    index.apply("w2", KvEvents(0, a, snapshot=True))
+    assert policy.choose(workers, a, index, {}, affinity=key).worker == "w2"  # w2 holds the prompt
+    skewed = {"w1": Load(in_flight=40), "w2": Load(in_flight=0)}
+    assert policy.choose(workers, [], KvIndex(), skewed, affinity=key).worker == "w2"
+    spread = {k for k in map(str, range(40)) if policy.choose(workers, [], KvIndex(), {}, affinity=k).worker == "w2"}
+    assert 5 < len(spread) < 35  # keys spread over the workers
