@@ -78,17 +78,29 @@ def _token_text(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
-def load_tokenizer(path: Path) -> TokenizerBundle:
+def chat_template(path: Path, choice: str | None = None) -> str | None:
+    """The chat template: `choice` (--chat-template) as a file, or as a name in tokenizer_config.json's list of
+    named templates; else the checkpoint's chat_template.jinja, its tokenizer_config.json's template (of a
+    list, the one named "default"). ValueError where `choice` is neither."""
+    tok_cfg = read_json(path / "tokenizer_config.json")
+    listed = tok_cfg.get("chat_template")
+    named = {t["name"]: t["template"] for t in listed} if isinstance(listed, list) else {}
+    if choice is not None:
+        if Path(choice).is_file():
+            return Path(choice).read_text()
+        if choice in named:
+            return named[choice]
+        raise ValueError(f"--chat-template {choice}: no such file, and the checkpoint names no such template"
+                         + (f" (it names {', '.join(sorted(named))})" if named else ""))
+    if (path / "chat_template.jinja").exists():
+        return (path / "chat_template.jinja").read_text()
+    return listed if isinstance(listed, str) else named.get("default")
+
+
+def load_tokenizer(path: Path, template_choice: str | None = None) -> TokenizerBundle:
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     tok_cfg = read_json(path / "tokenizer_config.json")
-    template = None
-    if (path / "chat_template.jinja").exists():
-        template = (path / "chat_template.jinja").read_text()
-    elif isinstance(tok_cfg.get("chat_template"), str):
-        template = tok_cfg["chat_template"]
-    elif isinstance(tok_cfg.get("chat_template"), list):  # named templates: take "default"
-        named = {t["name"]: t["template"] for t in tok_cfg["chat_template"]}
-        template = named.get("default")
+    template = chat_template(path, template_choice)
     special = {k: _token_text(tok_cfg[k]) or "" for k in ("bos_token", "eos_token", "pad_token", "unk_token")
                if k in tok_cfg}
     eos = eos_token_ids(path)

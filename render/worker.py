@@ -31,7 +31,7 @@ T = TypeVar("T")
 
 
 def build_core(cfg: ServerConfig) -> ChatCore:
-    bundle = load_tokenizer(Path(cfg.model_path))
+    bundle = load_tokenizer(Path(cfg.model_path), cfg.chat_template)
     hf = cfg.hf_config()
     return ChatCore(extension_for(hf, bundle, options_of(cfg)), bundle, max_model_len=cfg.max_model_len,
                     model_vocab_size=hf["vocab_size"], num_shards=cfg.postproc_workers,

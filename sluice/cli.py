@@ -11,6 +11,7 @@ from pathlib import Path
 import msgspec
 
 from render.extensions import ExtensionOptions, check_parsers
+from render.tokenizer import chat_template
 from sluice import envs, ports, state
 from sluice.builtin_models import resolve_model
 from sluice.checkpoint import sampling_defaults
@@ -88,6 +89,10 @@ def config_from_args(args: dict) -> ServerConfig:
         kv_timing_output=str(Path(cfg.kv_timing_output).resolve()) if cfg.kv_timing_output else None,
         state_dir=str(Path(cfg.state_dir or envs.state_dir()).resolve()),
     )
+    if cfg.chat_template is not None:  # (checked now; a file is read by each render worker, as it is then)
+        chat_template(path, cfg.chat_template)
+        cfg = msgspec.structs.replace(cfg, chat_template=str(Path(cfg.chat_template).resolve())
+                                      if Path(cfg.chat_template).is_file() else cfg.chat_template)
     if defaults := sampling_defaults(cfg.model_path, cfg.generation_config):
         log.info("sampling defaults (--generation-config %s; a request's own values win): %s", cfg.generation_config,
                  ", ".join(f"{k} {v:g}" for k, v in defaults.items()))

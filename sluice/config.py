@@ -83,6 +83,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         "sampling defaults: auto takes the checkpoint's generation_config.json (temperature, top_p, top_k, min_p, "
         "repetition_penalty; a request's own values win), none the API's own (temperature 1, ...), or a "
         "directory holding a generation_config.json")] = "auto"
+    chat_template: Annotated[str | None, option(
+        "the chat template: a file, or the name of one in the checkpoint's tokenizer_config.json list",
+        default_text="the checkpoint's")] = None
     tool_parser: Annotated[str | None, option("tool-call parser for chat output: hermes (generic), gpt_oss "
                                               "(gpt-oss)")] = None
     reasoning_parser: Annotated[str | None, option("reasoning parser for chat output: think (generic), gpt_oss "
