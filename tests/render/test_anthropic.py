@@ -76,7 +76,8 @@ def test_sampling_stop_user_and_framing_reach_the_engine_and_postproc(core):
 
 def test_system_text_from_anywhere_is_one_leading_system_message(core):
     text = text_of(core, prompt(core, system=[{"type": "text", "text": "x-anthropic-billing-header: cc=1;"},
-                                              {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+                                              {"type": "text", "text": "Be brief.",
+                                               "cache_control": {"type": "ephemeral"}}],
                                 messages=[{"role": "system", "content": " Use metric."},
                                           {"role": "user", "content": "Hi"}]))
     assert text.startswith("<|im_start|>system\nBe brief. Use metric.<|im_end|>\n<|im_start|>user\nHi")
