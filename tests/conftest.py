@@ -12,6 +12,20 @@ os.environ.setdefault("SLUICE_CACHE_DIR",
                       str(Path(os.environ.get("TMPDIR", "/tmp")) / f"sluice-test-cache-{os.getuid()}"))
 
 
+_SHARED_SERVERS = {"server", "client", "aclient", "trio"}
+_HARNESS = ("Server", "RouterProc", "Trio")  # bench.server's, bench.router's, tests.disagg.helpers'
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tiers: `e2e` starts real server processes (tests/e2e, tests/disagg, a module that uses the harness,
+    a test that uses the shared servers); `unit` runs in process. `pytest -m unit` is the edit-test loop."""
+    for item in items:
+        module = vars(getattr(item, "module", None) or object)
+        real = ({"e2e", "disagg"} & set(item.path.parts) or any(name in module for name in _HARNESS)
+                or _SHARED_SERVERS & set(getattr(item, "fixturenames", ())))
+        item.add_marker(pytest.mark.e2e if real else pytest.mark.unit)
+
+
 @pytest.fixture(scope="session")
 def tiny_chat_dir() -> Path:
     from sluice.builtin_models import ensure_builtin

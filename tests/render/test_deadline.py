@@ -8,6 +8,7 @@ import signal
 import time
 from collections import deque
 
+import msgspec
 import pytest
 
 from ipc.messages import Abort, EngineRequest, Frame, RenderJob
@@ -118,5 +119,5 @@ def test_an_abort_stops_the_render_running_and_drops_the_job_waiting(core):
 
 def test_a_count_past_render_timeout_is_a_408_too(core):
     worker = RenderWorker(core, Jobs([]), timeout=0.3)
-    answer = worker.count(job("slow", chat_template=FOREVER))
+    answer = worker.answer(msgspec.structs.replace(job("slow", chat_template=FOREVER), answer="count"))
     assert answer.error.status == 408 and answer.error.code == "render_timeout"
