@@ -6,12 +6,13 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from sluice.checkpoint import Background
+from sluice.grammar_errors import DEAD_END, nothing_allowed, unsatisfiable
 
 _CACHE_BYTES = 512 << 20  # loaded grammars kept for requests that repeat a constraint
 Backend = Literal["llguidance", "xgrammar"]
@@ -32,14 +33,26 @@ class Matcher(Protocol):
         ...
 
 
+class Unsatisfiable(NamedTuple):
+    """The request's own constraints leave its output no way on: the client's error (a 400 naming `param`),
+    not the engine's."""
+
+    param: str
+    message: str
+
+
 class GrammarState:
-    def __init__(self, matcher: Matcher, trigger: list[int], vocab_size: int) -> None:
+    def __init__(self, matcher: Matcher, trigger: list[int], vocab_size: int,
+                 param: str = "structured output") -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.trigger = trigger
+        self.param = param  # the request field the grammar comes from (its errors name it)
         self.active = not trigger
-        self.error: str | None = None  # set when the grammar cannot go on: the request fails, alone
+        # Set when the grammar cannot go on: the request fails, alone. A str: the engine's own fault (a 500).
+        self.error: str | Unsatisfiable | None = None
         self.taken: int | None = None  # the last token the active grammar took (a stop id taken as text too)
+        self.steps = 0  # tokens the active grammar has taken
 
     @property
     def terminated(self) -> bool:
@@ -50,7 +63,12 @@ class GrammarState:
         """Takes the token just sampled after `token_ids`."""
         if self.active:
             self.taken = token
-            if self.error is None and not self.matcher.accept(token):
+            self.steps += 1
+            try:
+                fits = self.matcher.accept(token)
+            except (RuntimeError, ValueError) as e:  # the grammar itself failed on it (see _Guidance.accept)
+                return self._unsatisfiable(str(e), self.steps - 1)
+            if self.error is None and not fits:
                 self.error = f"structured output: the sampled token {token} does not fit the grammar"
         elif token == self.trigger[-1] and token_ids[len(token_ids) - len(self.trigger) + 1:] == self.trigger[:-1]:
             self.active = True
@@ -65,8 +83,19 @@ class GrammarState:
         """Writes the tokens allowed next into `bitmask`'s row (on failure, the error; the row stays open)."""
         try:
             self.matcher.fill(bitmask, row)
-        except (RuntimeError, ValueError) as e:  # either engine's own errors
-            self.error = f"structured output: {e}"
+        except (RuntimeError, ValueError) as e:  # either engine's own errors: the grammar goes no further
+            return self._unsatisfiable(str(e), self.steps)
+        if not bitmask[row].any() and not self.matcher.done:  # (xgrammar says nothing: its row is empty)
+            self._unsatisfiable(DEAD_END, self.steps)
+
+    def starve(self, field: str) -> None:
+        """The request's `field` (allowed_token_ids, bad_words) rules out every token the grammar allows next."""
+        if self.error is None:
+            self.error = Unsatisfiable(field, nothing_allowed(field, self.param, self.steps))
+
+    def _unsatisfiable(self, raw: str, after: int) -> None:
+        if self.error is None:
+            self.error = Unsatisfiable(self.param, unsatisfiable(self.param, raw, after=after))
 
 
 def _set_bits(row: torch.Tensor, ids) -> None:
@@ -88,7 +117,11 @@ class _Guidance:
         if token in self._stops and (self._m.is_accepting() or self._m.is_stopped()):
             self._ended = True
             return True
-        return bool(self._m.consume_token(token))
+        if self._m.consume_token(token):
+            return True
+        if self._m.is_error():  # the grammar failed as it took the token (its forced output never ends, ...)
+            raise RuntimeError(self._m.get_error())
+        return False
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         if self._m.is_stopped():
@@ -168,15 +201,16 @@ class Grammars:
         compiled = xgr.CompiledGrammar.deserialize_json(grammar, self._vocabulary.get())
         return compiled, compiled.memory_size_bytes + len(grammar)
 
-    def state(self, loaded, trigger: list[int], stop_token_ids) -> GrammarState:
+    def state(self, loaded, trigger: list[int], stop_token_ids, param: str = "structured output") -> GrammarState:
         """A matcher for one sequence that ends the output on one of `stop_token_ids` (none, e.g. with
-        ignore_eos: the grammar's own end ends it, whatever ignore_eos says)."""
+        ignore_eos: the grammar's own end ends it, whatever ignore_eos says); `param`: the request field the
+        grammar comes from."""
         if self.backend == "llguidance":
-            return GrammarState(_Guidance(loaded.deep_copy(), list(stop_token_ids)), trigger, self.vocab_size)
+            return GrammarState(_Guidance(loaded.deep_copy(), list(stop_token_ids)), trigger, self.vocab_size, param)
         import xgrammar as xgr
 
         matcher = xgr.GrammarMatcher(loaded, override_stop_tokens=list(stop_token_ids) or None)
-        return GrammarState(_XGrammar(matcher), trigger, self.vocab_size)
+        return GrammarState(_XGrammar(matcher), trigger, self.vocab_size, param)
 
 
 def apply_grammars(logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:

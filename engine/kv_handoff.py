@@ -43,6 +43,7 @@ from sluice.disagg import bound_port, endpoint
 
 log = logging.getLogger("sluice.engine")
 _MAX_PEERS = 64  # release sockets kept open to context engines
+_TAKEN_HANDLES = 4096  # transfer ids of the handles this engine took last (one sent again is refused)
 _json = msgspec.json.Encoder()
 _control = msgspec.msgpack.Decoder(KvRelease)
 
@@ -78,6 +79,7 @@ class _Import:
     live: list[Sequence]  # the choices that go on from their first token
     ended: list[tuple[Sequence, FinishReason]]  # the choices their first token ends
     since: float
+    taken_by: str | None = None  # the request that took its handle first, when not this one: not ours to read
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -124,6 +126,7 @@ class KvHandOff:
         self._imports: list[_Import] = []
         self._replies: PushPool[IngressInput] = PushPool(self._ctx)
         self._peers: OrderedDict[str, zmq.Socket] = OrderedDict()
+        self._taken: OrderedDict[str, str] = OrderedDict()  # transfer id -> the request that took the handle
         self._timing = open(cfg.kv_timing_output, "a", buffering=1) if cfg.kv_timing_output else None
         self._control: zmq.Socket | None = None
         self.port = 0  # the control port, where this engine exports (a context worker's)
@@ -163,7 +166,17 @@ class KvHandOff:
             else:
                 seq.status = Status.FINISHED  # (a choice after it must not wait for its prompt)
                 ended.append((seq, reason))
-        self._imports.append(_Import(msg, handle, live, ended, time.monotonic()))
+        taken_by = self._take(handle, msg.request_id) if handle is not None else None
+        self._imports.append(_Import(msg, handle, live, ended, time.monotonic(), taken_by))
+
+    def _take(self, handle: KvHandle, request_id: str) -> str | None:
+        """Who took `handle` before `request_id`, if anyone. A handle is one lease: read twice, its blocks
+        would be read after (or while) the first reader released them to be freed and reused."""
+        first = self._taken.setdefault(handle.transfer_id, request_id)
+        self._taken.move_to_end(handle.transfer_id)
+        if len(self._taken) > _TAKEN_HANDLES:
+            self._taken.popitem(last=False)
+        return first if first != request_id else None
 
     def _first_verdict(self, seq: Sequence, first: int) -> FinishReason | None:
         """Takes the choice's first token as sampling would have: its grammar sees it, and it may end it."""
@@ -183,7 +196,7 @@ class KvHandOff:
             self._end_lease(tid, "aborted")
         for job in [j for j in self._imports if j.msg.request_id == request_id]:
             self._imports.remove(job)
-            if job.handle is not None:
+            if job.handle is not None and job.taken_by is None:
                 self._release(job.handle)
 
     # ---- context side -----------------------------------------------------------------------------------------
@@ -266,6 +279,8 @@ class KvHandOff:
     def _admit(self, job: _Import, out: StepResult) -> bool:
         """Whether the job is done with (started, recomputing or failed); False: it waits for room."""
         handle = job.handle
+        if job.taken_by is not None:
+            return self._failed(job, out, f"its KV handle was used before, by request {job.taken_by}")
         if handle is None or not self._fits(handle, job.live):
             return self._failed(job, out, "the KV handle does not fit this request")
         if not job.live:  # every choice ended on its first token: nothing to read
@@ -341,7 +356,7 @@ class KvHandOff:
 
     def _failed(self, job: _Import, out: StepResult, why: str) -> bool:
         log.warning("KV import for %s failed (%s): %s", job.msg.request_id, self.cfg.kv_load_failure, why)
-        if job.handle is not None:
+        if job.handle is not None and job.taken_by is None:  # (another request's lease is not this one's to end)
             self._release(job.handle)
         self._log_transfer(job, time.time(), time.time(), 0, 0, f"failed: {why}")
         if self.cfg.kv_load_failure == "fail":

@@ -169,10 +169,12 @@ class _Constraints:
             keep = torch.zeros(len(self.allowed), vocab + 1, dtype=torch.bool, device=dev)
             keep.scatter_(1, _padded([ids for _, ids in self.allowed], vocab, dev).clamp_(max=vocab), True)
             logits[rows] = logits[rows].masked_fill(~keep[:, :vocab], _NEG_INF)
+            self._starve(logits, seqs, [r for r, _ in self.allowed], "allowed_token_ids")
         if self.banned_rows:
             ids = torch.tensor(self.banned_ids, device=dev)
             ok = ids < vocab
             logits[torch.tensor(self.banned_rows, device=dev)[ok], ids[ok]] = _NEG_INF
+            self._starve(logits, seqs, self.banned_rows, "bad_words")
         if self.bias_rows:
             ids = torch.tensor(self.bias_ids, device=dev)
             ok = ids < vocab
@@ -180,6 +182,17 @@ class _Constraints:
                 torch.tensor(self.bias_vals, device=dev)[ok]
         if self.penalized:
             _apply_penalties(logits, [seqs[r] for r in self.penalized], torch.tensor(self.penalized, device=dev))
+
+    def _starve(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], field: str) -> None:
+        """Fails the grammar rows among `rows` that `field` has left no token (the client's constraints
+        contradict each other), rather than let them sample one their grammar refuses."""
+        held = sorted(set(rows).intersection(self.grammar_rows))
+        if not held:
+            return
+        alive = torch.isfinite(logits[torch.tensor(held, device=logits.device)]).any(1).tolist()
+        for r, ok in zip(held, alive):
+            if not ok:
+                seqs[r].grammar.starve(field)
 
 
 def process_logits(logits: torch.Tensor, seqs: list[Sequence], c: _Constraints | None = None) -> torch.Tensor:

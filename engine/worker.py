@@ -321,12 +321,12 @@ class Engine:
                 if len(self._early_aborts) > _MAX_EARLY_ABORTS:
                     self._early_aborts.popitem(last=False)
 
-    def fail(self, request_id: str, message: str, status: int = 500, param: str | None = None) -> None:
+    def fail(self, request_id: str, message: str) -> None:
         """Ends every choice of a request that cannot go on; its client gets an error, the others go on."""
         self.kv.forget(request_id)
         seqs = self.scheduler.abort(request_id)
         if seqs:
-            self._ended.failed.append((seqs[0], Failed(request_id, message, status, param)))
+            self._ended.failed.append((seqs[0], Failed(request_id, message)))
 
     def take_ended(self) -> Ended:
         ended, self._ended = self._ended, Ended()
@@ -375,17 +375,27 @@ class Engine:
             return StepResult(), None
         self._failed_steps = 0
         result = self.scheduler.update(batch, samples.tokens)
-        for seq in batch.seqs:
-            if seq.grammar is not None and seq.grammar.error is not None:
-                self._fail_grammar(seq.request_id, seq.grammar.error)
+        self._fail_grammars(batch.seqs, result)
         return result, samples
 
-    def _fail_grammar(self, request_id: str, error: str | Unsatisfiable) -> None:
-        if isinstance(error, str):
-            log.error("structured output failed for %s: %s", request_id, error)
-            return self.fail(request_id, error)
-        log.info("request %s ends: its constraints leave no way on (%s)", request_id, error.message)
-        self.fail(request_id, error.message, 400, error.param)
+    def _fail_grammars(self, seqs: list[Sequence], result: StepResult) -> None:
+        """Fails the requests whose grammar cannot go on. The step's token for such a choice is none the
+        grammar chose (it may even be a stop id that ended it): the request fails, with nothing of the step."""
+        failed = {s.request_id: s for s in seqs if s.grammar is not None and s.grammar.error is not None}
+        if not failed:
+            return
+        result.new_tokens = [(s, t) for s, t in result.new_tokens if s.request_id not in failed]
+        result.finished = [(s, r) for s, r in result.finished if s.request_id not in failed]
+        for rid, seq in failed.items():
+            error = seq.grammar.error
+            self.kv.forget(rid)
+            self.scheduler.abort(rid)
+            if isinstance(error, Unsatisfiable):
+                log.info("request %s ends: its constraints leave no way on (%s)", rid, error.message)
+                self._ended.failed.append((seq, Failed(rid, error.message, 400, error.param)))
+            else:
+                log.error("structured output failed for %s: %s", rid, error)
+                self._ended.failed.append((seq, Failed(rid, str(error))))
 
 
 def keep_heap_memory() -> None:

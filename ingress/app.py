@@ -24,7 +24,7 @@ from ingress.http import (JSON, SSE, BodyTimedOut, BodyTooLarge, read_body, resp
                           validation_error)
 from ingress.metrics import render_metrics
 from ingress.openapi import openapi_document
-from ingress.pipeline import DISCONNECTED, TIMED_OUT, FrameQueue, Pipeline
+from ingress.pipeline import CLIENT_CLOSED, DISCONNECTED, TIMED_OUT, FrameQueue, Pipeline, ended_as
 from ingress.routes import Request, Route, find
 from ingress.server_options import raise_open_files_limit
 from ipc.messages import Failure, Frame, RenderJob
@@ -70,11 +70,11 @@ class Ingress(Pipeline):
                 # by route template, never by raw path: each label set is a series kept for the server's life
                 metrics.REQUESTS.labels(label, str(status)).inc()
                 if status >= 400:
-                    log.info("request refused", extra={"fields": {"route": label, "status": status}})
+                    log.info(ended_as(status), extra={"fields": {"route": label, "status": status}})
 
     async def _route(self, scope, receive, send) -> tuple[int, str]:
-        """Answers one HTTP request; returns the status it sent (0: none, the client left first) and the
-        route's template."""
+        """Answers one HTTP request; returns the status it sent (0: none, the client left with its body unsent;
+        499: it left before its response ended) and the route's template."""
         path, method = scope["path"], scope["method"]
         dialect = DIALECTS.get(path)
         routes = find(path) if dialect is None else []
@@ -233,7 +233,7 @@ class Ingress(Pipeline):
         else:
             frame = await q.get()
         if frame is DISCONNECTED:
-            return False, 200 if began else 0
+            return False, CLIENT_CLOSED
         if began:
             frame = self._in_stream(frame, dialect)
         elif frame is TIMED_OUT:
@@ -265,15 +265,15 @@ class Ingress(Pipeline):
                     return frame.error is None, 200
                 frame = after if after is not None else await q.get()
                 if frame is DISCONNECTED:
-                    return False, 200
+                    return False, CLIENT_CLOSED
                 frame = self._in_stream(frame, dialect)
         except OSError:
-            return False, 200
+            return False, CLIENT_CLOSED
         except asyncio.CancelledError:
             if not q.cut:
                 raise
             _uncancel()  # the cancel was ours (a cut): this request ends here, the response cut short
-            return False, 200
+            return False, CLIENT_CLOSED
 
     def _in_stream(self, frame: Frame | object, dialect: Dialect) -> Frame:
         """A frame (or the deadline) for a stream that began: an error is said in-band, and ends it."""

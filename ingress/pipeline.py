@@ -19,14 +19,24 @@ from ipc.messages import (Abort, ControlInput, Drain, DrainTimedOut, EngineDied,
                           IngressInput, IngressStatus, RenderInput, RenderJob, StageDied, SupervisorInput)
 from ipc.stats import EngineStats, StageClocks, stall_limits
 from ipc.transport import PullChannel, PushChannel, SubChannel
-from sluice import metrics
+from sluice import metrics, procs
 from sluice.config import ServerConfig
 
 _STATUS_INTERVAL_S = 0.2
 STALL_S = 1.0  # a relay stuck this long in one send to its client is stalled (a stream past its bound is cut)
+_TRIM_AFTER_S = 0.5  # a cut stream's heap is trimmed once its last holders (its relay, its watcher) are gone
+_TRIM_BYTES = 1 << 20  # frames a stream whose client left still held that are worth a trim too
 DISCONNECTED = object()  # sentinels in a request's queue: its client left,
 TIMED_OUT = object()  # or its --request-timeout passed
+# The status a request that its client left (or stopped reading: its stream was cut) is counted and logged with,
+# as nginx does: the client got less than a whole response, and no 2xx says it did.
+CLIENT_CLOSED = 499
 log = logging.getLogger("sluice.ingress")
+
+
+def ended_as(status: int) -> str:
+    """The request log line's words for a request that ended without a 2xx or 3xx."""
+    return "client left" if status == CLIENT_CLOSED else "request refused"
 
 
 class FrameQueue:
@@ -78,6 +88,12 @@ class FrameQueue:
 
     def empty(self) -> bool:
         return not self._items
+
+    def drop(self) -> None:
+        """Lets go of every frame waiting (a cut stream's: nobody will send them), now, not when the owner's
+        task and whatever still refers to it are gone."""
+        self._items.clear()
+        self.nbytes = 0
 
     def get_nowait(self):
         if not self._items:
@@ -160,6 +176,7 @@ class Pipeline:
         self.clocks = StageClocks(addr.stage_clocks_path, cfg.render_workers, cfg.postproc_workers)
         self._stall_limits = stall_limits(cfg.stall_timeout, cfg.render_timeout, cfg.grammar_compile_timeout)
         self._tasks: list[asyncio.Task] = []
+        self._trim_due = False
 
     def start(self) -> None:
         if not self._tasks:
@@ -213,11 +230,26 @@ class Pipeline:
             self._renders[k].put(Abort([rid]))
 
     def close(self, rid: str) -> None:
-        del self.pending[rid]
+        q = self.pending.pop(rid)
         self._rendered_by.pop(rid, None)
         metrics.IN_FLIGHT.labels("ingress").set(len(self.pending))
         if (deadline := self._deadlines.pop(rid, None)) is not None:
             deadline.cancel()
+        if q.cut or q.nbytes >= _TRIM_BYTES:
+            q.drop()
+            self._trim_soon()
+
+    def _trim_soon(self) -> None:
+        """Gives the memory of a stream that held up to --max-stream-buffer back to the OS, once for the cut
+        streams that end together: freed, its many small frames would leave the heap that much larger for
+        good (glibc keeps them for reuse between the chunks still live)."""
+        if not self._trim_due:
+            self._trim_due = True
+            asyncio.get_running_loop().call_later(_TRIM_AFTER_S, self._trim)
+
+    def _trim(self) -> None:
+        self._trim_due = False
+        procs.trim_heap()
 
     def end(self, rid: str, q: FrameQueue, last) -> None:
         """Hands a request its last frame (an error) or the deadline's sentinel. A relay stuck in a send to a
@@ -231,10 +263,11 @@ class Pipeline:
     def cut(self, rid: str, q: FrameQueue) -> None:
         """The client takes nothing of its response: end it (its relay aborts it in the engine) rather than hold
         what the client has not read without bound."""
-        q.cut = True
-        q.owner.cancel()
         log.warning("response cut: its client reads too slowly", extra={"fields": {
             "request_id": rid, "queued_bytes": q.nbytes, "max_stream_buffer": self.cfg.max_stream_buffer}})
+        q.cut = True
+        q.drop()
+        q.owner.cancel()
 
     def fail(self, rids: list[str], failure: Failure) -> None:
         for rid in rids:

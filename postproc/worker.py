@@ -13,7 +13,7 @@ import msgspec
 import zmq
 from tokenizers import Tokenizer
 
-from ipc.messages import (Abort, EndChoices, EngineInput, Failure, Frame, Frames, IngressGone, IngressInput,
+from ipc.messages import (Abort, EndChoices, EngineInput, Failed, Failure, Frame, Frames, IngressGone, IngressInput,
                           PostprocInput, PostprocSpec, Ready, StepOutputs, StepsTaken, SupervisorInput, bytes_to_ids)
 from ipc.stats import BEAT_S, StageClocks
 from ipc.transport import PullChannel, PushChannel, PushPool
@@ -37,10 +37,17 @@ class _Feed:
 
     touched: dict[str, RequestOutput] = field(default_factory=dict)  # requests that got tokens
     fed: dict[tuple[str, int], None] = field(default_factory=dict)  # (request, choice) fed tokens, in order
-    failed: dict[str, tuple[RequestOutput, str]] = field(default_factory=dict)  # request -> (state, why)
+    failed: dict[str, tuple[RequestOutput, Failure]] = field(default_factory=dict)  # request -> (state, why)
     ended_choices: list[tuple[str, int]] = field(default_factory=list)  # ended here, before the engine did
     aborts: list[str] = field(default_factory=list)  # requests this shard failed, for the engine to drop
     gaps: list[float] = field(default_factory=list)  # inter-token gaps
+
+
+def _failure(f: Failed) -> Failure:
+    """What the client hears of a request the engine failed: its own constraints' error, or the engine's."""
+    if f.status >= 500:
+        return Failure(f.status, f.message, "internal_error")
+    return Failure(f.status, f.message, param=f.param)
 
 
 class Shard:
@@ -73,7 +80,7 @@ class Shard:
         self._chunk(step, data)
         touched = step.touched
         out: dict[str, list[Frame]] = defaultdict(list)
-        for rid, (req, message) in step.failed.items():
+        for rid, (req, failure) in step.failed.items():
             if rid in data:  # chunks of its earlier steps (not coalescing): they went out before it failed
                 out[req.spec.reply_to].append(Frame(rid, data[rid]))
             out[req.spec.reply_to].append(Frame(rid, b"", True, failure))
@@ -121,7 +128,7 @@ class Shard:
         for f in msg.failed:  # the engine has freed them: their tokens of this step are not shown
             if (req := self.requests.pop(f.request_id, None)) is not None:
                 touched.pop(f.request_id, None)
-                step.failed[f.request_id] = (req, f.message)
+                step.failed[f.request_id] = (req, _failure(f))
         for rid in msg.aborted:  # the ingress asked for it: nobody is listening
             if self.requests.pop(rid, None) is not None:
                 touched.pop(rid, None)
@@ -147,7 +154,8 @@ class Shard:
                 finish = req.feed(index, token, verdict, logprobs.get(pos) if logprobs else None, gaps, now)
             except Exception:  # one request's bad state must not take the shard down
                 log.exception("postproc failed for %s", rid)
-                step.failed[rid] = (requests.pop(rid), "internal error while producing the output")
+                step.failed[rid] = (requests.pop(rid), Failure(500, "internal error while producing the output",
+                                                              "internal_error"))
                 step.aborts.append(rid)
                 touched.pop(rid, None)
                 continue

@@ -179,7 +179,7 @@ class ChatCore:
             cache_salt=request.cache_salt or "",
             grammar=grammar,
             grammar_trigger=trigger,
-            grammar_param=constraint[0].param if grammar else "",
+            grammar_param=constraint[0].param if constraint[0] is not None else "",
             render_done_time=time.time(),
             kv=self._kv(job, request.n, len(prefix), top_logprobs is not None or request.prompt_logprobs is not None),
         )

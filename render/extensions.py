@@ -196,6 +196,12 @@ def _open_final_message(text: str, final: ChatMessage) -> str:
     return text[: loc + (len(body) if text.startswith(body, loc) else len(content.strip()))]
 
 
+def _opened_reasoning(prompt: str) -> str:
+    """The `<think>` (and the whitespace after it) that ends a rendered prompt, or ""."""
+    at = prompt.rfind("<think>")
+    return prompt[at:] if at >= 0 and not prompt[at + len("<think>"):].strip() else ""
+
+
 class HfChatTemplateExtension:
     """Any model with a Hugging Face chat template; output parsed as text."""
 
@@ -223,6 +229,11 @@ class HfChatTemplateExtension:
         prefix = ""
         if (tool := forced_tool(request)) is not None:  # hermes: start the turn with that call
             prefix = "<tool_call>" + tool_grammars.hermes_call_opening(tool.function.name)
+        elif self.options.reasoning_parser == "think" and (opened := _opened_reasoning(text)):
+            # The template opened the reasoning block itself (DeepSeek-R1's, Qwen3 thinking models'): the model
+            # never writes <think>, so the parsers read the opening first and what comes before </think> is
+            # reasoning.
+            text, prefix = text[:-len(opened)], opened
         tokenizer = self.bundle.tokenizer
         prefix_ids = tokenizer.encode(prefix, add_special_tokens=False).ids if prefix else []
         return Rendered(budget.encode(tokenizer, text, add_special_tokens=False) + prefix_ids, prefix_ids)
@@ -248,11 +259,11 @@ class HfChatTemplateExtension:
             return None
         tools, lit = request.tools or [], self._literal
         if (tool := forced_tool(request)) is not None:
-            return Constraint("lark", tool_grammars.hermes_named(tool, lit), "tool_choice")
+            return Constraint("lark", tool_grammars.hermes_named(tool, lit), "tools")
         if request.tool_choice == "required":
             think = self.options.reasoning_parser == "think"
             lark = tool_grammars.hermes_required(tools, lit, request.parallel_tool_calls is not False, think)
-            return Constraint("lark", lark, "tool_choice")
+            return Constraint("lark", lark, "tools")
         return Constraint("lark", tool_grammars.hermes_strict(tools, lit), "tools")
 
     def _literal(self, text: str) -> str:

@@ -180,9 +180,9 @@ class HarmonyExtension:
         if not holds_tools(request):
             return None
         if (tool := forced_tool(request)) is not None:
-            return Constraint("lark", tool_grammars.harmony_named(tool), "tool_choice")
+            return Constraint("lark", tool_grammars.harmony_named(tool), "tools")
         if request.tool_choice == "required":
-            return Constraint("lark", tool_grammars.harmony_required(request.tools or []), "tool_choice")
+            return Constraint("lark", tool_grammars.harmony_required(request.tools or []), "tools")
         return Constraint("lark", tool_grammars.harmony_strict(request.tools or []), "tools")
 
     def parsers(self) -> list[ParserName]:

@@ -15,16 +15,25 @@ import resource
 from collections import OrderedDict
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+import numpy as np
 
 from ipc.openai import ResponseFormat
 from render.errors import RequestError
+from sluice.grammar_errors import DEAD_END, unsatisfiable
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("sluice.render")
 _START_TIMEOUT_S = 120.0  # loading the tokenizer for a 200k vocabulary takes seconds
+_PROBE_STEPS = 64  # runs of forced tokens followed from a grammar's start before it is taken as able to go on
 Backend = Literal["llguidance", "xgrammar"]
 Kind = Literal["json_schema", "regex", "choice", "grammar", "lark"]
 NO_WHITESPACE = {"whitespace_flexible": False}  # compact JSON, as OpenAI's strict mode writes it
+_WHAT: dict[Kind, str] = {"json_schema": "the JSON schema", "regex": "the regex", "choice": "the choice",
+                          "grammar": "the grammar", "lark": "the tool-call grammar (from the tools' schemas)"}
 
 
 @dataclass(frozen=True)
@@ -97,7 +106,7 @@ class GrammarCompiler:
         if self._worker is None or not self._worker.alive:
             self._worker = _CompileWorker(self.backend, self._model_path, self._vocab_size, self.limits.memory)
         kind, value = self._worker.compile(c.kind, c.source, self.limits.compile_timeout)
-        what = "the JSON schema" if c.kind == "json_schema" else f"the {c.kind}"
+        what = _WHAT[c.kind]
         if kind == "timeout":
             self._worker = None
             raise RequestError(408, f"{c.param}: compiling {what} took longer than {self.limits.compile_timeout:g}s;"
@@ -107,8 +116,8 @@ class GrammarCompiler:
             raise RequestError(400, f"{c.param}: {what} is too complex (compiling it needed more than "
                                f"{self.limits.memory >> 20} MiB); simplify it", param=c.param,
                                code="grammar_too_complex")
-        if kind == "error":  # both engines report a bad or unsupported constraint this way
-            raise RequestError(400, f"{c.param}: cannot compile {what}: {value}", param=c.param)
+        if kind == "error":  # both engines report a bad, unsupported or unsatisfiable constraint this way
+            raise RequestError(400, unsatisfiable(c.param, value, what), param=c.param)
         if len(value) > self.limits.max_grammar_bytes:
             raise RequestError(400, f"{c.param}: {what} is too complex (its grammar takes {len(value) >> 20} MiB, "
                                f"more than {self.limits.max_grammar_bytes >> 20}); simplify it", param=c.param,
@@ -199,12 +208,29 @@ def _llguidance(model_path: str, vocab_size: int):
             grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=cast(Any, NO_WHITESPACE))
         else:  # (grammar: GBNF or Lark, whichever the text is)
             grammar = llguidance.grammar_from(cast(Any, kind), source)
-        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer) or \
+            _dead_start(llguidance.LLMatcher(tokenizer, grammar, log_level=0))
         if error:
             raise ValueError(error)
         return grammar
 
     return compile_
+
+
+def _dead_start(matcher) -> str:
+    """The error a grammar meets on the path its start forces ("" if none). llguidance compiles lazily, so a
+    constraint that admits no output ($ref loops, `[^\\s\\S]`, `root ::= root`), or whose forced output never
+    ends (a schema that must contain itself), passes validation and fails only at a mask: here, not in the
+    engine. A dead end past a free choice still fails there (a clean 400 too: engine/grammar.py)."""
+    for _ in range(_PROBE_STEPS):
+        forced = matcher.compute_ff_tokens()
+        taken = matcher.try_consume_tokens(forced) if forced and not matcher.is_error() else 0
+        if matcher.is_error():
+            return matcher.get_error()
+        if not taken:  # nothing forced (or not as the tokenizer spells it): may anything come next?
+            matcher.compute_bitmask()
+            return matcher.get_error() if matcher.is_error() else ""
+    return ""
 
 
 def _xgrammar(model_path: str, vocab_size: int):
@@ -213,18 +239,39 @@ def _xgrammar(model_path: str, vocab_size: int):
 
     from sluice.checkpoint import tokenizer_info
 
-    compiler = xgr.GrammarCompiler(tokenizer_info(model_path, vocab_size), cache_enabled=False)
+    info = tokenizer_info(model_path, vocab_size)
+    compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+
+    def build(kind: Kind, source: str):
+        if kind == "json_schema":
+            return compiler.compile_json_schema(source, any_whitespace=False)
+        if kind == "regex":
+            return compiler.compile_regex(source)
+        if kind == "choice":
+            return compiler.compile_regex("|".join(_regex_literal(c) for c in json.loads(source)))
+        return compiler.compile_grammar(source)  # EBNF (a Lark grammar fails here: 400)
 
     def compile_(kind: Kind, source: str) -> str:
-        if kind == "json_schema":
-            return compiler.compile_json_schema(source, any_whitespace=False).serialize_json()
-        if kind == "regex":
-            return compiler.compile_regex(source).serialize_json()
-        if kind == "choice":
-            return compiler.compile_regex("|".join(_regex_literal(c) for c in json.loads(source))).serialize_json()
-        return compiler.compile_grammar(source).serialize_json()  # EBNF (a Lark grammar fails here: 400)
+        compiled = build(kind, source)
+        if not _opens(xgr.GrammarMatcher(compiled), xgr.allocate_token_bitmask(1, info.vocab_size)):
+            raise ValueError(DEAD_END)
+        return compiled.serialize_json()
 
     return compile_
+
+
+def _opens(matcher, bitmask: torch.Tensor) -> bool:
+    """Whether an xgrammar grammar allows a token at each step of the path its start forces (xgrammar compiles
+    `[^\\s\\S]` or `root ::= root` without a word, and its first mask is empty)."""
+    for _ in range(_PROBE_STEPS):
+        matcher.fill_next_token_bitmask(bitmask)
+        words = bitmask[0].numpy().view(np.uint32)
+        allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+        if len(allowed) == 0:
+            return matcher.is_terminated()
+        if len(allowed) > 1 or not matcher.accept_token(int(allowed[0])) or matcher.is_terminated():
+            return True
+    return True
 
 
 def _regex_literal(text: str) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import multiprocessing
 import os
 import signal
@@ -26,6 +27,23 @@ def set_title(title: str) -> None:
         # Keep /proc/<pid>/environ readable (a title then fits in the original command line, which ours do).
         os.environ.setdefault("SPT_NOENV", "1")
         setproctitle.setproctitle(title)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return None
+
+
+def trim_heap() -> None:
+    """Gives the heap's free pages back to the OS. glibc keeps the chunks freed between live ones, and the
+    free top of the heap below its trim threshold: what a burst of many small buffers held (a cut stream's
+    frames) otherwise stays resident for good. A no-op without glibc."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def die_with_parent(parent: int | None = None) -> None:

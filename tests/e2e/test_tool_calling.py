@@ -7,6 +7,7 @@ import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -24,6 +25,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
          {"type": "function", "function": {"name": "get_time", "parameters": TIME, "strict": True}}]
 ASK = [{"role": "user", "content": "What is the weather in Paris for three days?"}]
 NAMED = {"type": "function", "function": {"name": "get_time"}}
+LOOP = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}  # a $ref that only refers to itself
+SELF = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}  # must contain itself
+LOOP_TOOL = {"type": "function", "function": {"name": "loop", "parameters": LOOP}}
 
 
 def client_of(server: Server) -> openai.OpenAI:
@@ -138,6 +142,18 @@ def test_structured_outputs_match(client, endpoint, kind, value, check):
     (dict(extra_body={"structured_outputs": {"regex": "(unclosed"}}), "structured_outputs.regex"),
     (dict(extra_body={"structured_outputs": {"json": {"type": "string", "minLength": 3, "maxLength": 1}}}),
      "structured_outputs.json"),
+    # issue 37: constraints no output can match, and fields that leave no token the grammar allows
+    (dict(tool_choice="required", tools=[LOOP_TOOL]), "tools"),
+    (dict(tool_choice={"type": "function", "function": {"name": "loop"}}, tools=[LOOP_TOOL]), "tools"),
+    (dict(tools=None, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": LOOP}}),
+     "response_format"),
+    (dict(tools=None, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SELF}}),
+     "response_format"),
+    (dict(tools=None, extra_body={"structured_outputs": {"regex": r"[^\s\S]"}}), "structured_outputs.regex"),
+    (dict(tools=None, extra_body={"structured_outputs": {"grammar": "root ::= root"}}), "structured_outputs.grammar"),
+    (dict(tools=None, extra_body={"structured_outputs": {"choice": ["yes", "no"]}, "allowed_token_ids": [5]}),
+     "allowed_token_ids"),
+    (dict(tools=None, extra_body={"structured_outputs": {"regex": "a"}, "bad_words": ["a"]}), "bad_words"),
 ])
 def test_what_cannot_hold_is_a_400_that_names_it(hermes, kw, param):
     args = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=8)
@@ -147,6 +163,41 @@ def test_what_cannot_hold_is_a_400_that_names_it(hermes, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         hermes.chat.completions.create(**args)
     assert e.value.body["param"] == param, e.value.body
+    assert_short(e.value.body["message"])
+
+
+def assert_short(message: str) -> None:
+    """An error a client can read: a few hundred characters, none of a grammar engine's internals."""
+    assert len(message) < 300 and not any(s in message for s in ("<state>", "<grammar>", "Parser", "\n")), message
+
+
+def test_a_loop_schema_under_anthropic_tool_choice_any_is_the_same_400_streamed_or_not(hermes):
+    """It leaked the forced call's raw `<tool_call>` text as a text block when max_tokens cut it short."""
+    url = str(hermes.base_url).rstrip("/") + "/messages"
+    body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"name": "loop", "input_schema": LOOP}], "tool_choice": {"type": "any"}}
+    for stream in (False, True):
+        r = httpx.post(url, json={**body, "stream": stream}, timeout=60)
+        assert r.status_code == 400 and "<tool_call>" not in r.text, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"].startswith("tools:"), error
+        assert_short(error["message"])
+
+
+def test_a_constraint_that_starves_mid_flight_fails_alone(hermes):
+    """allowed_token_ids that leave no token the grammar allows are met at the engine's first mask: that
+    request ends with its 400, and a stream beside it goes on to its end."""
+    with ThreadPoolExecutor(2) as pool:
+        beside = pool.submit(lambda: list(hermes.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=24, stream=True, extra_body={"ignore_eos": True})))
+        starved = pool.submit(lambda: hermes.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=8, extra_body={"structured_outputs": {"choice": ["yes", "no"]},
+                                                                  "allowed_token_ids": [5, 6]}))
+        with pytest.raises(openai.BadRequestError) as e:
+            starved.result()
+        chunks = beside.result()
+    assert e.value.body["param"] == "allowed_token_ids"
+    assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_a_model_without_a_tool_parser_says_what_forcing_a_call_needs(client):

@@ -64,8 +64,8 @@ def run(engine: Engine, outputs: dict, ended: dict, steps: int = 400) -> None:
         for seq, token in result.new_tokens:
             outputs.setdefault((seq.request_id, seq.index), []).append(token)
         got = engine.take_ended()
-        for seq, message in got.failed:
-            ended[seq.request_id] = message
+        for seq, failed in got.failed:
+            ended[seq.request_id] = failed.message
         if not len(engine.scheduler) and not engine.kv._imports and not result.new_tokens:
             return
     raise AssertionError("the engine did not settle")

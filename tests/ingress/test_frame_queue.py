@@ -161,3 +161,16 @@ def test_every_frame_reaches_the_client_once_and_in_order(script):
         return client.bodies
 
     assert b"".join(asyncio.run(run())) == b"".join(data for data, _, _ in script)
+
+
+def test_a_cut_streams_queue_lets_go_of_its_frames_at_once():
+    """Its owner is cancelled and will send none of them: the bytes go now, not when the last holder of the
+    queue (its relay's task, its disconnect watcher) is gone."""
+    async def run() -> tuple[bool, int]:
+        q = FrameQueue(asyncio.current_task())
+        for _ in range(3):
+            q.put_nowait(Frame("r", b"x" * 1000))
+        q.drop()
+        return q.empty(), q.nbytes
+
+    assert asyncio.run(run()) == (True, 0)

@@ -6,9 +6,10 @@ import time
 
 import pytest
 
-from ipc.openai import JsonSchemaFormat, ResponseFormat
+from ipc.openai import FunctionDef, JsonSchemaFormat, ResponseFormat, Tool
+from render import tool_grammars
 from render.errors import RequestError
-from render.structured import GrammarCompiler, GrammarLimits
+from render.structured import Constraint, GrammarCompiler, GrammarLimits, json_schema
 
 
 def wide_any_of(k: int, m: int) -> ResponseFormat:
@@ -88,3 +89,68 @@ def test_bad_and_deeply_nested_schemas_are_400s(tiny_chat_dir):
         with pytest.raises(RequestError) as e:
             gc.compile(ResponseFormat("json_schema", JsonSchemaFormat(schema=schema)))
         assert e.value.status == 400 and e.value.param == "response_format"
+
+
+LOOP = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}  # a $ref that only refers to itself
+SELF = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}  # must contain itself
+
+
+def _tool(schema: dict) -> Tool:
+    return Tool(function=FunctionDef(name="f", parameters=schema))
+
+
+def _lit(text: str) -> str:
+    """Call syntax as the serving extension writes it for tiny-chat: its call tags are tokens of their own."""
+    return {"<tool_call>": "<[699]>", "</tool_call>": "<[700]>"}.get(text) or json.dumps(text)
+
+
+IMPOSSIBLE = {  # what a client sent that no output can match, and the field it came in
+    "response_format $ref loop": json_schema(LOOP, "response_format"),
+    "response_format that must contain itself": json_schema(SELF, "response_format"),
+    "regex [^\\s\\S]": Constraint("regex", r"[^\s\S]", "structured_outputs.regex"),
+    "grammar root ::= root": Constraint("grammar", "root ::= root", "structured_outputs.grammar"),
+    "named tool with a $ref loop": Constraint("lark", tool_grammars.hermes_named(_tool(LOOP), _lit), "tools"),
+    "required tool with a $ref loop": Constraint(
+        "lark", tool_grammars.hermes_required([_tool(LOOP)], _lit, True, False), "tools"),
+}
+
+
+@pytest.fixture(scope="module")
+def guidance(tiny_chat_dir) -> GrammarCompiler:
+    return compiler(tiny_chat_dir)
+
+
+def assert_client_error(e: RequestError, param: str) -> None:
+    """A 400 naming the field, in a few hundred characters, with none of the grammar engine's internals."""
+    assert e.status == 400 and e.param == param, (e.status, e.param)
+    assert str(e).startswith(param) and len(str(e)) < 300, str(e)
+    assert not any(s in str(e) for s in ("<state>", "<grammar>", "Parser", "\n", ".cc:")), str(e)
+
+
+@pytest.mark.parametrize("name", IMPOSSIBLE)
+def test_a_constraint_no_output_can_match_is_a_short_400_naming_its_field(guidance, name):
+    c = IMPOSSIBLE[name]
+    with pytest.raises(RequestError) as e:
+        guidance.compile(c)
+    assert_client_error(e.value, c.param)
+
+
+def test_xgrammar_refuses_what_admits_no_output_as_a_short_400_too(tiny_chat_dir):
+    gc = compiler(tiny_chat_dir, "xgrammar")
+    for name in ("response_format $ref loop", "regex [^\\s\\S]", "grammar root ::= root"):
+        with pytest.raises(RequestError) as e:
+            gc.compile(IMPOSSIBLE[name])
+        assert_client_error(e.value, IMPOSSIBLE[name].param)
+
+
+def test_the_forced_start_probe_passes_constraints_that_can_be_met(guidance):
+    """A constraint forced to its end at once, one forced through a long literal, free text with strict tools,
+    and forced text the tokenizer spells as a special token (which the grammar, taking text, refuses) compile."""
+    for c in (json_schema({"const": 1}, "response_format"),
+              Constraint("choice", '["only"]', "structured_outputs.choice"),
+              Constraint("lark", tool_grammars.hermes_strict([_tool(LOOP)], _lit), "tools"),
+              Constraint("lark", tool_grammars.hermes_required([_tool({"type": "object"})], _lit, True, False),
+                         "tools"),
+              Constraint("lark", tool_grammars.hermes_required([_tool({"type": "object"})], json.dumps, True, False),
+                         "tools")):
+        assert guidance.compile(c)
