@@ -5,35 +5,14 @@ from __future__ import annotations
 
 import base64
 import logging
-import shutil
-import uuid
 
 import msgspec
-import pytest
-import zmq
 
 from engine.kv_handoff import IMPORTS
-from ipc.messages import IngressInput, KvExport, KvImport, ids_to_bytes
-from ipc.transport import PullChannel
-from sluice.ports import free_port
-from tests.engine.test_kv_handoff import held, make_engine, request, run
+from ipc.messages import KvExport, KvImport, ids_to_bytes
+from tests.engine.test_kv_handoff import held, request, run
 
 PROMPT = [(7 * i) % 500 + 3 for i in range(21)]
-
-
-@pytest.fixture(scope="module")
-def engines(tiny_chat_dir, tmp_path_factory):
-    base = tmp_path_factory.mktemp("reuse")
-    tag = uuid.uuid4().hex[:8]
-    ctx = make_engine(tiny_chat_dir, base / f"sluice-ctx-{tag}", role="context",
-                      kv_transfer_port=free_port("127.0.0.1"))
-    gen = make_engine(tiny_chat_dir, base / f"sluice-gen-{tag}", role="generation")
-    strict = make_engine(tiny_chat_dir, base / f"sluice-strict-{tag}", role="generation", kv_load_failure="fail")
-    agg = make_engine(tiny_chat_dir, base / f"sluice-agg-{tag}")
-    inbox: PullChannel[IngressInput] = PullChannel(zmq.Context.instance(), f"ipc://{base}/ingress", IngressInput)
-    yield ctx, gen, strict, agg, inbox, f"ipc://{base}/ingress"
-    for engine in (ctx, gen, strict, agg):
-        shutil.rmtree(engine.cfg.addresses.shm_dir, ignore_errors=True)
 
 
 def handed_off(ctx, inbox, reply_to: str, rid: str) -> KvImport:

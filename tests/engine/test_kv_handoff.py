@@ -6,23 +6,17 @@ from __future__ import annotations
 import base64
 import itertools
 import os
-import shutil
 import time
-import uuid
 
 import msgspec
-import pytest
-import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.kv_handoff import IMPORTS
 from engine.worker import Engine
-from ipc.messages import (Abort, EngineRequest, IngressInput, KvExport, KvImport, PostprocSpec, SamplingParams,
+from ipc.messages import (Abort, EngineRequest, KvExport, KvImport, PostprocSpec, SamplingParams,
                           ids_to_bytes)
-from ipc.transport import PullChannel
 from sluice.config import ServerConfig
-from sluice.ports import free_port
 
 _ids = itertools.count()
 LEASE_S = 0.3
@@ -34,21 +28,6 @@ def make_engine(model_dir, tmp_path, **kw) -> Engine:
                        block_size=4, disagg_secret="s", kv_lease_timeout=LEASE_S, **kw)
     os.makedirs(cfg.addresses.shm_dir, exist_ok=True)
     return Engine(cfg)
-
-
-@pytest.fixture(scope="module")
-def engines(tiny_chat_dir, tmp_path_factory):
-    base = tmp_path_factory.mktemp("kv")
-    tag = uuid.uuid4().hex[:8]  # the shared-memory directories are named after the runtime ones
-    ctx = make_engine(tiny_chat_dir, base / f"sluice-ctx-{tag}", role="context",
-                      kv_transfer_port=free_port("127.0.0.1"))
-    gen = make_engine(tiny_chat_dir, base / f"sluice-gen-{tag}", role="generation")
-    strict = make_engine(tiny_chat_dir, base / f"sluice-strict-{tag}", role="generation", kv_load_failure="fail")
-    agg = make_engine(tiny_chat_dir, base / f"sluice-agg-{tag}")
-    inbox: PullChannel[IngressInput] = PullChannel(zmq.Context.instance(), f"ipc://{base}/ingress", IngressInput)
-    yield ctx, gen, strict, agg, inbox, f"ipc://{base}/ingress"
-    for engine in (ctx, gen, strict, agg):
-        shutil.rmtree(engine.cfg.addresses.shm_dir, ignore_errors=True)
 
 
 def request(rid: str, prompt: list[int], n: int, max_tokens: int, seed: int | None, kv=None) -> EngineRequest:
