@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
@@ -40,13 +40,7 @@ async def tokenize(ingress: Any, request: Request, receive, send) -> int:
         endpoint, body = "completions", {"model": model, "prompt": r.prompt}
     frame = await render_only(ingress, model, endpoint, "tokens", _json.encode(
         {k: v for k, v in body.items() if v is not None}))
-    if frame.error is not None:
-        return await ingress.respond_failure(send, _TOKENIZE, frame.error)
-    if r.return_token_strs:
-        return await respond(send, 200, frame.data)
-    answer = _answer.decode(frame.data)
-    answer.token_strs = None
-    return await respond(send, 200, _json.encode(answer))
+    return await _answer_with(ingress, send, _TOKENIZE, frame, None if r.return_token_strs else _without_strings)
 
 
 @route("POST", "/detokenize")
@@ -56,9 +50,21 @@ async def detokenize(ingress: Any, request: Request, receive, send) -> int:
         return got
     r, body = got
     frame = await render_only(ingress, r.model or ingress.cfg.served_model_names[0], "completions", "text", body)
+    return await _answer_with(ingress, send, _DETOKENIZE, frame)
+
+
+def _without_strings(data: bytes) -> bytes:
+    answer = _answer.decode(data)
+    answer.token_strs = None
+    return _json.encode(answer)
+
+
+async def _answer_with(ingress: Any, send, dialect: Dialect, frame: Frame,
+                       edit: Callable[[bytes], bytes] | None = None) -> int:
+    """The render pool's answer as the response (`edit`ed), or its failure in the dialect's shape."""
     if frame.error is not None:
-        return await ingress.respond_failure(send, _DETOKENIZE, frame.error)
-    return await respond(send, 200, frame.data)
+        return await ingress.respond_failure(send, dialect, frame.error)
+    return await respond(send, 200, frame.data if edit is None else edit(frame.data))
 
 
 async def render_only(ingress: Any, model: str, endpoint: Endpoint, answer: Answer, body: bytes) -> Frame:
