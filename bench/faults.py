@@ -9,7 +9,7 @@ The test suite runs them small (tests/e2e/test_faults.py, tests/e2e/test_limits.
 script runs them large:
 
     python -m bench.faults [--streams 64] [--clients 200] [--connections 1000] [--held 1100]
-                           [--paths 25000] [--unread-n 128] [--only truncation|render_stall]
+                           [--paths 25000] [--unread-n 128] [--only truncation|render_stall|state_dir]
 
 Loopback only; every load is bounded in count and time.
 """
@@ -22,9 +22,11 @@ import os
 import re
 import signal
 import socket
+import tempfile
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 
@@ -443,6 +445,65 @@ def long_truncation(server: Server, items: int) -> dict:
     return {"items": items, "truncation (status, s)": got["truncation"], "chat beside it (status, s)": beside}
 
 
+def _finished_background(url: str) -> str:
+    rid = httpx.post(url + "/v1/responses", timeout=60, json={"model": MODEL, "input": "Hello",
+                                                               "max_output_tokens": 4, "background": True}).json()["id"]
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{url}/v1/responses/{rid}", timeout=10).json()["status"] not in ("completed", "incomplete"):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"background response {rid} did not finish")
+        time.sleep(0.05)
+    return rid
+
+
+def _openai_state_error(body: dict) -> bool:
+    return body["error"]["type"] == "server_error" and body["error"]["code"] == "state_unavailable"
+
+
+def _anthropic_state_error(body: dict) -> bool:
+    return body["type"] == "error" and body["error"]["type"] == "api_error"
+
+
+def state_pulled_away(server: Server, state_dir: Path) -> dict:
+    """Stored objects made (a response, a background one, a batch), then the state database under the server's
+    open connections overwritten (no longer one): every batches and responses route must answer a 500 in its
+    dialect's shape naming --state-dir (never a plain-text 500, never a 200 that claims a save), while what
+    needs no state goes on. Each route's (method, path, status, JSON, in the dialect's shape, names it)."""
+    url, user = server.url, [{"role": "user", "content": "Hello"}]
+    body = {"model": MODEL, "input": "Hello", "max_output_tokens": 4}
+    stored = httpx.post(url + "/v1/responses", json=body, timeout=60).json()["id"]
+    background = _finished_background(url)
+    batch_body = {"requests": [{"custom_id": "b", "params": {"model": MODEL, "max_tokens": 4, "messages": user}}]}
+    batch = httpx.post(url + "/v1/messages/batches", json=batch_body, timeout=60).json()["id"]
+    for path in state_dir.iterdir():
+        if path.is_file():
+            path.write_bytes(b"\xff" * max(path.stat().st_size, 4096))
+    openai_shaped, anthropic_shaped = _openai_state_error, _anthropic_state_error
+    routes = [
+        (openai_shaped, "POST", "/v1/responses", body),
+        (openai_shaped, "POST", "/v1/responses", {**body, "stream": True}),
+        (openai_shaped, "POST", "/v1/responses", {**body, "background": True}),
+        (openai_shaped, "POST", "/v1/responses", {**body, "previous_response_id": stored}),
+        (openai_shaped, "GET", f"/v1/responses/{stored}", None),
+        (openai_shaped, "GET", f"/v1/responses/{background}?stream=true", None),
+        (openai_shaped, "GET", f"/v1/responses/{stored}/input_items", None),
+        (openai_shaped, "POST", f"/v1/responses/{background}/cancel", None),
+        (openai_shaped, "DELETE", f"/v1/responses/{stored}", None),
+        (anthropic_shaped, "POST", "/v1/messages/batches", batch_body),
+        (anthropic_shaped, "GET", "/v1/messages/batches", None),
+        (anthropic_shaped, "GET", f"/v1/messages/batches/{batch}", None),
+        (anthropic_shaped, "POST", f"/v1/messages/batches/{batch}/cancel", None),
+        (anthropic_shaped, "GET", f"/v1/messages/batches/{batch}/results", None),
+        (anthropic_shaped, "DELETE", f"/v1/messages/batches/{batch}", None)]
+    answers = []
+    for shaped, method, path, json_body in routes:
+        r = httpx.request(method, url + path, json=json_body, timeout=30)
+        is_json = r.headers.get("content-type") == "application/json"
+        answers.append((method, path, r.status_code, is_json, is_json and shaped(r.json()), "--state-dir" in r.text))
+    unstored = httpx.post(url + "/v1/responses", json={**body, "store": False}, timeout=60).status_code
+    return {"answers": answers, "store_false": unstored, "health": httpx.get(url + "/health", timeout=10).status_code}
+
+
 def fleet(*extra: str) -> Server:
     return Server("--render-workers", "2", "--postproc-workers", "2", "--ingress-workers", "2", "--max-num-seqs",
                   "512", *extra)
@@ -490,7 +551,7 @@ def main() -> None:
     parser.add_argument("--held", type=int, default=1100, help="connections that never finish a request")
     parser.add_argument("--paths", type=int, default=25000, help="requests to distinct unknown /v1/ paths")
     parser.add_argument("--unread-n", type=int, default=128, help="choices of the stream nobody reads")
-    parser.add_argument("--only", choices=["truncation", "render_stall"],
+    parser.add_argument("--only", choices=["truncation", "render_stall", "state_dir"],
                         help="run this scenario alone (truncation: 800, 1,600 and 3,200 items on one render worker)")
     args = parser.parse_args()
     if args.only == "truncation":
@@ -503,6 +564,16 @@ def main() -> None:
         return
     if args.only == "render_stall":
         return print(json.dumps({"render_stall": render_stall_fleet(args.streams)}))
+    if args.only == "state_dir":
+        with tempfile.TemporaryDirectory() as state:
+            server = Server("--state-dir", state)
+            try:
+                result = state_pulled_away(server, Path(state))
+            finally:
+                server.stop()
+        for row in result.pop("answers"):
+            print(json.dumps(row))
+        return print(json.dumps(result))
     server = fleet()
     try:
         rows = {

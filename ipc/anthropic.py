@@ -137,6 +137,7 @@ class CountTokensRequest(msgspec.Struct, kw_only=True, **_STRICT):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: for a chat template that reads them
     # The rest of the SDK's fields: hints, and refusals (what ipc/sdk_fields.py says of each; null is unset).
     cache_control: CacheControl | None = None
     speed: str | None = None

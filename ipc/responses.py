@@ -147,6 +147,7 @@ class CreateResponse(msgspec.Struct, **_STRICT):
     metadata: Metadata | None = None
     user: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: for a chat template that reads them
     # The rest of the SDK's fields: hints, and refusals (what ipc/sdk_fields.py says of each; null is unset).
     service_tier: str | None = None
     safety_identifier: str | None = None

@@ -53,6 +53,7 @@ def to_chat(r: MessagesRequest) -> ChatCompletionRequest:
         tool_choice=tool_choice,
         parallel_tool_calls=parallel,
         thinking_token_budget=_thinking_budget(r),
+        chat_template_kwargs=r.chat_template_kwargs,
         **_output_config(r),
     )
 

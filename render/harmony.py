@@ -166,6 +166,9 @@ class HarmonyExtension:
             out.append(Unsupported("thinking_token_budget", "gpt-oss has no thinking budget; "
                                                             "use reasoning_effort (low, medium or high)",
                                    "thinking_token_budget"))
+        if request.chat_template_kwargs and request.chat_template is None:
+            out.append(Unsupported("chat_template_kwargs", "gpt-oss is rendered by harmony, not a chat template: "
+                                   "there is no template to read them", "chat_template_kwargs"))
         if request.continue_final_message and request.chat_template is None:
             out.append(Unsupported("continue_final_message", "gpt-oss's harmony rendering cannot leave a message "
                                    "open", "continue_final_message"))

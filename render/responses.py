@@ -35,6 +35,7 @@ def translate(body: bytes) -> Translation:
         top_p=r.top_p,
         reasoning_effort=r.reasoning.effort if r.reasoning else None,
         response_format=_response_format(r.text),
+        chat_template_kwargs=r.chat_template_kwargs,
         stream=bool(r.stream or job.background),  # the background owner keeps every event
         user=r.user,
     )

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import inspect
 import time
-from pathlib import Path
 from typing import Callable
 
 import anthropic
@@ -20,6 +19,7 @@ from openai.resources.chat.completions import Completions as ChatCompletions
 from openai.resources.completions import Completions
 from openai.resources.responses import Responses
 
+import bench.faults
 from ipc import sdk_fields
 from tests.e2e.test_batches import serve
 
@@ -134,46 +134,10 @@ def test_an_integer_out_of_range_in_a_query_string_is_a_400(served, oc):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error" and "limit" in r.text
 
 
-def _pull_away(state: Path) -> None:
-    """The state database, under the server's open connections, no longer one (its files overwritten)."""
-    for path in state.iterdir():
-        if path.is_file():
-            path.write_bytes(b"\xff" * max(path.stat().st_size, 4096))
-
-
-def test_with_the_state_pulled_away_every_state_route_answers_in_its_dialect(served, oc, ac):
+def test_with_the_state_pulled_away_every_state_route_answers_in_its_dialect(served):
     server, state = served
-    stored = oc.responses.create(model=MODEL, input="Hello", max_output_tokens=4).id
-    background = _background(oc)
-    batch = ac.messages.batches.create(requests=[{"custom_id": "a", "params": {
-        "model": MODEL, "max_tokens": 4, "messages": USER}}]).id
-    _pull_away(state)
-    body = {"model": MODEL, "input": "Hello", "max_output_tokens": 4}
-    batch_body = {"requests": [{"custom_id": "b", "params": {"model": MODEL, "max_tokens": 4, "messages": USER}}]}
-    openai_routes = [
-        ("POST", "/v1/responses", body), ("POST", "/v1/responses", {**body, "stream": True}),
-        ("POST", "/v1/responses", {**body, "background": True}),
-        ("POST", "/v1/responses", {**body, "previous_response_id": stored}),
-        ("GET", f"/v1/responses/{stored}", None), ("GET", f"/v1/responses/{background}?stream=true", None),
-        ("GET", f"/v1/responses/{stored}/input_items", None), ("POST", f"/v1/responses/{background}/cancel", None),
-        ("DELETE", f"/v1/responses/{stored}", None)]
-    anthropic_routes = [
-        ("POST", "/v1/messages/batches", batch_body), ("GET", "/v1/messages/batches", None),
-        ("GET", f"/v1/messages/batches/{batch}", None), ("POST", f"/v1/messages/batches/{batch}/cancel", None),
-        ("GET", f"/v1/messages/batches/{batch}/results", None), ("DELETE", f"/v1/messages/batches/{batch}", None)]
-    for routes, shaped in ((openai_routes, _openai_shaped), (anthropic_routes, _anthropic_shaped)):
-        for method, path, json in routes:
-            r = httpx.request(method, server.url + path, json=json, timeout=30)
-            assert r.status_code == 500 and r.headers["content-type"] == "application/json", (method, path, r.text)
-            assert shaped(r.json()) and "--state-dir" in r.text, (method, path, r.text)
-    # What needs no state still serves
-    assert oc.responses.create(**body, store=False).output
-    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
-
-
-def _openai_shaped(body: dict) -> bool:
-    return body["error"]["type"] == "server_error" and body["error"]["code"] == "state_unavailable"
-
-
-def _anthropic_shaped(body: dict) -> bool:
-    return body["type"] == "error" and body["error"]["type"] == "api_error"
+    result = bench.faults.state_pulled_away(server, state)
+    for method, path, status, is_json, shaped, names_it in result["answers"]:
+        assert (status, is_json, shaped, names_it) == (500, True, True, True), (method, path, status)
+    assert len(result["answers"]) == 15
+    assert (result["store_false"], result["health"]) == (200, 200)  # what needs no state still serves
