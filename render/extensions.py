@@ -117,7 +117,7 @@ def _message_dict(m: ChatMessage) -> dict[str, Any]:
     for call in d.get("tool_calls") or []:
         fn = call["function"]
         try:  # templates expect arguments as an object, the wire carries a JSON string
-            fn["arguments"] = json.loads(fn["arguments"])
+            fn["arguments"] = json.loads(fn.get("arguments", "{}"))  # (left out on the wire where it is "{}")
         except (ValueError, TypeError, RecursionError):
             pass
     return d

@@ -116,3 +116,17 @@ def test_unsupported_content_is_named(core):
     with pytest.raises(RequestError) as e:
         core.render(job("chat", messages=msgs))
     assert e.value.code == "unsupported_feature" and "multimodal_input" in e.value.message
+
+
+def test_an_assistant_call_without_arguments_renders_as_one_with_none(core):
+    """(FunctionCall's arguments default to "{}", which its encoding leaves out: the template still gets {}.)"""
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather"}}
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    core.max_model_len = 4096
+    try:
+        with_args = core.render(job("chat", messages=[*messages[:1], {**messages[1], "tool_calls": [
+            {**call, "function": {"name": "get_weather", "arguments": "{}"}}]}, messages[2]], tools=TOOLS))
+        assert core.render(job("chat", messages=messages, tools=TOOLS)).prompt_token_ids == with_args.prompt_token_ids
+    finally:
+        core.max_model_len = 64
