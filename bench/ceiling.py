@@ -135,7 +135,7 @@ class Sluice:
         self.server = Server("--model", MODEL, "--runner", "replay", "--replay-file", recording, "--max-model-len",
                              "4096", "--max-num-seqs", "1024", "--num-kv-blocks", "65536", "--ingress-workers",
                              str(ingress), "--postproc-workers", str(postproc), *_FRAMES[frames], *extra,
-                             launcher=launcher)
+                             launcher=launcher, port=free_port() if tree else 0)  # (an older tree: no --port 0)
         self.url = self.server.url
 
     def pids(self) -> dict[str, list[int]]:

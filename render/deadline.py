@@ -17,9 +17,8 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Literal
+from typing import Callable, Literal
 
 TICK_S = 0.05  # of the process's CPU time: how late past its deadline a render stops, at most
 
@@ -74,27 +73,35 @@ def _raise_if_due(job: _Job) -> None:
         raise RenderStopped(stop)
 
 
-@contextmanager
-def watched(request_id: str, seconds: float, poll: Callable[[], None]) -> Iterator[None]:
+class watched:
     """Runs the body as `request_id`'s render: RenderStopped comes out of it once `seconds` have passed, or
-    once abort(request_id) was called (by `poll`, from the handler, or by the body itself)."""
-    global _job
-    if threading.current_thread() is not threading.main_thread():  # (signals reach the main thread only)
-        yield
-        return
-    if signal.getsignal(signal.SIGPROF) is not _tick:  # (kept once set: a signal already on its way finds it)
-        signal.signal(signal.SIGPROF, _tick)
-    depth = len(_regions)
-    _regions.append(False)
-    _job = _Job(request_id, time.monotonic() + seconds, poll)
-    signal.setitimer(signal.ITIMER_PROF, TICK_S, TICK_S)
-    try:
-        with interruptible():
-            yield
-    finally:
+    once abort(request_id) was called (by `poll`, from the handler, or by the body itself). (A class, as the
+    regions below: entered once a render, where a generator's context manager costs several times more.)"""
+
+    __slots__ = ("_job", "_depth")
+
+    def __init__(self, request_id: str, seconds: float, poll: Callable[[], None]) -> None:
+        self._job = _Job(request_id, time.monotonic() + seconds, poll)
+        self._depth: int | None = None
+
+    def __enter__(self) -> None:
+        global _job
+        if threading.current_thread() is not threading.main_thread():  # (signals reach the main thread only)
+            return
+        if signal.getsignal(signal.SIGPROF) is not _tick:  # (kept once set: a signal already on its way finds it)
+            signal.signal(signal.SIGPROF, _tick)
+        self._depth = len(_regions)
+        _regions.extend((False, True))  # the job's own level, then the render: interruptible
+        _job = self._job
+        signal.setitimer(signal.ITIMER_PROF, TICK_S, TICK_S)
+
+    def __exit__(self, *exc) -> None:
+        global _job
+        if self._depth is None:
+            return
         signal.setitimer(signal.ITIMER_PROF, 0)
         _job = None
-        del _regions[depth:]
+        del _regions[self._depth:]
 
 
 def abort(request_id: str) -> None:
@@ -103,24 +110,29 @@ def abort(request_id: str) -> None:
         _job.stop = "aborted"
 
 
-@contextmanager
-def interruptible() -> Iterator[None]:
-    depth = len(_regions)
-    _regions.append(True)
-    try:
-        yield
-    finally:
-        del _regions[depth:]
+class _Region:
+    """A stretch of code where the handler may raise (interruptible) or may not (shielded)."""
+
+    __slots__ = ("_may_raise", "_depth")
+
+    def __init__(self, may_raise: bool) -> None:
+        self._may_raise = may_raise
+
+    def __enter__(self) -> None:
+        self._depth = len(_regions)
+        _regions.append(self._may_raise)
+
+    def __exit__(self, exc_type, *exc) -> None:
+        del _regions[self._depth:]
+        if not self._may_raise and exc_type is None and _job is not None:
+            _raise_if_due(_job)  # a deadline that passed in a shielded stretch stops the render after it
 
 
-@contextmanager
-def shielded() -> Iterator[None]:
-    """The body runs to its end whatever the deadline; one that passed meanwhile stops the render after it."""
-    depth = len(_regions)
-    _regions.append(False)
-    try:
-        yield
-    finally:
-        del _regions[depth:]
-    if _job is not None:  # (only on a normal exit: an exception on its way goes on as it is)
-        _raise_if_due(_job)
+def interruptible() -> _Region:
+    return _Region(True)
+
+
+def shielded() -> _Region:
+    """The body runs to its end whatever the deadline; one that passed meanwhile stops the render after it
+    (only on a normal exit: an exception on its way goes on as it is)."""
+    return _Region(False)
