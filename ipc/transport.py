@@ -97,8 +97,7 @@ class PullChannel(Generic[T]):
         self._sock.setsockopt(zmq.RCVHWM, 0)
         (self._sock.bind if bind else self._sock.connect)(address)
         self._unpack: _Unpacker[T] = _Unpacker(msg_type)
-        self._poller = zmq.Poller()
-        self._poller.register(self._sock, zmq.POLLIN)
+        self._wait = -1  # RCVTIMEO, ms (-1: none)
 
     @overload
     def get(self, timeout: None = None) -> T: ...
@@ -107,10 +106,16 @@ class PullChannel(Generic[T]):
     def get(self, timeout: float) -> T | None: ...
 
     def get(self, timeout: float | None = None) -> T | None:
-        """The next message, or None after `timeout` seconds (None waits forever)."""
-        if timeout is not None and not self._poller.poll(int(timeout * 1000)):
+        """The next message, or None after `timeout` seconds (None waits forever). The wait is the receive's
+        own (RCVTIMEO, set when it changes): a loop that waits with a timeout between messages pays no poll."""
+        wait = -1 if timeout is None else int(timeout * 1000)
+        if wait != self._wait:
+            self._sock.setsockopt(zmq.RCVTIMEO, wait)
+            self._wait = wait
+        try:
+            return self._unpack.decode(self._sock.recv_multipart(copy=False))
+        except zmq.Again:
             return None
-        return self._unpack.decode(self._sock.recv_multipart(copy=False))
 
     @property
     def fd(self) -> int:
