@@ -9,9 +9,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ipc.openai import ChatCompletionRequest
-from render.truncation import without_oldest_turn
-
-Shorter = Callable[[ChatCompletionRequest], ChatCompletionRequest | None]
 
 
 @dataclass(frozen=True)
@@ -21,12 +18,6 @@ class Translation:
     # A prompt that does not fit may lose its oldest turns (the Responses API's truncation 'auto'), the
     # fewest that make it fit (render/truncation.py).
     truncate: bool = False
-
-    @property
-    def shorter(self) -> Shorter | None:
-        """The rule truncation applies, one turn at a time: the request without its oldest turn (None when
-        nothing more can go); None where the dialect does not truncate."""
-        return without_oldest_turn if self.truncate else None
 
 
 Translator = Callable[[bytes], Translation]  # the request body (JSON, validated by the ingress) -> the core's

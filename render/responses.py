@@ -13,7 +13,6 @@ from ipc.openai import (ChatCompletionRequest, ChatMessage, FunctionCall, Functi
                         NamedToolChoice, ResponseFormat, Tool, ToolCall)
 from ipc.responses import FramerSpec, InputItem, RenderBody, TextConfig, ToolChoiceFunction, new_response, text_of
 from render.dialects import Translation, translator
-from render.truncation import without_oldest_turn  # noqa: F401  (re-exported: the rule of truncation "auto")
 
 _decoder = msgspec.json.Decoder(RenderBody)
 _encoder = msgspec.msgpack.Encoder()

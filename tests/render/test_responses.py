@@ -6,7 +6,8 @@ import pytest
 
 from ipc.openai import NamedToolChoice
 from ipc.responses import CreateResponse, FramerSpec, InputItem, RenderBody
-from render.responses import to_messages, translate, without_oldest_turn
+from render.responses import to_messages, translate
+from render.truncation import without_oldest_turn
 
 TOOL = {"type": "function", "name": "get_weather", "description": "Weather", "parameters": {"type": "object"}}
 
@@ -35,7 +36,7 @@ def test_a_request_maps_onto_the_chat_request_field_by_field():
     fmt = chat.response_format
     assert fmt.type == "json_schema" and fmt.json_schema.name == "w" and fmt.json_schema.strict
     framing = msgspec.msgpack.decode(t.dialect, type=FramerSpec)
-    assert framing.response.metadata == {"k": "v"} and framing.first_sequence_number == 0 and t.shorter is None
+    assert framing.response.metadata == {"k": "v"} and framing.first_sequence_number == 0 and not t.truncate
 
 
 def test_a_background_job_streams_its_events_from_the_stored_first_one():
@@ -82,10 +83,11 @@ def test_truncation_auto_drops_the_oldest_turn_and_keeps_the_instructions():
                              {"role": "user", "content": "two"}, {"role": "assistant", "content": "2"},
                              {"role": "user", "content": "three"}], list[InputItem])
     t = _translate(_request(input=items, instructions="Count.", truncation="auto"))
-    shorter = t.shorter(t.request)
+    assert t.truncate  # (the rule, one turn at a time: render/truncation.py finds the fewest at once)
+    shorter = without_oldest_turn(t.request)
     assert [m.content for m in shorter.messages] == ["Count.", "two", "2", "three"]
-    assert [m.content for m in t.shorter(shorter).messages] == ["Count.", "three"]
-    assert t.shorter(t.shorter(shorter)) is None
+    assert [m.content for m in without_oldest_turn(shorter).messages] == ["Count.", "three"]
+    assert without_oldest_turn(without_oldest_turn(shorter)) is None
     assert without_oldest_turn(_translate(_request(input="only")).request) is None
 
 
