@@ -4,7 +4,6 @@ statuses (529 overloaded_error for a full server), and each of its responses car
 from __future__ import annotations
 
 import asyncio
-import threading
 import uuid
 from typing import Any, Callable, TypeVar
 
@@ -15,11 +14,11 @@ from ingress.http import respond, validation_error
 from ingress.routes import Request, route
 from ingress.tokenize import render_only
 from ipc.anthropic import (BatchCreateRequest, CountTokensRequest, DeletedBatch, MessageBatch, MessagesRequest,
-                           check_conversation, error_response)
+                           check_conversation)
+from ipc.errors import ANTHROPIC
 from ipc.messages import Failure
 from sluice import state
 from sluice.batches import BatchStore
-from sluice.config import ServerConfig
 
 _json = msgspec.json.Encoder()
 PING = b'event: ping\ndata: {"type":"ping"}\n\n'
@@ -27,26 +26,18 @@ RESULTS_PAGE = 512  # result lines read from the database per write
 MAX_LIST_LIMIT = 1000
 
 
-def error_body(f: Failure) -> bytes:
-    return _json.encode(error_response(f.status, f.message, f.param))
-
-
-def stream_error(f: Failure) -> bytes:
-    return b"event: error\ndata: " + error_body(f) + b"\n\n"
-
-
 def request_id() -> list[tuple[bytes, bytes]]:
     return [(b"request-id", b"req_" + uuid.uuid4().hex.encode())]
 
 
-MESSAGES = register(Dialect("messages", "/v1/messages", MessagesRequest, "msg_", error_body, stream_error,
-                            statuses={503: 529}, response_headers=request_id, keepalive=PING,
+MESSAGES = register(Dialect("messages", "/v1/messages", MessagesRequest, "msg_", ANTHROPIC,
+                            response_headers=request_id, keepalive=PING,
                             check=check_conversation))
 
 
 def _body_shape(path: str, request_type: type) -> Dialect:
     """How another route of the dialect reads its body (its errors in the dialect's shape)."""
-    return Dialect("messages", path, request_type, "", error_body, stream_error,
+    return Dialect("messages", path, request_type, "", ANTHROPIC,
                    check=check_conversation if request_type is CountTokensRequest else None)
 
 
@@ -83,27 +74,12 @@ async def count_tokens(ingress: Any, request: Request, receive, send) -> int:
 
 
 # ---- Message Batches -------------------------------------------------------------------------------------------
-
-_stores: list[BatchStore] = []  # this worker's connection to the state database, once it needs one
-_opening = threading.Lock()
 T = TypeVar("T")
 
 
-def _store(cfg: ServerConfig) -> BatchStore:
-    """(On a worker thread: opening the database may wait on its lock.)"""
-    with _opening:
-        if not _stores:
-            _stores.append(BatchStore(cfg))
-        return _stores[0]
-
-
 async def _batches(ingress: Any, fn: Callable[..., T], *args: Any) -> T | Failure:
-    """`fn(store, *args)` off the event loop; a state database that fails under it is a Failure (every route
-    answers it in Anthropic's shape, never a plain-text 500)."""
-    try:
-        return await asyncio.to_thread(lambda: fn(_store(ingress.cfg), *args))
-    except state.ERRORS as e:
-        return state.unavailable(ingress.cfg, e)
+    """`fn(store, *args)` off the event loop (a database that fails under it: a Failure, in Anthropic's shape)."""
+    return await state.database(ingress.cfg, BatchStore).answer(fn, *args)
 
 
 async def _answer(ingress: Any, send, got: Any) -> int:

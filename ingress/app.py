@@ -219,7 +219,7 @@ class Ingress(Pipeline):
         headers = JSON + (headers or [])
         if failure.status == 503:
             headers.append((b"retry-after", b"5" if self.draining else b"1"))
-        return await respond(send, failure.status, dialect.error_body(failure), headers)
+        return await respond(send, failure.status, dialect.errors.body(failure), headers)
 
     def _timeout(self) -> Failure:
         return Failure(504, f"the request did not finish within {self.cfg.request_timeout:g}s", "timeout")
@@ -278,10 +278,10 @@ class Ingress(Pipeline):
     def _in_stream(self, frame: Frame | object, dialect: Dialect) -> Frame:
         """A frame (or the deadline) for a stream that began: an error is said in-band, and ends it."""
         if frame is TIMED_OUT:
-            return Frame("", dialect.stream_error(self._timeout()), True, self._timeout())
+            return Frame("", dialect.errors.stream(self._timeout()), True, self._timeout())
         assert isinstance(frame, Frame)
         if frame.error is not None:
-            return Frame(frame.request_id, dialect.stream_error(frame.error), True, frame.error)
+            return Frame(frame.request_id, dialect.errors.stream(frame.error), True, frame.error)
         return frame
 
     async def _keep_alive(self, q: FrameQueue, send, dialect: Dialect, rid: str) -> tuple[Any, bool]:

@@ -10,8 +10,9 @@ from typing import Any, Awaitable, Callable
 
 import msgspec
 
-from ipc.messages import Endpoint, Failure
-from ipc.openai import ChatCompletionRequest, CompletionRequest, error_body
+from ipc.errors import OPENAI, ErrorShape
+from ipc.messages import Endpoint
+from ipc.openai import ChatCompletionRequest, CompletionRequest
 
 Send = Callable[[dict], Awaitable[None]]
 
@@ -22,12 +23,10 @@ class Dialect:
     path: str  # its POST route
     request_type: type
     id_prefix: str  # of the ids its responses carry
-    error_body: Callable[[Failure], bytes]
-    stream_error: Callable[[Failure], bytes]  # the event that ends a stream in an error
+    errors: ErrorShape  # its errors' bodies, stream events and statuses (ipc.errors)
     stream_headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # beyond the SSE ones
-    # Every response on the dialect's routes: statuses it answers instead of the core's (Anthropic's 529 for
-    # 503), and headers of its own, made fresh for each response (Anthropic's request-id).
-    statuses: dict[int, int] = field(default_factory=dict)
+    # Headers of its own on every response on the dialect's routes, made fresh for each (Anthropic's
+    # request-id).
     response_headers: Callable[[], list[tuple[bytes, bytes]]] | None = None
     # An event a stream sends every keepalive_s while the engine is busy before the first token (the
     # stream begins before it, once the request is rendered); empty: the response waits for the token.
@@ -46,9 +45,9 @@ class Dialect:
 
     def wrap_send(self, send: Send) -> Send:
         """`send` with the dialect's statuses and headers (itself, for a dialect that has none)."""
-        if not self.statuses and self.response_headers is None:
+        if not self.errors.statuses and self.response_headers is None:
             return send
-        statuses, headers = self.statuses, self.response_headers
+        statuses, headers = self.errors.statuses, self.response_headers
 
         async def wrapped(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -64,14 +63,6 @@ def _decoder(request_type: type) -> msgspec.json.Decoder:
     return msgspec.json.Decoder(request_type)
 
 
-def openai_error(f: Failure) -> bytes:
-    return error_body(f.status, f.message, f.param, f.code)
-
-
-def openai_stream_error(f: Failure) -> bytes:
-    return b"data: " + openai_error(f) + b"\n\ndata: [DONE]\n\n"
-
-
 DIALECTS: dict[str, Dialect] = {}  # by route
 
 
@@ -80,7 +71,5 @@ def register(dialect: Dialect) -> Dialect:
     return dialect
 
 
-OPENAI_CHAT = register(Dialect("chat", "/v1/chat/completions", ChatCompletionRequest, "chatcmpl-", openai_error,
-                               openai_stream_error))
-OPENAI_COMPLETIONS = register(Dialect("completions", "/v1/completions", CompletionRequest, "cmpl-", openai_error,
-                                      openai_stream_error))
+OPENAI_CHAT = register(Dialect("chat", "/v1/chat/completions", ChatCompletionRequest, "chatcmpl-", OPENAI))
+OPENAI_COMPLETIONS = register(Dialect("completions", "/v1/completions", CompletionRequest, "cmpl-", OPENAI))

@@ -14,7 +14,8 @@ from typing import Any, Callable, TypeVar
 
 import msgspec
 
-from ingress.dialects import Dialect, openai_error
+from ingress.dialects import Dialect
+from ipc import errors
 from ingress.http import JSON, SSE, respond
 from ingress.routes import Request, route
 from ipc.messages import Failure
@@ -22,8 +23,8 @@ from ipc.openai import INT64_MAX
 from ipc.responses import (CreateResponse, ErrorEvent, InputItem, Part, RenderBody, Response, ResponseError,
                            ResponseEvent, event_head, final_response, new_response, split_events, sse)
 from sluice import state
-from sluice.config import ServerConfig
-from sluice.responses_store import POLL_S, Database, NotFound, NotReady, Store
+from sluice.responses_store import NotFound, NotReady, Store
+from sluice.state import POLL_S
 
 log = logging.getLogger("sluice.ingress")
 T = TypeVar("T")
@@ -33,28 +34,11 @@ _ID_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output":
 MAX_PAGE = 100
 
 
-def _stream_error(failure: Failure) -> bytes:
-    """(Each request's own stream_error knows where its stream stands: see Keeper.)"""
-    return sse(ErrorEvent(sequence_number=0, code=failure.code, message=failure.message, param=failure.param))
-
-
 RESPONSES = Dialect(endpoint="responses", path="/v1/responses", request_type=CreateResponse, id_prefix="resp_",
-                    error_body=openai_error, stream_error=_stream_error)
-_databases: dict[str, Database] = {}
-
-
-def database(cfg: ServerConfig) -> Database:
-    """This worker's (opened on first use: a server that never stores a response makes no database)."""
-    if cfg.state_dir not in _databases:
-        _databases[cfg.state_dir] = Database(cfg)
-    return _databases[cfg.state_dir]
-
-
+                    errors=errors.RESPONSES)
 async def _state(ingress, fn: Callable[..., T], *args) -> T | Failure:
-    try:
-        return await database(ingress.cfg).run(fn, *args)
-    except state.ERRORS as e:
-        return state.unavailable(ingress.cfg, e)
+    """`fn(store, *args)` on this worker's database (opened on first use; a failure under it: a Failure)."""
+    return await state.database(ingress.cfg, Store).answer(fn, *args)
 
 
 def _missing(rid: str) -> Failure:
@@ -82,7 +66,7 @@ async def create(ingress, request: Request, receive, send) -> int:
     if r.store is not False and isinstance(usable := await _state(ingress, Store.check), Failure):
         return await ingress.respond_failure(send, RESPONSES, usable)  # (before the work, not after it)
     keeper = Keeper(ingress, bool(r.stream), items if r.store is not False else None)
-    dialect = dataclasses.replace(RESPONSES, stream_error=keeper.stream_error)
+    dialect = dataclasses.replace(RESPONSES, errors=dataclasses.replace(errors.RESPONSES, stream=keeper.stream_error))
     status = await ingress.generate(dialect, receive, keeper.wrap(send), body=_json.encode(RenderBody(r, history)),
                                     request=r)
     return keeper.failed or status
@@ -179,7 +163,7 @@ class Keeper:
     async def _refuse(self, send, failure: Failure) -> None:
         self.failed = failure.status
         await send({"type": "http.response.start", "status": failure.status, "headers": JSON})
-        await send({"type": "http.response.body", "body": openai_error(failure)})
+        await send({"type": "http.response.body", "body": errors.RESPONSES.body(failure)})
 
     def stream_error(self, failure: Failure) -> bytes:
         """An error after the stream began: an error event, then response.failed."""

@@ -8,16 +8,16 @@ from typing import Any, Callable
 
 import msgspec
 
-from ingress.dialects import OPENAI_CHAT, Dialect
+from ingress.dialects import Dialect
 from ingress.http import respond
 from ingress.pipeline import DISCONNECTED, TIMED_OUT
 from ingress.routes import Request, route
+from ipc.errors import OPENAI
 from ipc.messages import Answer, Endpoint, Failure, Frame, RenderJob
 from ipc.openai import DetokenizeRequest, TokenizeRequest, TokenizeResponse
 
-_TOKENIZE = Dialect("chat", "/tokenize", TokenizeRequest, "", OPENAI_CHAT.error_body, OPENAI_CHAT.stream_error)
-_DETOKENIZE = Dialect("chat", "/detokenize", DetokenizeRequest, "", OPENAI_CHAT.error_body,
-                      OPENAI_CHAT.stream_error)
+_TOKENIZE = Dialect("chat", "/tokenize", TokenizeRequest, "", OPENAI)
+_DETOKENIZE = Dialect("chat", "/detokenize", DetokenizeRequest, "", OPENAI)
 _json = msgspec.json.Encoder()
 _answer = msgspec.json.Decoder(TokenizeResponse)
 

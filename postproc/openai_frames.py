@@ -10,6 +10,8 @@ from ipc.messages import Logprobs, PostprocSpec
 from ipc.openai import (ChatChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs, ChunkChoice, Completion,
                         CompletionChoice, CompletionLogprobs, Delta, FunctionCallOut, PerfMetrics, PromptLogprob,
                         PromptTokensDetails, ResponseMessage, TokenLogprob, ToolCallOut, TopLogprob, Usage)
+from postproc.assembly import Assembly
+from postproc.framers import FRAMERS, Framer
 from postproc.parsers import Piece
 
 _json = msgspec.json.Encoder()
@@ -30,7 +32,7 @@ def unpack(lp: Logprobs) -> list[tuple[float, int, list[int], list[float]]]:
     return list(zip(values, ranks, top_ids, top_lps))
 
 
-class OpenAIFramer:
+class OpenAIFramer(Framer):
     def __init__(self, spec: PostprocSpec, num_prompt_tokens: int, num_cached_tokens: int, text_of: TokenText) -> None:
         self.spec = spec
         self.num_prompt_tokens = num_prompt_tokens
@@ -38,7 +40,7 @@ class OpenAIFramer:
         self.text_of = text_of
         self._chat = spec.endpoint == "chat"
         self._opened = [False] * spec.n  # a choice's first chunk went out
-        self._messages = [Piece() for _ in range(spec.n)]  # non-streaming: each choice's merged pieces
+        self._messages = [Assembly(trim=False) for _ in range(spec.n)]  # non-streaming: each choice's items
         self._logprobs: list[list[tuple[int, tuple]]] = [[] for _ in range(spec.n)]
         self._token_ids: list[list[int]] = [[] for _ in range(spec.n)]
         self._finish: list[str | None] = [None] * spec.n
@@ -125,7 +127,7 @@ class OpenAIFramer:
             finish_reason: str | None) -> None:
         if not self.spec.include_reasoning:
             piece.reasoning = ""
-        self._messages[index].extend(piece)
+        self._messages[index].feed(piece)
         self._logprobs[index] += logprobs
         self._token_ids[index] += token_ids
         if finish_reason:
@@ -139,7 +141,7 @@ class OpenAIFramer:
             choices = [ChatChoice(i, _message(m), self._finish[i], self._lp(i, 0), ids[i])
                        for i, m in enumerate(self._messages)]
         else:
-            choices = [CompletionChoice(i, s.echo + m.content, self._finish[i], self._lp(i, len(s.echo)),
+            choices = [CompletionChoice(i, s.echo + _text(m, "text"), self._finish[i], self._lp(i, len(s.echo)),
                                         self.prompt_logprobs, ids[i]) for i, m in enumerate(self._messages)]
         return _json.encode(self._envelope(choices, self.usage(completion_tokens), first=True, perf=perf,
                                            whole=True))
@@ -194,14 +196,17 @@ class OpenAIFramer:
                    perf_metrics=perf, **extra)
 
 
-def _message(m: Piece) -> ResponseMessage:
-    """The merged pieces of one choice as a response message (tool-call deltas joined by index)."""
-    calls: dict[int, tuple[str | None, str | None, list[str]]] = {}  # index -> (id, name, argument parts)
-    for d in m.tool_calls:
-        fn = d.function or FunctionCallOut()
-        _, _, parts = calls.setdefault(d.index or 0, (d.id, fn.name, []))  # the call's first delta names it
-        parts.append(fn.arguments or "")
-    tool_calls = [ToolCallOut(id=call_id, type="function", function=FunctionCallOut(name, "".join(parts)))
-                  for call_id, name, parts in calls.values()]
-    content = m.content if m.content or not calls else None
-    return ResponseMessage(content, "assistant", reasoning_content=m.reasoning or None, tool_calls=tool_calls)
+def _text(m: Assembly, kind: str) -> str:
+    return "".join(item.text for item in m.items if item.kind == kind)
+
+
+def _message(m: Assembly) -> ResponseMessage:
+    """A choice's items as one response message: its text, its reasoning, its calls."""
+    calls = [ToolCallOut(id=c.call_id, type="function", function=FunctionCallOut(c.name, c.text))
+             for c in m.items if c.kind == "tool_call"]
+    content = _text(m, "text")
+    return ResponseMessage(content if content or not calls else None, "assistant",
+                           reasoning_content=_text(m, "reasoning") or None, tool_calls=calls)
+
+
+FRAMERS["chat"] = FRAMERS["completions"] = OpenAIFramer

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-from typing import Protocol, cast, runtime_checkable
 
 import msgspec
 from tokenizers import Tokenizer
@@ -94,42 +93,19 @@ class Choice:
         return piece
 
 
-class CountsReasoning(Protocol):
-    """A framer that reports how many output tokens were reasoning: told before end / body (its pieces
-    cannot say, as a stream merges several tokens' pieces into one). Known by its attribute (as is
-    TakesEachPiece): isinstance on a runtime-checkable Protocol walks the Protocol's members on every call."""
-
-    reasoning_tokens: int
-
-
-class TakesEachPiece(Protocol):
-    """A framer that streams from each token's piece, given to `add` as it comes (streaming too): `chunk` gets
-    the pieces since the last frame merged, which keeps each kind's text but not the order between kinds."""
-
-    takes_each_piece: bool
-
-
-@runtime_checkable
-class StopSequenceAware(Protocol):
-    """A framer that reports which stop string ended a choice (Anthropic's stop_sequence)."""
-
-    def stopped_by(self, index: int, stop: str) -> None: ...
-
-
 class RequestOutput:
     def __init__(self, spec: PostprocSpec, tokenizer: Tokenizer, started: Started, text_of) -> None:
         self.spec = spec
         self.started = started
         self.choices = [Choice(spec, tokenizer) for _ in range(spec.n)]
         self.framer = framer_for(spec, started.num_prompt_tokens, started.num_cached_tokens, text_of)
-        self._adds = not spec.stream or getattr(self.framer, "takes_each_piece", False)  # TakesEachPiece
+        self._adds = not spec.stream or self.framer.takes_each_piece
         # A streamed harmony output with no stop strings nor logprobs: most of its tokens only add text
         # (HarmonyParser.plain_text), which `feed` merges into the pending piece itself.
         self._lean = (spec.stream and not self._adds and not spec.logprobs and self.choices[0].harmony is not None
                       and not self.choices[0].stops.stops)
         # and with a chunk each token, such a run of text is framed by the framer's text_chunk where it has one
-        self._text_chunk = getattr(self.framer, "text_chunk", None) if self._lean and spec.stream_interval == 1 \
-            else None
+        self._text_chunk = self.framer.text_chunk if self._lean and spec.stream_interval == 1 else None
         self.first_token_at = 0.0
         self.timings: list[Timings] = []  # the engine's, one per finished choice
         self.num_finished = 0  # choices with a finish reason
@@ -184,7 +160,7 @@ class RequestOutput:
         finish = choice.finish_reason
         if finish is not None:
             self.num_finished += 1
-            if choice.stops.matched is not None and isinstance(self.framer, StopSequenceAware):
+            if choice.stops.matched is not None:
                 self.framer.stopped_by(index, choice.stops.matched)
         entries = [(token, logprobs)] if logprobs is not None and self.spec.logprobs else []
         if self._adds:
@@ -223,8 +199,7 @@ class RequestOutput:
 
     def final(self) -> Frame:
         perf = self.perf() if self.spec.perf_metrics else None
-        if hasattr(self.framer, "reasoning_tokens"):
-            cast(CountsReasoning, self.framer).reasoning_tokens = sum(c.reasoning_tokens for c in self.choices)
+        self.framer.reasoning_tokens = sum(c.reasoning_tokens for c in self.choices)
         if self.spec.stream:
             return Frame(self.spec.request_id, self.framer.end(self.completion_tokens, perf), True)
         return Frame(self.spec.request_id, self.framer.body(self.completion_tokens, perf), True)

@@ -104,13 +104,12 @@ class Router:
         status = 0
         try:
             if not authorized(path, scope["headers"], self.api_keys, self.cfg.protect_metrics):
-                status = await _respond(send, 401, errors.body(path, 401, MISSING_KEY, "invalid_api_key"),
-                                        extra=(CHALLENGE,))
+                status = await _error(send, path, 401, MISSING_KEY, "invalid_api_key", extra=(CHALLENGE,))
             elif path in GENERATION and method == "POST":
                 status = await self.generate(scope, receive, send)
             elif path in ("/health", "/ready"):
                 ok = any(w.up for w in self.workers.all)
-                status = await _respond(send, 200 if ok else 503, b"{}" if ok else errors.body(path, 503, "no worker"))
+                status = await (_respond(send, 200, b"{}") if ok else _error(send, path, 503, "no worker"))
             elif path == "/metrics":
                 status = await _respond(send, 200, render_metrics(self.workers.all), b"text/plain; version=0.0.4")
             else:
@@ -125,10 +124,10 @@ class Router:
         path = scope["path"]
         body = await _read(receive, self.cfg.max_request_bytes)
         if body is None:
-            return await _respond(send, 413, errors.body(path, 413, "request body too large"))
+            return await _error(send, path, 413, "request body too large")
         if _claims_hand_off(path, body):
-            return await _respond(send, 403, errors.body(path, 403, "disaggregated_params are the router's own: "
-                                                         "clients do not send them", "forbidden"))
+            return await _error(send, path, 403, "disaggregated_params are the router's own: clients do not send "
+                                "them", "forbidden")
         headers = self._to_worker(scope["headers"])
         ids, salt = await self.prompts.ids(GENERATION[path], body)
         affinity = _affinity(body)
@@ -142,7 +141,7 @@ class Router:
                 return await self._relay(worker, path, body, headers, receive, send, new)
             except _Failed:
                 continue
-        return await _respond(send, 503, errors.body(path, 503, "no worker is up; retry shortly"), retry=True)
+        return await _error(send, path, 503, "no worker is up; retry shortly", retry=True)
 
     def _choose(self, workers: list[Worker], ids: list[int] | None, salt: str,
                 affinity: str | None = None) -> tuple[Worker, list[bytes], int]:
@@ -163,7 +162,7 @@ class Router:
         when it cannot be split (the Responses API, a stored conversation), or when no context worker can."""
         gens = self.workers.up("generation")
         if not gens:
-            return await _respond(send, 503, errors.body(path, 503, "no generation worker is up"), retry=True)
+            return await _error(send, path, 503, "no generation worker is up", retry=True)
         gen, hashes, new = self._choose(gens, ids, salt)
         uncached = len(ids) - (len(hashes) + 1 - new) * gen.block_size if ids else None
         ctxs = self.workers.up("context")
@@ -223,7 +222,7 @@ class Router:
         try:
             return await self._relay(worker, path, body, headers, receive, send, blocks, transfer, plain)
         except _Failed:
-            return await _respond(send, 503, errors.body(path, 503, f"worker {worker.url} failed; retry"), retry=True)
+            return await _error(send, path, 503, f"worker {worker.url} failed; retry", retry=True)
 
     async def _relay(self, worker: Worker, path: str, body: bytes, headers: list, receive, send, blocks: int,
                      transfer: bool = False, plain: bytes | None = None) -> int:
@@ -313,7 +312,7 @@ class Router:
             if answer[0] != 404:
                 break
         if answer is None:
-            return await _respond(send, 503, errors.body(path, 503, "no worker is up; retry shortly"), retry=True)
+            return await _error(send, path, 503, "no worker is up; retry shortly", retry=True)
         await send({"type": "http.response.start", "status": answer[0], "headers": answer[1]})
         await send({"type": "http.response.body", "body": answer[2]})
         return answer[0]
@@ -382,6 +381,13 @@ async def _read(receive, limit: int) -> bytes | None:
 async def _disconnected(receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def _error(send, path: str, status: int, message: str, code: str | None = None, retry: bool = False,
+                 extra: tuple[tuple[bytes, bytes], ...] = ()) -> int:
+    """An error the router answers itself, in the dialect of the route (its body, its status)."""
+    return await _respond(send, errors.status(path, status), errors.body(path, status, message, code), retry=retry,
+                          extra=extra)
 
 
 async def _respond(send, status: int, body: bytes, content_type: str | bytes | None = None,

@@ -1,26 +1,20 @@
-"""Errors the router itself answers, in the shape of the dialect the client speaks."""
+"""Errors the router itself answers, in the shape of the dialect the client speaks (ipc.errors, the table
+the ingress uses too)."""
 from __future__ import annotations
 
-import msgspec
-
-from ipc.anthropic import error_response
-from ipc.openai import error_body
-from ipc.responses import ErrorEvent
-
-_json = msgspec.json.Encoder()
+from ipc.errors import for_path
+from ipc.messages import Failure
 
 
 def body(path: str, status: int, message: str, code: str | None = None) -> bytes:
-    if path.startswith("/v1/messages"):
-        return _json.encode(error_response(status, message))
-    return error_body(status, message, None, code)
+    return for_path(path).body(Failure(status, message, code))
+
+
+def status(path: str, status: int) -> int:
+    """The status the dialect answers for the core's (Anthropic's 529 for 503)."""
+    return for_path(path).status(status)
 
 
 def stream_event(path: str, status: int, message: str, code: str | None = None) -> bytes:
     """The event that ends a stream that began (its worker failed mid-stream)."""
-    if path.startswith("/v1/messages"):
-        return b"event: error\ndata: " + body(path, status, message) + b"\n\n"
-    if path.startswith("/v1/responses"):
-        return b"event: error\ndata: " + _json.encode(ErrorEvent(sequence_number=0, code=code, message=message)) + \
-            b"\n\n"
-    return b"data: " + body(path, status, message, code) + b"\n\ndata: [DONE]\n\n"
+    return for_path(path).stream(Failure(status, message, code))

@@ -3,6 +3,8 @@ when it answers again), what they say of themselves (/v1/sluice/worker), and the
 (a ZeroMQ SUB socket each, feeding the KV index)."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import asyncio
 import logging
 from dataclasses import dataclass, field
@@ -36,7 +38,7 @@ class Worker:
 
 class Workers:
     def __init__(self, urls: dict[str, list[str]], index: KvIndex, interval: float, failures: int,
-                 auth: list[tuple[bytes, bytes]] = ()) -> None:
+                 auth: Sequence[tuple[bytes, bytes]] = ()) -> None:
         """`auth`: the header every call to a worker carries (the router's --worker-api-key)."""
         self._auth = {k.decode(): v.decode() for k, v in auth}
         self._refused: set[str] = set()  # URLs whose refusal was logged

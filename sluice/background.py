@@ -13,7 +13,7 @@ import logging
 import os
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncGenerator
 
 import zmq
 
@@ -44,7 +44,7 @@ class Owner:
                 last = frame
         return rid, last
 
-    async def frames(self, endpoint: Endpoint, body: bytes, rid: str) -> AsyncIterator[Frame]:
+    async def frames(self, endpoint: Endpoint, body: bytes, rid: str) -> AsyncGenerator[Frame, None]:
         """Runs one request as `rid`, after waiting for a slot: its frames as they come (a streaming body's
         events, else one whole body), the last one done or an error. A caller that stops early closes the
         generator (contextlib.aclosing): the engine drops the request."""

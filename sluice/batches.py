@@ -7,11 +7,8 @@ outcome. A request is `processing` until then, so after a restart whatever is st
 """
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
 import sqlite3
-import threading
 import time
 import uuid
 from datetime import datetime, timezone
@@ -22,12 +19,10 @@ import msgspec
 from ipc.anthropic import BatchList, MessageBatch, RequestCounts, error_response
 from ipc.messages import Failure
 from sluice.config import ServerConfig
-from sluice.state import ERRORS, Outage, connect, database_path, migrate
+from sluice.state import RETRY_CODES, Database, connect, database, migrate, serve_queue
 
 log = logging.getLogger("sluice.batches")
 EXPIRY_S = 24 * 3600  # as Anthropic: what has not run a day after the batch was made expires
-POLL_S = 0.5  # how often the runner looks for new batches, cancels and expiries
-RETRY_CODES = frozenset({"shutting_down", "engine_dead", "worker_died"})  # failures of the server, not the request
 CANCELED, EXPIRED = b'{"type":"canceled"}', b'{"type":"expired"}'
 
 SCHEMA = ["""
@@ -64,19 +59,18 @@ def errored(status: int, message: str, param: str | None = None) -> bytes:
 
 
 class BatchStore:
-    """The batch tables, through one connection of this process's (its calls may come from any thread)."""
+    """The batch tables, through one connection of this process's (its calls one at a time: state.Database)."""
 
     def __init__(self, cfg: ServerConfig) -> None:
         self.conn = connect(cfg)
         migrate(self.conn, "batches", SCHEMA)
-        self._lock = threading.Lock()
 
     # ---- the ingress's -------------------------------------------------------------
 
     def create(self, requests: Iterable[tuple[str, bytes]]) -> MessageBatch:
         """A new batch of (custom_id, params JSON) requests."""
         batch_id, now = "msgbatch_" + uuid.uuid4().hex, time.time()
-        with self._lock, self.conn:
+        with self.conn:
             seq = self.conn.execute("INSERT INTO message_batches (id, status, created_at, expires_at) "
                                     "VALUES (?, 'in_progress', ?, ?)", (batch_id, now, now + EXPIRY_S)).lastrowid
             self.conn.executemany("INSERT INTO batch_requests (batch, idx, custom_id, params) VALUES (?, ?, ?, ?)",
@@ -86,36 +80,34 @@ class BatchStore:
         return batch
 
     def get(self, batch_id: str) -> MessageBatch | None:
-        with self._lock:
-            row = self.conn.execute("SELECT * FROM message_batches WHERE id = ?", (batch_id,)).fetchone()
-            return None if row is None else self._batch(row)
+        row = self.conn.execute("SELECT * FROM message_batches WHERE id = ?", (batch_id,)).fetchone()
+        return None if row is None else self._batch(row)
 
     def page(self, limit: int, before_id: str | None = None, after_id: str | None = None) -> BatchList | None:
         """Newest first; a page after (older than) or before (newer than) a batch. None: no such batch."""
-        with self._lock:
-            where, order, args = "", "DESC", [limit + 1]
-            if before_id or after_id:
-                cursor = self.conn.execute("SELECT seq FROM message_batches WHERE id = ?",
-                                           (before_id or after_id,)).fetchone()
-                if cursor is None:
-                    return None
-                where, order = ("WHERE seq > ?", "ASC") if before_id else ("WHERE seq < ?", "DESC")
-                args.insert(0, cursor[0])
-            rows = self.conn.execute(f"SELECT * FROM message_batches {where} ORDER BY seq {order} LIMIT ?",
-                                     args).fetchall()
-            page = rows[:limit] if order == "DESC" else rows[:limit][::-1]
-            data = [self._batch(row) for row in page]
+        where, order, args = "", "DESC", [limit + 1]
+        if before_id or after_id:
+            cursor = self.conn.execute("SELECT seq FROM message_batches WHERE id = ?",
+                                       (before_id or after_id,)).fetchone()
+            if cursor is None:
+                return None
+            where, order = ("WHERE seq > ?", "ASC") if before_id else ("WHERE seq < ?", "DESC")
+            args.insert(0, cursor[0])
+        rows = self.conn.execute(f"SELECT * FROM message_batches {where} ORDER BY seq {order} LIMIT ?",
+                                 args).fetchall()
+        page = rows[:limit] if order == "DESC" else rows[:limit][::-1]
+        data = [self._batch(row) for row in page]
         return BatchList(data, len(rows) > limit, data[0].id if data else None, data[-1].id if data else None)
 
     def cancel(self, batch_id: str) -> MessageBatch | None:
-        with self._lock, self.conn:
+        with self.conn:
             self.conn.execute("UPDATE message_batches SET status = 'canceling', cancel_initiated_at = ? "
                               "WHERE id = ? AND status = 'in_progress'", (time.time(), batch_id))
         return self.get(batch_id)
 
     def delete(self, batch_id: str) -> str | None:
         """Deletes an ended batch; else its status (None: no such batch)."""
-        with self._lock, self.conn:
+        with self.conn:
             row = self.conn.execute("SELECT seq, status FROM message_batches WHERE id = ?", (batch_id,)).fetchone()
             if row is None or row["status"] != "ended":
                 return None if row is None else row["status"]
@@ -125,10 +117,9 @@ class BatchStore:
 
     def results(self, batch_id: str, after: int, limit: int) -> list[tuple[int, bytes]]:
         """Result lines (JSONL, each with its newline) of requests past index `after`, in order, with their index."""
-        with self._lock:
-            rows = self.conn.execute(
-                "SELECT r.idx, r.custom_id, r.result FROM batch_requests r JOIN message_batches b ON r.batch = b.seq "
-                "WHERE b.id = ? AND r.idx > ? ORDER BY r.idx LIMIT ?", (batch_id, after, limit)).fetchall()
+        rows = self.conn.execute(
+            "SELECT r.idx, r.custom_id, r.result FROM batch_requests r JOIN message_batches b ON r.batch = b.seq "
+            "WHERE b.id = ? AND r.idx > ? ORDER BY r.idx LIMIT ?", (batch_id, after, limit)).fetchall()
         return [(idx, b'{"custom_id":%s,"result":%s}\n' % (msgspec.json.encode(cid), result))
                 for idx, cid, result in rows]
 
@@ -146,15 +137,14 @@ class BatchStore:
 
     def pending(self, limit: int, skip: set[Key]) -> list[tuple[Key, bytes]]:
         """Requests to run next (of batches in progress, oldest first), but those in `skip` (running)."""
-        with self._lock:
-            rows = self.conn.execute(
-                "SELECT r.batch, r.idx, r.params FROM batch_requests r JOIN message_batches b ON r.batch = b.seq "
-                "WHERE b.status = 'in_progress' AND r.state = 'processing' ORDER BY r.batch, r.idx LIMIT ?",
-                (limit + len(skip),)).fetchall()
+        rows = self.conn.execute(
+            "SELECT r.batch, r.idx, r.params FROM batch_requests r JOIN message_batches b ON r.batch = b.seq "
+            "WHERE b.status = 'in_progress' AND r.state = 'processing' ORDER BY r.batch, r.idx LIMIT ?",
+            (limit + len(skip),)).fetchall()
         return [((b, i), params) for b, i, params in rows if (b, i) not in skip][:limit]
 
     def finish(self, key: Key, state: str, result: bytes) -> None:
-        with self._lock, self.conn:
+        with self.conn:
             self.conn.execute("UPDATE batch_requests SET state = ?, result = ? "
                               "WHERE batch = ? AND idx = ? AND state = 'processing'", (state, result, *key))
 
@@ -162,7 +152,7 @@ class BatchStore:
         """Cancels what is not running of batches being canceled, expires what has not run of batches past their
         time, and ends the batches with nothing left to run."""
         now = time.time()
-        with self._lock, self.conn:
+        with self.conn:
             for seq, status, expires_at in self.conn.execute(
                     "SELECT seq, status, expires_at FROM message_batches WHERE status != 'ended'").fetchall():
                 if status == "canceling":
@@ -188,57 +178,37 @@ class _Model(msgspec.Struct):
 _model = msgspec.json.Decoder(_Model)
 
 
-class BatchRunner:
-    """Runs the batches' requests through the background owner, --background-concurrency at a time, and
-    writes each outcome as it comes."""
+class BatchQueue:
+    """The batches' requests as background work (state.serve_queue), each outcome written as it comes."""
 
-    def __init__(self, owner: Any, store: BatchStore) -> None:
+    what = "message batches"
+
+    def __init__(self, owner: Any, db: Database[BatchStore]) -> None:
         self.owner = owner
-        self.store = store
-        self.window = owner.cfg.background_concurrency
+        self.db = db
         self.names = set(owner.cfg.served_model_names)
-        self.running: dict[Key, asyncio.Task] = {}
 
-    async def run(self) -> None:
-        settled = 0.0
-        outage = Outage(self.owner.cfg, "message batches")
-        while True:
-            try:
-                if time.monotonic() - settled >= POLL_S:
-                    await asyncio.to_thread(self.store.settle, set(self.running))
-                    settled = time.monotonic()
-                if len(self.running) <= self.window // 2:  # refill in bulk, not a query per finished request
-                    self._start(await asyncio.to_thread(self.store.pending, self.window - len(self.running),
-                                                        set(self.running)))
-                outage.ok()
-            except ERRORS as e:
-                await outage.failed(e)
-            if self.running:
-                await asyncio.wait(list(self.running.values()), timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
-            else:
-                await asyncio.sleep(POLL_S)
+    async def resume(self) -> None:
+        pass  # (what a restart cut short is still processing: it runs again)
 
-    def _start(self, pending: list[tuple[Key, bytes]]) -> None:
-        for key, params in pending:
-            task = self.running[key] = asyncio.create_task(self._one(key, params))
-            task.add_done_callback(functools.partial(self._done, key))
+    async def stopped(self, running: set[Key]) -> set[Key]:
+        await self.db.run(BatchStore.settle, running)
+        return set()  # (a cancelled batch's running requests finish)
 
-    def _done(self, key: Key, task: asyncio.Task) -> None:
-        del self.running[key]
-        if not task.cancelled() and task.exception() is not None:
-            log.error("batch request %s failed", key, exc_info=task.exception())
+    async def pending(self, room: int, running: set[Key]) -> list[tuple[Key, bytes]]:
+        return await self.db.run(BatchStore.pending, room, running)
 
-    async def _one(self, key: Key, params: bytes) -> None:
-        model = _model.decode(params).model
+    async def run(self, key: Key, job: bytes) -> None:
+        model = _model.decode(job).model
         if model not in self.names:
             outcome = ("errored", errored(404, f"The model {model!r} does not exist; this server serves "
                                                f"{sorted(self.names)}"))
         else:
-            _, frame = await self.owner.complete("messages", params, "msg_")
+            _, frame = await self.owner.complete("messages", job, "msg_")
             if frame.error is not None and frame.error.code in RETRY_CODES:
                 return  # still processing: it runs again (after the restart, if the server is going down)
             outcome = _outcome(frame.data, frame.error)
-        await asyncio.to_thread(self.store.finish, key, *outcome)
+        await self.db.run(BatchStore.finish, key, *outcome)
 
 
 def _outcome(data: bytes, error: Failure | None) -> tuple[str, bytes]:
@@ -249,13 +219,4 @@ def _outcome(data: bytes, error: Failure | None) -> tuple[str, bytes]:
 
 async def run(owner: Any) -> None:
     """The background task: runs what the database says is left, then what comes."""
-    while not database_path(owner.cfg).exists():  # (nothing was ever submitted: no database to make, wherever
-        await asyncio.sleep(1.0)                  # --state-dir points, so a server that cannot write it starts)
-    outage = Outage(owner.cfg, "message batches")
-    while True:
-        try:
-            store = await asyncio.to_thread(BatchStore, owner.cfg)
-            break
-        except ERRORS as e:
-            await outage.failed(e)
-    await BatchRunner(owner, store).run()
+    await serve_queue(owner.cfg, BatchQueue(owner, database(owner.cfg, BatchStore)))

@@ -43,17 +43,17 @@ def build_tokenizer(vocab_dir: str):
     ranks: dict[bytes, int] = {}
     for line in (Path(vocab_dir) / FILE_NAME).read_bytes().splitlines():
         if line:
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
+            encoded, number = line.split()
+            ranks[base64.b64decode(encoded)] = int(number)
     chars = _byte_chars()
 
     def text(b: bytes) -> str:
         return "".join(chars[x] for x in b)
 
     merges = []
-    for token, rank in ranks.items():
-        for i in range(1, len(token)):
-            left, right = token[:i], token[i:]
+    for piece, rank in ranks.items():
+        for i in range(1, len(piece)):
+            left, right = piece[:i], piece[i:]
             if left in ranks and right in ranks:
                 merges.append((rank, ranks[left], ranks[right], left, right))
     merges.sort()

@@ -54,7 +54,9 @@ def _base(t: mi.Type) -> mi.Type:
 
 def flags() -> list[Flag]:
     out = []
-    for f in mi.type_info(ServerConfig).fields:
+    info = mi.type_info(ServerConfig)
+    assert isinstance(info, mi.StructType)
+    for f in info.fields:
         meta = f.type if isinstance(f.type, mi.Metadata) else None
         extra = (meta.extra or {}) if meta else {}
         if extra.get("derived"):
@@ -62,7 +64,8 @@ def flags() -> list[Flag]:
         t = _base(f.type)
         if isinstance(t, mi.UnionType):  # X | None
             t = next(_base(x) for x in t.types if not isinstance(x, mi.NoneType))
-        choices = tuple(t.values) if isinstance(t, mi.LiteralType) else None
+        choices = tuple(str(v) for v in t.values) if isinstance(t, mi.LiteralType) else None
+        convert: Any
         if isinstance(t, mi.BoolType):
             kind, convert = ("off" if f.default else "on"), bool
         elif isinstance(t, mi.ListType):
@@ -82,7 +85,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     values, then the defaults, fill the rest)."""
     for f in flags():
         help_text = f"{f.help} (default: {f.shown_default()})".replace("%", "%%")
-        common = dict(dest=f.field, default=argparse.SUPPRESS, help=help_text)
+        common: dict[str, Any] = dict(dest=f.field, default=argparse.SUPPRESS, help=help_text)
         if f.kind in ("on", "off"):
             parser.add_argument(f.flag, action="store_const", const=f.kind == "on", **common)
         elif f.kind == "list":
@@ -100,9 +103,10 @@ def _metavar(f: Flag) -> str | None:
 def config_file_values(data: dict, source: str) -> dict:
     """A --config file's mapping (keys: field names or flag names, dashes or underscores) as field values."""
     by_key: dict[str, Flag] = {}
-    for f in flags():
-        by_key[f.field] = by_key[f.config_key] = f
-    out, unknown = {}, []
+    for flag in flags():
+        by_key[flag.field] = by_key[flag.config_key] = flag
+    out: dict[str, Any] = {}
+    unknown: list[Any] = []
     for key, value in data.items():
         f = by_key.get(str(key).replace("-", "_"))
         if f is None:

@@ -13,13 +13,10 @@ up again where it stopped).
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import functools
 import logging
 import sqlite3
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator, TypeVar
+from typing import Iterator, TypeVar
 
 import msgspec
 
@@ -30,7 +27,6 @@ from sluice import state
 from sluice.config import ServerConfig
 
 log = logging.getLogger("sluice.responses")
-POLL_S = 0.1  # how often the owner looks for queued work and cancels, and a stream's follower for events
 MAX_CHAIN = 10_000  # responses a previous_response_id chain may reach back through
 _SCHEMA = ["""
 CREATE TABLE IF NOT EXISTS responses (
@@ -168,6 +164,19 @@ class Store:
             self._end(rid, response, ErrorEvent(sequence_number=0, code=failure.code, message=failure.message,
                                                 param=failure.param), last=True)
 
+    def retry(self, rid: str, failure: Failure) -> None:
+        """A background response the server dropped (state.RETRY_CODES): queued again while none of its
+        stream went out (but response.created, stored when it was queued), else failed (a stream cannot be
+        taken up again)."""
+        with self._writing():
+            begun = self.conn.execute("SELECT 1 FROM response_events WHERE response_id = ? AND seq > 0 LIMIT 1",
+                                      (rid,)).fetchone()
+            if begun is None:
+                self.conn.execute("UPDATE responses SET status = 'queued' WHERE id = ? AND status = 'in_progress'",
+                                  (rid,))
+                return
+        self.fail(rid, failure)
+
     def _end(self, rid: str, response: Response, error: ErrorEvent, last: bool = False) -> None:
         """(In a transaction.) The response as it ends, its stream closed by `error` (and response.failed)."""
         seq = self.conn.execute("SELECT MAX(seq) FROM response_events WHERE response_id = ?", (rid,)).fetchone()[0]
@@ -233,80 +242,44 @@ class Store:
         return [(s, e) for s, e in events], row[0] in TERMINAL  # (status first: a final status has all its events)
 
 
-class Database:
-    """This process's Store, opened on first use, its calls run one at a time on a thread of their own (an
-    event loop never waits for SQLite)."""
+class ResponseQueue:
+    """The queued background responses as background work (state.serve_queue): each one's events and outcome
+    written as they come; those cancelled or deleted stopped."""
 
-    def __init__(self, cfg: ServerConfig) -> None:
-        self.cfg = cfg
-        self._store: Store | None = None
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="sluice-state")
+    what = "background responses"
 
-    def exists(self) -> bool:
-        return self._store is not None or state.database_path(self.cfg).exists()
+    def __init__(self, owner, db: state.Database[Store]) -> None:
+        self.owner = owner
+        self.db = db
 
-    async def run(self, fn: Callable[..., T], *args) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._thread, self._call, fn, args)
+    async def resume(self) -> None:
+        for rid in await self.db.run(Store.interrupted):
+            self.owner.pipeline.abort(rid)  # a restarted owner's: the engine may still run them
 
-    def _call(self, fn: Callable[..., T], args: tuple) -> T:
-        if self._store is None:
-            self._store = Store(self.cfg)
-        return fn(self._store, *args)
+    async def stopped(self, running: set[str]) -> set[str]:
+        return await self.db.run(Store.settled, list(running)) if running else set()
 
+    async def pending(self, room: int, running: set[str]) -> list[tuple[str, bytes]]:
+        return await self.db.run(Store.queued, room, list(running))
 
-# ---- the background owner's task ----------------------------------------------
+    async def run(self, rid: str, job: bytes) -> None:
+        db = self.db
+        try:
+            async with contextlib.aclosing(self.owner.frames("responses", job, rid)) as frames:
+                async for frame in frames:
+                    if frame.error is not None:
+                        await db.run(Store.retry if frame.error.code in state.RETRY_CODES else Store.fail, rid,
+                                     frame.error)
+                        return
+                    if not await db.run(Store.append, rid, frame.data):
+                        return  # cancelled or deleted: closing the frames drops it from the engine
+        except Exception:  # (not taken up again: it would fail the same way, over and over)
+            log.exception("background response %s failed", rid)
+            with contextlib.suppress(*state.ERRORS):  # (else it stays in progress: the next start fails it)
+                await db.run(Store.fail, rid, Failure(500, "internal error while running this response",
+                                                      "internal_error"))
+
 
 async def run(owner) -> None:
-    """Runs the queued background responses, at most twice --background-concurrency taken at a time (the
-    owner runs --background-concurrency of all its work at once), and stops those cancelled or deleted."""
-    db = Database(owner.cfg)
-    while not db.exists():  # (nothing was ever stored: no database to make, wherever --state-dir points)
-        await asyncio.sleep(1.0)
-    outage = state.Outage(owner.cfg, "background responses")
-    while True:
-        try:
-            for rid in await db.run(Store.interrupted):
-                owner.pipeline.abort(rid)  # a restarted owner's: the engine may still run them
-            break
-        except state.ERRORS as e:
-            await outage.failed(e)
-    running: dict[str, asyncio.Task] = {}
-    while True:
-        try:
-            await _settle(owner, db, running)
-            outage.ok()
-        except state.ERRORS as e:
-            await outage.failed(e)
-        await asyncio.sleep(POLL_S)
-
-
-async def _settle(owner, db: Database, running: dict[str, asyncio.Task]) -> None:
-    """Stops the running responses cancelled or deleted, and starts queued ones while there is room."""
-    for rid in await db.run(Store.settled, list(running)) if running else ():
-        running.pop(rid).cancel()
-    room = 2 * owner.cfg.background_concurrency - len(running)
-    for rid, job in await db.run(Store.queued, room, list(running)) if room > 0 else ():
-        task = running[rid] = asyncio.create_task(_respond(owner, db, rid, job))
-        task.add_done_callback(functools.partial(_forget, running, rid))
-
-
-async def _respond(owner, db: Database, rid: str, job: bytes) -> None:
-    try:
-        async with contextlib.aclosing(owner.frames("responses", job, rid)) as frames:
-            async for frame in frames:
-                if frame.error is not None:
-                    if frame.error.code != "shutting_down":  # (that one runs again after the restart, if queued)
-                        await db.run(Store.fail, rid, frame.error)
-                    return
-                if not await db.run(Store.append, rid, frame.data):
-                    return  # cancelled or deleted: closing the frames drops it from the engine
-    except Exception:  # (not taken up again: it would fail the same way, over and over)
-        log.exception("background response %s failed", rid)
-        with contextlib.suppress(*state.ERRORS):  # (else it stays in progress: the next start fails it)
-            await db.run(Store.fail, rid, Failure(500, "internal error while running this response",
-                                                  "internal_error"))
-
-
-def _forget(running: dict[str, asyncio.Task], rid: str, task: asyncio.Task) -> None:
-    if running.get(rid) is task:
-        del running[rid]
+    """The background owner's task: runs the queued background responses."""
+    await state.serve_queue(owner.cfg, ResponseQueue(owner, state.database(owner.cfg, Store)))

@@ -11,6 +11,7 @@ import fcntl
 import glob
 import logging
 import multiprocessing as mp
+from multiprocessing.process import BaseProcess
 import os
 import shutil
 import signal
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import cast
 
 import msgspec
 import zmq
@@ -28,7 +30,7 @@ from ingress.server_options import granian_args
 from ipc.messages import (ControlInput, Drain, DrainTimedOut, EngineDied, IngressGone, IngressStatus, PostprocInput,
                           Ready, StageDied, SupervisorInput)
 from ipc.shm import shm_base
-from ipc.stats import EngineStats, StageClocks, stall_limits
+from ipc.stats import EngineStats, StageClocks, StageRole, stall_limits
 from ipc.transport import PubChannel, PullChannel, PushChannel
 from sluice import affinity, envs, procs
 from sluice.config import ServerConfig
@@ -128,13 +130,13 @@ class Supervisor:
         self.stats = EngineStats(cfg.addresses.stats_path, create=True)
         self.clocks = StageClocks(cfg.addresses.stage_clocks_path, cfg.render_workers, cfg.postproc_workers,
                                   create=True)
-        self._stalls: set[tuple[str, int]] = set()  # the render / postproc workers now past their stall limit
+        self._stalls: set[tuple[StageRole, int]] = set()  # the render / postproc workers now past their stall limit
         self.ctx = zmq.Context()
         self.inbox: PullChannel[SupervisorInput] = PullChannel(self.ctx, cfg.addresses.supervisor, SupervisorInput)
         self.control: PubChannel[ControlInput] = PubChannel(self.ctx, cfg.addresses.control)
         self.postprocs = [PushChannel[PostprocInput](self.ctx, cfg.addresses.postproc(k))
                           for k in range(cfg.postproc_workers)]
-        self.stages: dict[tuple[str, int], mp.Process] = {}
+        self.stages: dict[tuple[str, int], BaseProcess] = {}
         self.granian: subprocess.Popen | None = None
         self.ingress_status: dict[int, tuple[float, int]] = {}  # pid -> (time, in flight)
         self._token_path: dict[tuple[str, int], int] = {}  # the engine's and the postproc workers' pids
@@ -209,11 +211,14 @@ class Supervisor:
         env = dict(os.environ, SLUICE_CONFIG=self.config_path)
         supervisor = os.getpid()
         # Its own group: shutdown() can end granian's workers with it. Each worker dies with granian (create_app).
-        self.granian = subprocess.Popen(cmd, env=env,
-                                        preexec_fn=lambda: (procs.die_with_parent(supervisor), os.setpgrp()))
+        def own_group() -> None:
+            procs.die_with_parent(supervisor)
+            os.setpgrp()
+
+        self.granian = subprocess.Popen(cmd, env=env, preexec_fn=own_group)
         deadline = time.monotonic() + 60
         while not self._port_open():
-            if self.granian.poll() is not None:
+            if self.granian is not None and self.granian.poll() is not None:
                 raise SystemExit(f"sluice: the HTTP server exited during startup (code {self.granian.returncode})")
             if time.monotonic() > deadline:
                 raise SystemExit("sluice: the HTTP server did not start listening within 60s")
@@ -262,14 +267,15 @@ class Supervisor:
             for role, index in dead:  # render / postproc: fail what it held; background: it resumes; restart it
                 p = self.stages[(role, index)]
                 log.error("%s[%d] (pid %d) died (exit code %s): restarting it", role, index, p.pid, p.exitcode)
-                _forget_process(p.pid)
+                _forget_process(p.pid or 0)
                 if role in ("render", "postproc"):  # (the background owner's requests: as a dead ingress worker's)
-                    self.clocks.clear(role, index)  # (watched again once the new one beats)
-                    self.control.put(StageDied(role, index))
+                    stage = cast(StageRole, role)
+                    self.clocks.clear(stage, index)  # (watched again once the new one beats)
+                    self.control.put(StageDied(stage, index))
                 self._spawn(role, index)
             self._log_stalls()
             self._check_ingress_workers()
-            if self.granian.poll() is not None:
+            if self.granian is not None and self.granian.poll() is not None:
                 log.error("the HTTP server exited (code %s)", self.granian.returncode)
                 return 1
         _sd_notify("STOPPING=1")
@@ -348,7 +354,8 @@ class Supervisor:
                     p.join(5)
                     if p.is_alive():
                         p.kill()
-                _kill_group(p.pid)  # (a stage leads its own group: see stage_main)
+                if p.pid is not None:
+                    _kill_group(p.pid)  # (a stage leads its own group: see stage_main)
         self.stats.close()
         self.clocks.close()
         if self._http is not None:

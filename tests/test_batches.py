@@ -10,8 +10,9 @@ import pytest
 
 from ipc.messages import Failure, Frame
 from sluice import batches
-from sluice.batches import BatchRunner, BatchStore
+from sluice.batches import BatchQueue, BatchStore
 from sluice.config import ServerConfig
+from sluice.state import Database, serve_queue
 
 PARAMS = json.dumps({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}).encode()
 
@@ -58,8 +59,13 @@ async def until(done, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
-async def run_until(runner: BatchRunner, done) -> None:
-    task = asyncio.create_task(runner.run())
+def runner(owner):
+    """The background owner's batch task (with its own connection, as in the owner process)."""
+    return serve_queue(owner.cfg, BatchQueue(owner, Database(owner.cfg, BatchStore)))
+
+
+async def run_until(runner, done) -> None:
+    task = asyncio.create_task(runner)
     try:
         await until(done)
     finally:
@@ -83,7 +89,7 @@ def test_a_batch_is_kept_listed_and_paged_newest_first(store):
 def test_the_runner_writes_each_outcome_and_ends_the_batch(cfg, store):
     batch = store.create([("ok", PARAMS), ("bad", PARAMS), ("elsewhere", PARAMS.replace(b'"m"', b'"other"'))])
     owner = FakeOwner(cfg, iter([b'{"id":"msg_x","type":"message"}', Failure(400, "no", param="messages")]))
-    asyncio.run(run_until(BatchRunner(owner, store), lambda: store.get(batch.id).processing_status == "ended"))
+    asyncio.run(run_until(runner(owner), lambda: store.get(batch.id).processing_status == "ended"))
     got = {line["custom_id"]: line["result"] for line in lines(store, batch.id)}
     assert got["ok"] == {"type": "succeeded", "message": {"id": "msg_x", "type": "message"}}
     assert got["bad"]["error"] == {"type": "error", "error": {"type": "invalid_request_error",
@@ -99,7 +105,7 @@ def test_work_the_server_dropped_runs_again(cfg, store):
     batch = store.create([("a", PARAMS)])
     owner = FakeOwner(cfg, iter([Failure(503, "draining", "shutting_down"), Failure(500, "gone", "worker_died"),
                                  b'{"id":"msg_x"}']))
-    asyncio.run(run_until(BatchRunner(owner, store), lambda: store.get(batch.id).processing_status == "ended"))
+    asyncio.run(run_until(runner(owner), lambda: store.get(batch.id).processing_status == "ended"))
     assert owner.calls == 3 and lines(store, batch.id)[0]["result"]["type"] == "succeeded"
 
 
@@ -115,18 +121,18 @@ def test_cancel_ends_what_is_not_running_and_keeps_what_finished(cfg, store):
     owner = Slow(cfg, iter(lambda: b'{"id":"msg_x"}', None))
 
     async def scenario():
-        task = asyncio.create_task(BatchRunner(owner, store).run())
+        task = asyncio.create_task(runner(owner))
         await asyncio.sleep(0.2)  # the runner took its first requests
         assert store.cancel(batch.id).processing_status == "canceling"
         await until(lambda: store.get(batch.id).request_counts.canceled > 0)  # the rest is canceled,
-        assert store.get(batch.id).request_counts.processing == cfg.background_concurrency  # the running ones run
+        assert store.get(batch.id).request_counts.processing == 2 * cfg.background_concurrency  # the running ones
         gate.set()
         await until(lambda: store.get(batch.id).processing_status == "ended")
         task.cancel()
 
     asyncio.run(scenario())
     counts = store.get(batch.id).request_counts
-    assert counts.succeeded == cfg.background_concurrency and counts.canceled == 50 - counts.succeeded
+    assert counts.succeeded == 2 * cfg.background_concurrency and counts.canceled == 50 - counts.succeeded
     assert {line["result"]["type"] for line in lines(store, batch.id)} == {"succeeded", "canceled"}
     assert store.get(batch.id).cancel_initiated_at is not None
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from ingress.anthropic import MESSAGES, error_body, stream_error
+from ingress.anthropic import MESSAGES
+from ipc.errors import ANTHROPIC
 from ingress.dialects import OPENAI_CHAT
 from ipc.messages import Failure
 
@@ -18,14 +19,14 @@ from ipc.messages import Failure
     (504, "timeout_error"), (529, "overloaded_error"),
 ])
 def test_each_status_has_anthropics_error_type(status, kind):
-    assert json.loads(error_body(Failure(status, "why"))) == {"type": "error", "error": {"type": kind,
+    assert json.loads(ANTHROPIC.body(Failure(status, "why"))) == {"type": "error", "error": {"type": kind,
                                                                                          "message": "why"}}
 
 
 def test_the_message_names_the_field_and_a_stream_says_it_as_an_event():
-    assert json.loads(error_body(Failure(400, "too big", param="max_tokens")))["error"]["message"] == \
+    assert json.loads(ANTHROPIC.body(Failure(400, "too big", param="max_tokens")))["error"]["message"] == \
         "max_tokens: too big"
-    event = stream_error(Failure(500, "the engine process died"))
+    event = ANTHROPIC.stream(Failure(500, "the engine process died"))
     assert event.startswith(b"event: error\ndata: ") and event.endswith(b"\n\n")
     assert json.loads(event.split(b"data: ")[1])["error"]["type"] == "api_error"
 

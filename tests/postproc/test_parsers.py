@@ -12,6 +12,7 @@ from openai_harmony import HarmonyError, Role, StreamableParser
 
 from ipc.messages import PostprocSpec, Started
 from postproc.harmony import HarmonyParser
+from postproc.assembly import Assembly
 from postproc.openai_frames import _message
 from postproc.parsers import HermesParser, Piece, ThinkParser
 from postproc.request import RequestOutput
@@ -42,15 +43,15 @@ def _chunks(text: str, cuts: list[int]) -> list[str]:
     return [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
 
 
-def _run_text(text: str, cuts: list[int]) -> Piece:
+def _run_text(text: str, cuts: list[int]) -> Assembly:
     parsers = [ThinkParser(), HermesParser()]
-    merged = Piece()
+    merged = Assembly(trim=False)
     pieces = _chunks(text, cuts)
     for i, chunk in enumerate(pieces):
         piece = Piece(content=chunk)
         for p in parsers:
             piece = p.feed(piece, final=i == len(pieces) - 1)
-        merged.extend(piece)
+        merged.feed(piece)
     return merged
 
 
@@ -274,12 +275,12 @@ TWO_CALLS = ('<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
 def test_hermes_with_one_call_allowed_reads_the_first_call_only(cuts):
     parser = HermesParser(max_calls=1)
     pieces = [TWO_CALLS[i:j] for i, j in zip([0, *cuts], [*cuts, len(TWO_CALLS)])]
-    out = Piece()
+    out = Assembly(trim=False)
     for i, text in enumerate(pieces):
-        out.extend(parser.feed(Piece(content=text), final=i == len(pieces) - 1))
+        out.feed(parser.feed(Piece(content=text), final=i == len(pieces) - 1))
     message = _message(out)
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [("a", {"x": 1})]
-    assert parser.done and out.content.strip() == ""
+    assert parser.done and (message.content or "").strip() == ""
 
 
 _unicode_texts = st.text(st.sampled_from("ab .\u00e9\u4e2d\U0001f980\n\""), min_size=1, max_size=12)

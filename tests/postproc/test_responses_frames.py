@@ -15,8 +15,6 @@ from openai.types.responses import ResponseStreamEvent
 from tokenizers import Tokenizer
 
 from ipc.responses import CreateResponse, FramerSpec, new_response
-from postproc.parsers import Piece
-from postproc.responses_frames import Output
 from postproc.worker import Shard
 from tests.postproc.test_shard import feed, start
 
@@ -112,22 +110,6 @@ def test_a_background_stream_goes_on_from_its_stored_created_event(shard):
     data, _ = feed(shard, "Hi", rid="resp_1", started=_start(shard, True, background=True), final="length")
     events = sse_events(data)
     assert events[0]["type"] == "response.in_progress" and events[0]["sequence_number"] == 1
-
-
-def test_whitespace_between_calls_opens_no_message():
-    out = Output()
-    out.feed(Piece(tool_calls=_call(0, "a")))
-    out.feed(Piece(content="\n"))
-    out.feed(Piece(tool_calls=_call(1, "b")))
-    out.feed(Piece(content="\n"))
-    out.close()
-    assert [type(item).__name__ for item in out.items] == ["FunctionCallItem", "FunctionCallItem"]
-
-
-def _call(index: int, name: str):
-    from ipc.openai import FunctionCallOut, ToolCallOut
-
-    return [ToolCallOut(index=index, id=f"call_{index}", type="function", function=FunctionCallOut(name, "{}"))]
 
 
 _TEXT = st.text(alphabet="ab cé\n.,!", max_size=12)
