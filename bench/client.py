@@ -24,24 +24,33 @@ class Result:
 class Connection:
     def __init__(self, base_url: str, api_key: str | None = None) -> None:
         u = urlsplit(base_url)
+        if u.hostname is None:
+            raise ValueError(f"no host in {base_url!r}")
         self.host, self.port = u.hostname, u.port or 80
         self.prefix = u.path.rstrip("/")
         self.auth = f"Authorization: Bearer {api_key}\r\n".encode() if api_key else b""
-        self.reader = self.writer = None
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
 
-    async def _ensure(self) -> None:
+    async def _ensure(self) -> asyncio.StreamWriter:
+        """Connects unless connected; returns the writer."""
         if self.writer is None or self.writer.is_closing():
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 22)
+        return self.writer
+
+    def _reader(self) -> asyncio.StreamReader:
+        assert self.reader is not None, "read before _ensure() connected"
+        return self.reader
 
     async def post_sse(self, path: str, body: dict) -> Result:
         """POSTs a streaming request and times its events."""
         res = Result(start=time.perf_counter())
         try:
-            await self._ensure()
+            writer = await self._ensure()
             payload = json.dumps(body).encode()
-            self.writer.write(b"POST " + (self.prefix + path).encode() + b" HTTP/1.1\r\nHost: " +
-                              self.host.encode() + b"\r\nContent-Type: application/json\r\n" + self.auth +
-                              b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+            writer.write(b"POST " + (self.prefix + path).encode() + b" HTTP/1.1\r\nHost: " +
+                         self.host.encode() + b"\r\nContent-Type: application/json\r\n" + self.auth +
+                         b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
             status, chunked, length = await self._headers()
             if status != 200:
                 await self._read_body(chunked, length)
@@ -73,9 +82,10 @@ class Connection:
         return res
 
     async def _headers(self) -> tuple[int, bool, int]:
-        status = int((await self.reader.readline()).split()[1])
+        reader = self._reader()
+        status = int((await reader.readline()).split()[1])
         chunked, length = False, 0
-        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+        while (line := await reader.readline()) not in (b"\r\n", b""):
             name, _, value = line.partition(b":")
             name = name.strip().lower()
             if name == b"transfer-encoding" and b"chunked" in value.lower():
@@ -88,15 +98,16 @@ class Connection:
         return b"".join([c async for c in self._chunks(chunked, length)])
 
     async def _chunks(self, chunked: bool, length: int):
+        reader = self._reader()
         if not chunked:
-            yield await self.reader.readexactly(length)
+            yield await reader.readexactly(length)
             return
         while True:
-            size = int((await self.reader.readline()).split(b";")[0], 16)
+            size = int((await reader.readline()).split(b";")[0], 16)
             if size == 0:
-                await self.reader.readline()
+                await reader.readline()
                 return
-            data = await self.reader.readexactly(size + 2)
+            data = await reader.readexactly(size + 2)
             yield data[:-2]
 
     async def _events(self, chunked: bool, length: int):

@@ -366,7 +366,7 @@ def unread_stream(server: Server, n: int, max_tokens: int, read_after: bool = Fa
         if started and m["sluice:num_requests_running"] + m["sluice:num_requests_waiting"] == 0:
             break
         time.sleep(0.2)
-    result = {"n": n, "max_tokens": max_tokens,
+    result: dict[str, object] = {"n": n, "max_tokens": max_tokens,
               "tokens_generated": int(m["sluice:generation_tokens_total"] - tokens_before),
               "engine_busy_s": round(time.monotonic() - t0, 1)}
     if read_after:
@@ -475,9 +475,9 @@ def state_pulled_away(server: Server, state_dir: Path) -> dict:
     background = _finished_background(url)
     batch_body = {"requests": [{"custom_id": "b", "params": {"model": MODEL, "max_tokens": 4, "messages": user}}]}
     batch = httpx.post(url + "/v1/messages/batches", json=batch_body, timeout=60).json()["id"]
-    for path in state_dir.iterdir():
-        if path.is_file():
-            path.write_bytes(b"\xff" * max(path.stat().st_size, 4096))
+    for f in state_dir.iterdir():
+        if f.is_file():
+            f.write_bytes(b"\xff" * max(f.stat().st_size, 4096))
     openai_shaped, anthropic_shaped = _openai_state_error, _anthropic_state_error
     routes = [
         (openai_shaped, "POST", "/v1/responses", body),

@@ -14,7 +14,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -22,6 +22,11 @@ import torch
 from bench.grammar_limits import wide_any_of
 from sluice.builtin_models import resolve_model
 from sluice.checkpoint import eos_token_ids, tokenizer_info
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # (in the stub only: a TypedDict)
+
+    from render.structured import Backend
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
            "required": ["city"], "additionalProperties": False}
@@ -116,7 +121,7 @@ def llguidance_engine(path: Path, vocab: int) -> Engine:
                                        eos_token=eos_token_ids(path))
     executor = llguidance.LLExecutor()
     setup = time.perf_counter() - t0
-    options = {"whitespace_flexible": False}
+    options: JsonCompileOptions = {"whitespace_flexible": False}
 
     def compile_(schema: str):
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
@@ -210,7 +215,7 @@ def coverage(engine: Engine, vocab: int, decode: Callable[[list[int]], str], sam
     return out
 
 
-def batch_cost(backend: str, temperature: float, dtype: torch.dtype, batch: int = 16,
+def batch_cost(backend: Backend, temperature: float, dtype: torch.dtype, batch: int = 16,
                steps: int = 40, rounds: int = 3) -> tuple[float, float]:
     """Median over `rounds` (free and held interleaved) of the mean ms of a decode step of `batch` sequences
     on the o200k-vocabulary tiny Llama: all free, then one of them held to a schema (the engine's own
@@ -237,14 +242,18 @@ def batch_cost(backend: str, temperature: float, dtype: torch.dtype, batch: int 
                            SamplingParams(max_tokens=steps + 20, temperature=temperature, stop_token_ids=(2,)),
                            seed=i)
             if i < held:
-                seq.grammar = grammars.state(loaded, [], [])  # (no stop ids: it runs to its length)
+                # (no stop ids: it runs to its length). The ignore: engine/sequence.py leaves `grammar` unannotated
+                # (None), so mypy takes it for None only; it holds a GrammarState when the output is constrained.
+                seq.grammar = grammars.state(loaded, [], [])  # type: ignore[assignment]
             sched.add(seq)
         for _ in range(5):
             b = sched.schedule()
+            assert b is not None  # (max_tokens steps + 20: every sequence runs throughout)
             sched.update(b, runner.run(b).tokens)
         t0 = time.perf_counter()
         for _ in range(steps):
             b = sched.schedule()
+            assert b is not None
             sched.update(b, runner.run(b).tokens)
         out[held].append((time.perf_counter() - t0) / steps * 1000)
     return statistics.median(out[0]), statistics.median(out[1])
@@ -260,7 +269,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.batch_cost:
         print("| engine | dtype | temperature | step ms, 16 free | 15 free + 1 held |")
-        for backend in ("llguidance", "xgrammar"):
+        backends: tuple[Backend, ...] = ("llguidance", "xgrammar")
+        for backend in backends:
             for dtype in (torch.float32, torch.bfloat16):
                 for temperature in (0.0, 1.0):
                     free, held = batch_cost(backend, temperature, dtype)

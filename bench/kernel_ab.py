@@ -98,9 +98,9 @@ def linears(base: ctypes.CDLL, this: ctypes.CDLL, shapes: list[str], rows: list[
 def causal(base: ctypes.CDLL, this: ctypes.CDLL, shapes: list[str], tokens: int, calls: int) -> None:
     g = torch.Generator().manual_seed(0)
     for shape in shapes:
-        heads, rest = shape.split("/")
+        heads_text, rest = shape.split("/")
         kv_heads, dim = map(int, rest.split("x"))
-        heads = int(heads)
+        heads = int(heads_text)
         q = torch.randn(1, tokens, heads, dim, generator=g)
         k, v = (torch.randn(1, tokens, kv_heads, dim, generator=g) for _ in range(2))
         outs = [torch.empty_like(q) for _ in range(2)]

@@ -15,8 +15,13 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from multiprocessing.synchronize import Event
 
 LAYERS, NUM_BLOCKS, BLOCK_ELEMS = 4, 1024, 16 * 8 * 64  # block_size 16, 8 KV heads, head_dim 64, float32
 
@@ -25,7 +30,7 @@ def _tensors(alloc) -> list[np.ndarray]:
     return [alloc(NUM_BLOCKS * BLOCK_ELEMS * 4) for _ in range(2 * LAYERS)]
 
 
-def _holder(kind: str, q: mp.Queue, stop: mp.Event) -> None:
+def _holder(kind: str, q: mp.Queue, stop: Event) -> None:
     """The context side: a filled cache, registered with the transport; its location goes on `q`."""
     if kind == "shm":
         d = tempfile.mkdtemp(dir="/dev/shm")
@@ -54,7 +59,7 @@ def _holder(kind: str, q: mp.Queue, stop: mp.Event) -> None:
     stop.wait()
 
 
-def _reader(kind: str, location):
+def _reader(kind: str, location) -> Callable[[list[int]], int]:
     """A function that reads (src block ids) into the same ids of a local cache; returns bytes moved."""
     width = BLOCK_ELEMS * 4
     local = [np.ones(NUM_BLOCKS * BLOCK_ELEMS, np.float32) for _ in range(2 * LAYERS)]  # (pages touched, as a cache's)
@@ -68,12 +73,12 @@ def _reader(kind: str, location):
                                                     prot=mmap.PROT_READ), np.uint8))
         dst = [t.view(np.uint8) for t in local]
 
-        def read(blocks):
+        def read_shm(blocks: list[int]) -> int:
             for s, d in zip(maps, dst):
                 for b in blocks:
                     d[b * width:(b + 1) * width] = s[b * width:(b + 1) * width]
             return len(blocks) * width * len(maps)
-        return read
+        return read_shm
     if kind == "nixl":
         from nixl._api import nixl_agent, nixl_agent_config
 
@@ -82,7 +87,7 @@ def _reader(kind: str, location):
         agent.register_memory([(t.ctypes.data, t.nbytes, 0, "") for t in local], "DRAM")
         peer = agent.add_remote_agent(meta)
 
-        def read(blocks):
+        def read_nixl(blocks: list[int]) -> int:
             rem = [(a + b * width, width, 0) for a in addrs for b in blocks]
             loc = [(t.ctypes.data + b * width, width, 0) for t in local for b in blocks]
             h = agent.initialize_xfer("READ", agent.get_xfer_descs(loc, "DRAM"), agent.get_xfer_descs(rem, "DRAM"),
@@ -93,7 +98,7 @@ def _reader(kind: str, location):
             agent.release_xfer_handle(h)
             assert state == "DONE", state
             return len(rem) * width
-        return read
+        return read_nixl
     from mooncake.engine import TransferEngine
 
     peer, addrs = location
@@ -102,12 +107,12 @@ def _reader(kind: str, location):
     for t in local:
         engine.register_memory(t.ctypes.data, t.nbytes)
 
-    def read(blocks):
+    def read_mooncake(blocks: list[int]) -> int:
         loc = [t.ctypes.data + b * width for t in local for b in blocks]
         rem = [a + b * width for a in addrs for b in blocks]
         assert engine.batch_transfer_sync_read(peer, loc, rem, [width] * len(loc)) == 0
         return len(loc) * width
-    return read
+    return read_mooncake
 
 
 def measure(kind: str, batches: list[int], repeats: int) -> list[tuple[int, float, float]]:

@@ -76,7 +76,7 @@ async def load(url: str, jobs: list[tuple[str, int]], concurrency: int) -> list[
         return await asyncio.gather(*(run(j) for j in jobs))
 
 
-def pct(values: list[float], q: float) -> float:
+def pct(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else (values[0] if values else 0.0)
 
 

@@ -145,7 +145,7 @@ def run_load(args, requests: list[tuple[str, int]]) -> tuple[list[Result], float
         raise SystemExit(f"the client processes did not start within {_CLIENT_START_S} s") from None
     t0 = time.perf_counter()  # perf_counter is CLOCK_MONOTONIC on Linux: the same clock in every process
     results: list[Result] = []
-    ends = []
+    ends: list[float] = []
     cpu = 0.0
     while len(ends) < w:
         try:

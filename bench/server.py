@@ -80,7 +80,11 @@ class Server:
             return f.read()
 
     def stage_pid(self, role: str) -> int:
-        return int(re.search(rf"{role}\[0\] ready \(pid (\d+)\)", self.output()).group(1))
+        output = self.output()
+        m = re.search(rf"{role}\[0\] ready \(pid (\d+)\)", output)
+        if m is None:
+            raise RuntimeError(f"no {role}[0] ready line in the server's output:\n{output}")
+        return int(m.group(1))
 
     def metrics(self, headers: dict | None = None) -> dict[str, float]:
         text = httpx.get(self.url + "/metrics", timeout=5, headers=headers).text

@@ -11,7 +11,7 @@
   encoded: microseconds a request.
 
 Best of `--rounds` (process time). Beside `bench.ceiling`'s CPU per 1,000 tokens of each stage in the server,
-the difference is what being one of several busy processes costs each stage (bench/RESULTS.md, 2026-12-02).
+the difference is what being one of several busy processes costs each stage (bench/RESULTS.md#front-stage-cpu).
 """
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ import msgspec
 from tokenizers import Tokenizer
 
 from bench.ceiling import MODEL, harmony_recording
-from engine.worker import Engine, step_outputs
+from engine.engine import Engine
+from engine.outputs import step_outputs
 from ipc.messages import (EngineRequest, Finished, PostprocSpec, RenderJob, SamplingParams, Started, StepOutputs,
                           ids_to_bytes)
 from postproc.worker import Shard

@@ -103,6 +103,7 @@ def continuous(model, concurrency: int, requests: int, prompt_len: int, new_toke
             admitted += 1
             running += 1
         b = sched.schedule()
+        assert b is not None, "requests running but none scheduled"
         update = sched.update(b, runner.run(b).tokens)
         tokens += len(update.new_tokens)
         running -= len(update.finished)

@@ -32,6 +32,7 @@ from bench.checkpoints import CHECKPOINTS, checkpoint
 from engine.attention import _attention
 from engine.block_manager import BlockManager
 from engine.cpu import ops
+from engine.cpu.backend import CpuBackend
 from engine.cpu.lm_head import onednn_packed
 from engine.cpu.matmul import F32Matmul
 from engine.lm_head import lm_head
@@ -67,6 +68,7 @@ def step_parts(model, dtype, batch: int, temperature: float, steps: int = 40,
                            SamplingParams(max_tokens=steps + 20, temperature=temperature), seed=i))
     for _ in range(10):  # the prefill, then warm-up decodes
         b = sched.schedule()
+        assert b is not None  # (every sequence is still running)
         sched.update(b, runner.run(b).tokens)
     total = dict.fromkeys(PARTS, 0.0)
 
@@ -79,16 +81,18 @@ def step_parts(model, dtype, batch: int, temperature: float, steps: int = 40,
     with torch.inference_mode():
         for _ in range(steps):
             b = timed("schedule", sched.schedule)
+            assert b is not None
             inputs = timed("prepare", lambda: runner._prepare(b))
-            hidden = timed("backbone", lambda: runner.model(inputs["input_ids"], inputs["positions"],
-                                                             runner.kv_caches, inputs["meta"], inputs["logits_index"]))
-            seqs = inputs["sampling_seqs"]
+            hidden = timed("backbone", lambda: runner.model(inputs.input_ids, inputs.positions,
+                                                             runner.kv_caches, inputs.meta, inputs.logits_index))
+            seqs, exp = inputs.sampling_seqs, runner.exp_kernels
             if all(map(plain_greedy, seqs)):  # as the runner does: the argmax without the logits
                 ids = timed("lm head", lambda: runner.lm_head.argmax(hidden))
                 tokens = timed("sampling", ids.tolist)
             else:
                 logits = timed("lm head", lambda: runner.lm_head(hidden))
-                tokens = timed("sampling", lambda: sample(logits, SamplingBatch.for_seqs(seqs, runner.device)).tolist())
+                tokens = timed("sampling",
+                               lambda: sample(logits, SamplingBatch.for_seqs(seqs, runner.device, exp)).tolist())
             timed("update", lambda: sched.update(b, tokens))
     return {k: 1000 * v / steps for k, v in total.items()}
 
@@ -108,6 +112,7 @@ def prefill_steps(model, dtype, batch: int, prompt_len: int = 130, steps: int = 
         if i >= 20 and i % 3 == 0:  # a one-token request: its prompt, then it is gone
             sched.add(Sequence(f"n{i}", prompt(), SamplingParams(max_tokens=1, temperature=0.0), seed=i))
         b = sched.schedule()
+        assert b is not None  # (the batch - 1 long requests run throughout)
         t0 = time.perf_counter()
         sched.update(b, runner.run(b).tokens)
         if i >= 20:
@@ -128,6 +133,7 @@ def mixed_steps(model, dtype, batch: int, prompt_len: int = 130, steps: int = 40
         times = []
         for i in range(10 + steps):  # the prefill and warm-up decodes first
             b = sched.schedule()
+            assert b is not None  # (max_tokens 10,000: every sequence runs throughout)
             t0 = time.perf_counter()
             sched.update(b, runner.run(b).tokens)
             times.append(time.perf_counter() - t0)
@@ -171,7 +177,7 @@ def kernels(model, batches: list[int]) -> list[tuple[str, int, float, float]]:
         ones = torch.ones(b, 1)
 
         def exp_pass():  # the sampler's: one pass for the probabilities and their block sums
-            probs, sums = exp_blocks(logits, ones)
+            probs, sums = exp_blocks(logits, ones, CpuBackend(torch.float32).exp_kernels())
             return inverse_cdf(probs, u, sums)
 
         rows.append(("temperature 1 (exp + cumsum / exp pass + two-level)", b, bench_ms(full_cdf),
@@ -190,9 +196,10 @@ def kernels(model, batches: list[int]) -> list[tuple[str, int, float, float]]:
                 return F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=0.17, enable_gqa=True)
             return _attention(qg, kg, vg, mask, 0.17)
 
+        k_cache, v_cache = caches
         rows.append(("decode attention, 160 keys (gather + matmuls / kernel)", b, bench_ms(torch_path, 200),
-                     bench_ms(lambda: ops.decode_attention(q, *caches, torch.arange(b), slots, mask, 0.17,
-                                                                   None, out), 200)))
+                     bench_ms(lambda: ops.decode_attention(q, k_cache, v_cache, torch.arange(b), slots, mask, 0.17,
+                                                           None, out), 200)))
     return rows
 
 
@@ -276,13 +283,16 @@ def layer_parts(model, dtype, batch: int, prompt_len: int = 130, n: int = 20) ->
         sched.add(Sequence(f"r{i}", _prompt(rng, model, prompt_len), SamplingParams(max_tokens=1000), seed=i))
     for _ in range(10):
         b = sched.schedule()
+        assert b is not None  # (max_tokens 1,000: every sequence runs throughout)
         sched.update(b, runner.run(b).tokens)
-    inputs = runner._prepare(sched.schedule())
-    meta, positions = inputs["meta"], inputs["positions"]
+    b = sched.schedule()
+    assert b is not None
+    inputs = runner._prepare(b)
+    meta, positions = inputs.meta, inputs.positions
     layer, kv = model.model.layers[0], runner.kv_caches[0]
     attn, mlp, backend = layer.self_attn, layer.mlp, runner.backend
     h, hkv, d = attn.heads
-    weights = {m: m.weight.float() for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)}
+    weights = {m: m.weight.to(dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)}
     x = torch.randn(batch, model.config.hidden_size, dtype=dtype)
     qkv = attn.qkv_proj(x).view(batch, h + 2 * hkv, d)
     q = rope_and_store(qkv[:, : h + hkv], qkv[:, h + hkv :], h, attn.rotary, positions, *kv, meta.slot_mapping[None])
@@ -321,7 +331,7 @@ def layer_parts(model, dtype, batch: int, prompt_len: int = 130, n: int = 20) ->
     stack, backbone.stack = backbone.stack, None
     with torch.inference_mode():
         def step():
-            backbone(inputs["input_ids"], positions, runner.kv_caches, meta, inputs["logits_index"])
+            backbone(inputs.input_ids, positions, runner.kv_caches, meta, inputs.logits_index)
         op_by_op = bench_ms(step, 5)
         backbone.stack = stack
         one_call = bench_ms(step, 5)

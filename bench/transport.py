@@ -28,11 +28,12 @@ SIZES = [64, 256, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 <<
 
 def _echo(directory: str, threshold: int | None) -> None:
     ctx = zmq.Context()
-    inbox = PullChannel(ctx, f"ipc://{directory}/ping", IngressInput)
-    out = PushChannel(ctx, f"ipc://{directory}/pong")
+    inbox: PullChannel[IngressInput] = PullChannel(ctx, f"ipc://{directory}/ping", IngressInput)
+    out: PushChannel[Frames] = PushChannel(ctx, f"ipc://{directory}/pong")
     ack = Frames([Frame("ack", b"")])
     while True:
         msg = inbox.get()
+        assert isinstance(msg, Frames), msg  # the ping side sends only Frames
         if msg.frames[0].request_id == "quit":
             return
         out.put(ack)
@@ -42,11 +43,11 @@ def measure(size: int, shm: bool, iters: int) -> float:
     """Median round-trip microseconds for `size`-byte payloads."""
     directory = tempfile.mkdtemp(prefix="sluice-bench-")
     ctx = zmq.Context()
-    pong = PullChannel(ctx, f"ipc://{directory}/pong", IngressInput)
+    pong: PullChannel[IngressInput] = PullChannel(ctx, f"ipc://{directory}/pong", IngressInput)
     proc = mp.get_context("spawn").Process(target=_echo, args=(directory, None))
     proc.start()
-    ping = PushChannel(ctx, f"ipc://{directory}/ping", shm_dir=directory if shm else None, shm_threshold=0,
-                       ring_bytes=64 << 20)
+    ping: PushChannel[Frames] = PushChannel(ctx, f"ipc://{directory}/ping", shm_dir=directory if shm else None,
+                                            shm_threshold=0, ring_bytes=64 << 20)
     msg = Frames([Frame("x", os.urandom(size))])
     times = []
     for i in range(iters + 10):

@@ -70,8 +70,11 @@ def paged_attention(
     sinks: torch.Tensor | None = None,  # [H] learned logits of a "sink" key (gpt-oss)
     decode: Callable[..., bool] | None = None,  # a backend's kernel for groups of one query each (see Backend)
     causal: Callable[..., bool] | None = None,  # a backend's kernel for prompts and their chunks (Backend)
+    softcap: float | None = None,  # scores soft-capped as softcap * tanh(s / softcap) (Gemma 2): torch only
 ) -> torch.Tensor:
     out = q.new_empty(meta.num_tokens + 1, q.shape[1], q.shape[2])
+    if softcap is not None:  # (neither the backends' kernels nor SDPA cap the scores)
+        decode = causal = None
     for g in meta.groups:
         if decode is not None and g.q_index.shape[1] == 1 and decode(
                 q, k_cache, v_cache, g.q_index.view(-1), g.kv_slots[window], g.masks[window], scale, sinks, out):
@@ -85,12 +88,13 @@ def paged_attention(
         mask = g.masks[window]
         # Batched decodes on the CPU: torch's SDPA there is 2-4x slower than a few matmuls for one query each.
         cpu_decodes = q.device.type == "cpu" and qg.shape[2] == 1 and qg.shape[0] > 1
-        if sinks is None and not cpu_decodes and g.causal.get(window):
+        sdpa = sinks is None and softcap is None and not cpu_decodes
+        if sdpa and g.causal.get(window):
             o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale, enable_gqa=True)
-        elif sinks is None and not cpu_decodes:
+        elif sdpa:
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=True)
         else:
-            o = _attention(qg, kg, vg, mask, scale, sinks)
+            o = _attention(qg, kg, vg, mask, scale, sinks, softcap)
         out[g.out_index] = o.transpose(1, 2)  # [B, Q, H, D]
     return out[: meta.num_tokens]
 
@@ -101,14 +105,17 @@ def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, index.view(-1)).view(*index.shape, *x.shape[1:])
 
 
-def _attention(q, k, v, mask, scale, sinks=None):
+def _attention(q, k, v, mask, scale, sinks=None, softcap=None):
     """softmax(q k^T scale) v in float32 for q [B, H, Q, D], k and v [B, Hkv, K, D], mask [B, 1, Q, K]
     (grouped-query: each k/v head serves H/Hkv query heads, without repeating it). `sinks` [H]: a per-head
-    extra logit whose share of the attention goes nowhere (gpt-oss)."""
+    extra logit whose share of the attention goes nowhere (gpt-oss). `softcap`: the scores s soft-capped as
+    softcap * tanh(s / softcap) before the mask (Gemma 2)."""
     b, h, nq, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
     scores = (q.reshape(b, hkv, g * nq, d).float() @ k.float().transpose(-1, -2)).mul_(scale)  # [B, Hkv, G*Q, K]
+    if softcap is not None:
+        scores = scores.div_(softcap).tanh_().mul_(softcap)
     scores = scores.view(b, hkv, g, nq, -1).masked_fill_(~mask.unsqueeze(2), float("-inf"))
     if sinks is None:
         probs = scores.softmax(dim=-1)

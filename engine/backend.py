@@ -14,6 +14,7 @@ packs the weights for its kernels then, never per step. A weight changed in plac
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,7 @@ from torch import nn
 from engine import attention
 from engine.attention import AttentionMetadata
 from engine.rope import Rotary
-from engine.sampler import argmax
+from engine.sampler import ExpKernels, argmax
 
 log = logging.getLogger("sluice.engine")
 
@@ -31,7 +32,7 @@ class LMHead:
     """The LM head of one weight [V, D]: logits [B, V] (in the weight's dtype) of normed hidden rows [B, D],
     and each row's argmax (the first index of the maximum of those logits)."""
 
-    kernel = None  # what runs it, where a backend's kernel does (its argmax then writes no logits)
+    kernel: Any = None  # what runs it, where a backend's kernel does (its argmax then writes no logits)
     path = "F.linear"  # (for the log)
 
     def __init__(self, weight: torch.Tensor) -> None:
@@ -59,14 +60,25 @@ class Backend:
                 module.backend = self
             if hasattr(module, "run"):
                 module.run = self.linear(module)
+            if hasattr(module, "run_expert"):
+                module.run_expert = self.experts(module)
         return False
 
     def linear(self, layer: nn.Linear):
         """What runs this linear on rows x (x -> x @ W^T + b), or None for F.linear."""
         return None
 
+    def experts(self, experts: nn.Module):
+        """What runs expert e of a mixture's stacked SwiGLU experts (engine/moe.py's `Experts`) on its rows
+        [n, D] ((e, rows) -> [n, D]), or None for torch's path."""
+        return None
+
     def lm_head(self, weight: torch.Tensor) -> LMHead:
         return LMHead(weight)
+
+    def exp_kernels(self) -> ExpKernels | None:
+        """The sampler's exp pass, where this backend has kernels for it (None: torch's softmax)."""
+        return None
 
     def swiglu(self, gate_up: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a stacked gate-and-up linear (gate outputs first) on rows x [T, D]: [T, I]."""
@@ -104,9 +116,10 @@ class Backend:
         return False
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                        scale: float, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+                        scale: float, window: int | None, sinks: torch.Tensor | None,
+                        softcap: float | None = None) -> torch.Tensor:
         return attention.paged_attention(q, k_cache, v_cache, meta, scale, window, sinks, self.decode_attention,
-                                         self.causal_attention)
+                                         self.causal_attention, softcap)
 
 
 TORCH = Backend()

@@ -134,7 +134,8 @@ class BlockManager:
         table = seq.block_table if self.primary else seq.window_table
         return seq.num_computed_tokens + num_new_tokens <= len(table) * self.block_size
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = (), skip: int = 0) -> bool:
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] | tuple[int, ...] = (),
+                     skip: int = 0) -> bool:
         """Whether the cache can hold `num_new_tokens` more of seq's tokens (after the cached `hits`, which
         stand for its blocks skip.. : a window pool needs no blocks before the window)."""
         return self._missing(seq, num_new_tokens, hits, skip) + self._revived(hits) <= len(self._free)
@@ -143,7 +144,8 @@ class BlockManager:
         """How many of the cached `hits` sit in the free list."""
         return sum(1 for b in hits if self.ref_count[b] == 0) if hits else 0
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = (), skip: int = 0) -> None:
+    def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] | tuple[int, ...] = (),
+                 skip: int = 0) -> None:
         missing = self._missing(seq, num_new_tokens, hits, skip)
         assert missing + self._revived(hits) <= len(self._free), "allocate() without can_allocate()"
         table = getattr(seq, self.table)

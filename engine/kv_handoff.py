@@ -28,9 +28,9 @@ import torch
 import zmq
 from prometheus_client import Counter, Histogram
 
-from engine.kv_transfer import (BlockCopy, Exporter, Importer, KvReadError, ShmExporter, ShmImporter, block_bytes,
-                                layout_of)
+from engine.kv_transfer import (BlockCopy, Exporter, Importer, KvReadError, ShmExporter, ShmImporter, layout_of)
 from engine.model_runner import StepSamples
+from engine.sampler import TokenLogprobs
 from engine.scheduler import Scheduler, StepResult
 from engine.sequence import Sequence, Status
 from ipc.kv import ContextAnswer, KvHandle, KvRelease
@@ -120,7 +120,7 @@ class KvHandOff:
         self.importer = importer
         self.layout = layout_of(runner)
         self._fail = fail
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._exports: dict[str, _Export] = {}
         self._leases: dict[str, _Lease] = {}  # transfer id -> lease
         self._imports: list[_Import] = []
@@ -135,10 +135,6 @@ class KvHandOff:
             self._control.bind(endpoint(cfg, cfg.kv_transfer_port, bind=True))
             self.port = bound_port(self._control)
             self.agent = endpoint(cfg, self.port)
-
-    @property
-    def leased_blocks(self) -> int:
-        return sum(len(s.block_table) for lease in self._leases.values() for s in lease.seqs)
 
     # ---- requests in ------------------------------------------------------------------------------------------
 
@@ -183,7 +179,7 @@ class KvHandOff:
         if seq.grammar is not None:
             seq.grammar.observe(seq.token_ids, first)
         seq.token_ids.append(first)
-        return self.scheduler._finish_reason(seq, first)
+        return self.scheduler.finish_reason(seq, first)
 
     def forget(self, request_id: str) -> None:
         """The request is aborted or failed: its parked choices and leases are freed, its import dropped."""
@@ -214,8 +210,8 @@ class KvHandOff:
                 self._lease(export)
 
     def _lease(self, export: _Export) -> None:
-        assert self.exporter is not None and isinstance(export.msg.kv, KvExport)
-        msg, seqs = export.msg, sorted(export.seqs, key=lambda s: s.index)
+        msg, seqs, kv = export.msg, sorted(export.seqs, key=lambda s: s.index), export.msg.kv
+        assert self.exporter is not None and isinstance(kv, KvExport)
         tid, tag = secrets.token_hex(8), secrets.randbits(63) | 1
         slot = self.exporter.leases.take(tag)
         if slot is None:
@@ -233,9 +229,9 @@ class KvHandOff:
             request_type="context_only", opaque_state=handle.encode(),
             first_gen_tokens=[export.first[s.index] for s in seqs], ctx_request_id=msg.request_id,
             prompt_token_ids_b64=base64.b64encode(np.asarray(prompt, dtype="<i4").tobytes()).decode(),
-            output_prefix_len=msg.kv.output_prefix_len, num_cached_tokens=seqs[0].num_cached_tokens or 0)
+            output_prefix_len=kv.output_prefix_len, num_cached_tokens=seqs[0].num_cached_tokens or 0)
         body = _json.encode(ContextAnswer(id=msg.request_id, disaggregated_params=params))
-        self._replies.get(msg.kv.reply_to).put(Frames([Frame(msg.request_id, body, done=True)]))
+        self._replies.get(kv.reply_to).put(Frames([Frame(msg.request_id, body, done=True)]))
 
     def _end_lease(self, tid: str, how: str) -> None:
         lease = self._leases.pop(tid, None)
@@ -326,7 +322,8 @@ class KvHandOff:
         (as the choices of one request do) and read their own last one."""
         bm, p = self.scheduler.bm, handle.num_prompt_tokens
         full = p // bm.block_size
-        copies, done = [], []
+        copies: list[BlockCopy] = []
+        done: list[Sequence] = []
         for seq in live:
             hits = bm.cached_prefix(seq) if not done else done[0].block_table[:full]
             room = bm.can_allocate(seq, p - len(hits) * bm.block_size, hits)
@@ -403,10 +400,9 @@ class KvHandOff:
             samples = StepSamples([])
         samples.tokens = tokens + samples.tokens
         if samples.logprobs:
-            samples.logprobs = [None] * len(tokens) + samples.logprobs
+            none: list[TokenLogprobs | None] = [None] * len(tokens)
+            samples.logprobs = none + samples.logprobs
         result.new_tokens = first.new_tokens + result.new_tokens
         result.finished = first.finished + result.finished
         return result, samples
 
-    def bytes_per_block(self) -> int:
-        return block_bytes(self.layout)

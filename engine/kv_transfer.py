@@ -3,8 +3,8 @@
 A context engine whose KV leaves keeps its cache where a transport can read it (its `Exporter`); a
 generation engine reads blocks into its own cache through an `Importer`. The default, `shm`, is one host:
 the context engine's K and V tensors live in files on tmpfs, and the generation engine maps them and copies
-block runs straight into its cache (no gather into a staging buffer). Across hosts, NIXL reads the same
-registered tensors (engine/kv_mooncake.py).
+block runs straight into its cache (no gather into a staging buffer). Across hosts, Mooncake's transfer
+engine reads the same registered tensors (engine/kv_mooncake.py).
 
 A lease table in shared memory guards every read: slot k holds a lease's tag while the context engine keeps
 its blocks, and is cleared before they are freed. A reader checks the tag before and after copying; a lease
@@ -48,14 +48,6 @@ def layout_of(runner) -> KvLayout | None:
     _, heads, dim = caches[0][0].shape
     pools = tuple(runner.tables[w] for w in runner.model.layer_windows)
     return KvLayout(runner.block_size, str(caches[0][0].dtype).removeprefix("torch."), pools, heads, dim)
-
-
-def block_bytes(layout: KvLayout | None) -> int:
-    """Bytes one block of each layer's K and V takes, all layers together."""
-    if layout is None:
-        return 0
-    element = torch.empty((), dtype=getattr(torch, layout.dtype)).element_size()
-    return 2 * len(layout.pools) * layout.block_elements * element
 
 
 def runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from engine.layers import stacked_parts
 from engine.models.registry import model_class
+from sluice.gguf_checkpoint import is_gguf_checkpoint
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -24,8 +26,8 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    hf_config = json.loads((path / "config.json").read_text())
+def empty_model(hf_config: dict, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The model of an HF config, its parameters allocated (not filled) and its buffers built."""
     cls = model_class(hf_config)
     with torch.device("meta"):
         model = cls(cls.config_class.from_hf(hf_config))
@@ -35,9 +37,29 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn
         if hasattr(module, "reset_buffers"):
             with torch.device(device):
                 module.reset_buffers()
+    return model
+
+
+def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantization: str = "none") -> torch.nn.Module:
+    """The checkpoint's model, its linears quantized at load where `quantization` asks (engine/quant.py)."""
+    if is_gguf_checkpoint(path):  # one GGUF file's weights, kept in their block formats (engine/gguf.py)
+        from engine.gguf import load_gguf_model
+
+        model = load_gguf_model(path, dtype, device)
+    else:
+        model = _load_safetensors(path, dtype, device)
+    if quantization != "none":
+        from engine.quant import quantize_linears
+
+        quantize_linears(model, quantization)
+    return model
+
+
+def _load_safetensors(path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    model = empty_model(json.loads((path / "config.json").read_text()), dtype, device)
     params = dict(model.named_parameters())
     files = {name: file for file in checkpoint_files(path) for name in _tensor_names(file)}
-    handles: dict[Path, object] = {}
+    handles: dict[Path, Any] = {}
 
     def fetch(name: str) -> torch.Tensor:
         file = files[name]  # KeyError: the checkpoint has no such tensor

@@ -31,6 +31,21 @@ class StepSamples:
     prompt_logprobs: list[PromptLogprobChunk] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class StepInputs:
+    """One step's model inputs: its tokens [T] at their positions [T], the attention metadata, and which
+    rows are scored: the prompt rows first (prompt logprobs: (sequence, first position, count) each), then
+    one row of each sequence that samples this step."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_index: torch.Tensor  # [num_prompt_rows + len(sampling_seqs)]
+    num_prompt_rows: int
+    prompt_rows: list[tuple[Sequence, int, int]]
+    sampling_seqs: list[Sequence]
+
+
 def kv_block_bytes(model: torch.nn.Module, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
     layers, heads, dim = model.kv_shape
     layers = layers if num_layers is None else num_layers
@@ -79,32 +94,35 @@ class ModelRunner:
         self.backend = select_backend(device, dtype)
         self.one_call = self.backend.prepare(model, self.kv_caches)
         self.lm_head = self.backend.lm_head(model.lm_weight())
+        # the model's own map of the LM head's logits (soft-capping, scaling): order-keeping, so greedy rows'
+        # argmax path skips it
+        self.finish_logits = getattr(model, "finish_logits", lambda logits: logits)
+        self.exp_kernels = self.backend.exp_kernels()
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Float32 logits [B, V] for the sequences that sample this step, and those sequences."""
         hidden, inputs = self._hidden(batch)
-        return self.lm_head(hidden)[inputs["num_prompt_rows"]:].float(), inputs["sampling_seqs"]
+        return self.finish_logits(self.lm_head(hidden)[inputs.num_prompt_rows:].float()), inputs.sampling_seqs
 
-    def _hidden(self, batch: ScheduledBatch) -> tuple[torch.Tensor, dict]:
+    def _hidden(self, batch: ScheduledBatch) -> tuple[torch.Tensor, StepInputs]:
         inputs = self._prepare(batch)
-        hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, inputs["meta"],
-                            inputs["logits_index"])
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_index)
         return hidden, inputs
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepSamples:
         """Runs one step: a sampled token for each sequence that samples, in batch order, and any logprobs."""
         hidden, inputs = self._hidden(batch)
-        seqs = inputs["sampling_seqs"]
-        if not inputs["prompt_rows"]:
+        seqs = inputs.sampling_seqs
+        if not inputs.prompt_rows:
             greedy = [plain_greedy(s) or greedy_held(s) for s in seqs]
             if all(greedy):
                 # the argmax without the logits: the LM head's kernel need not write them (the same tokens)
                 return self._settle_held(hidden, seqs, StepSamples(self.lm_head.argmax(hidden).tolist()))
             if sum(greedy) >= _SPLIT_GREEDY_MIN and self.lm_head.kernel is not None:
                 return self._settle_held(hidden, seqs, self._split(hidden, seqs, greedy))
-        return self._sample(hidden, seqs, inputs["num_prompt_rows"], inputs["prompt_rows"])
+        return self._sample(hidden, seqs, inputs.num_prompt_rows, inputs.prompt_rows)
 
     def _settle_held(self, hidden: torch.Tensor, seqs: list[Sequence], out: StepSamples) -> StepSamples:
         """Greedy rows held by a grammar took the plain argmax: where the grammar allows it, it is their token
@@ -112,10 +130,11 @@ class ModelRunner:
         held = [r for r, s in enumerate(seqs) if greedy_held(s)]
         if not held:
             return out
-        refused = [r for r in held if not seqs[r].grammar.allows(out.tokens[r])]
-        for r in held:
+        grammars = {r: g for r in held if (g := seqs[r].grammar) is not None}
+        refused = [r for r, g in grammars.items() if not g.allows(out.tokens[r])]
+        for r, g in grammars.items():
             if r not in refused:
-                seqs[r].grammar.observe(seqs[r].token_ids, out.tokens[r])
+                g.observe(seqs[r].token_ids, out.tokens[r])
         if refused:
             again = self._sample(hidden[refused], [seqs[r] for r in refused], 0, [])
             for r, token in zip(refused, again.tokens):
@@ -128,7 +147,8 @@ class ModelRunner:
         fast = [r for r, g in enumerate(greedy) if g]  # (held greedy rows too: _settle_held checks them)
         others = [r for r, g in enumerate(greedy) if not g]
         out = self._sample(hidden[others], [seqs[r] for r in others], 0, [])
-        tokens, logprobs = [0] * len(seqs), [None] * len(seqs) if out.logprobs else []
+        tokens = [0] * len(seqs)
+        logprobs: list[TokenLogprobs | None] = [None] * len(seqs) if out.logprobs else []
         for r, token in zip(fast, self.lm_head.argmax(hidden[fast]).tolist()):
             tokens[r] = token
         for i, r in enumerate(others):
@@ -140,23 +160,22 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, seqs: list[Sequence], split: int, prompt_rows: list) -> StepSamples:
         """The logits path: hidden's first `split` rows are prompt rows scored for prompt logprobs
         (`prompt_rows`: (sequence, start, count) each), the rest one per sampling sequence."""
-        logits = self.lm_head(hidden)
+        logits = self.finish_logits(self.lm_head(hidden))
         prompt_logits, logits = logits[:split], logits[split:]
-        tokens = sample(logits, SamplingBatch.for_seqs(seqs, self.device))
+        tokens = sample(logits, SamplingBatch.for_seqs(seqs, self.device, self.exp_kernels))
         out = StepSamples(tokens.tolist())
         for seq, token in zip(seqs, out.tokens):
             if seq.grammar is not None:
                 seq.grammar.observe(seq.token_ids, token)
-        want = [r for r, s in enumerate(seqs) if s.sampling.logprobs is not None]
+        want = {r: k for r, s in enumerate(seqs) if (k := s.sampling.logprobs) is not None}
         if want:
-            rows = torch.tensor(want, device=self.device)
-            k = max(seqs[r].sampling.logprobs for r in want)
-            entries = iter(logprobs_of(logits[rows], tokens[rows], k))
-            out.logprobs = [next(entries) if s.sampling.logprobs is not None else None for s in seqs]
+            rows = torch.tensor(list(want), device=self.device)
+            each = iter(logprobs_of(logits[rows], tokens[rows], max(want.values())))
+            out.logprobs = [next(each) if s.sampling.logprobs is not None else None for s in seqs]
         offset = 0
         for seq, start, count in prompt_rows:
             targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + count], device=self.device)
-            entries = logprobs_of(prompt_logits[offset : offset + count], targets, seq.sampling.prompt_logprobs)
+            entries = logprobs_of(prompt_logits[offset : offset + count], targets, seq.sampling.prompt_logprobs or 0)
             out.prompt_logprobs.append(PromptLogprobChunk(seq, start + 1, entries))
             offset += count
         return out
@@ -190,7 +209,7 @@ class ModelRunner:
                 self.run(ScheduledBatch(decodes, [1] * rows))
         return time.perf_counter() - t0
 
-    def _prepare(self, batch: ScheduledBatch) -> dict:
+    def _prepare(self, batch: ScheduledBatch) -> StepInputs:
         """The step's tensors. Per-token and per-key arrays are built with numpy over the whole batch; only
         what each sequence owns (its token ids, its block tables) is read one sequence at a time."""
         dev = self.device
@@ -206,7 +225,8 @@ class ModelRunner:
         positions = np.arange(total) - offsets[row_of] + starts[row_of]
         tables = {w: _padded_tables([getattr(s, name) for s in seqs]) for w, name in self.tables.items()}
         ids, logits_index, sampling_seqs = [], [], []
-        prompt_index, prompt_rows = [], []  # rows whose logits score the next prompt token
+        prompt_index: list[int] = []  # rows whose logits score the next prompt token
+        prompt_rows: list[tuple[Sequence, int, int]] = []
         for i, (seq, start, n, offset) in enumerate(zip(seqs, starts.tolist(), counts.tolist(), offsets.tolist())):
             ids.extend(seq.token_ids[start : start + n])
             if seq.scores_prompt and start < seq.num_prompt_tokens - 1:
@@ -226,15 +246,15 @@ class ModelRunner:
             num_tokens=total,
             row_group=self._row_group(tables, starts, starts + counts, row_of, positions) if one_call else None,
         )
-        return {
-            "input_ids": torch.tensor(ids, dtype=torch.long, device=dev),
-            "positions": torch.from_numpy(positions).to(dev),
-            "meta": meta,
-            "logits_index": torch.tensor(prompt_index + logits_index, dtype=torch.long, device=dev),
-            "num_prompt_rows": len(prompt_index),
-            "prompt_rows": prompt_rows,
-            "sampling_seqs": sampling_seqs,
-        }
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.from_numpy(positions).to(dev),
+            meta=meta,
+            logits_index=torch.tensor(prompt_index + logits_index, dtype=torch.long, device=dev),
+            num_prompt_rows=len(prompt_index),
+            prompt_rows=prompt_rows,
+            sampling_seqs=sampling_seqs,
+        )
 
     def _group(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, offsets: np.ndarray,
                tables: dict[int | None, np.ndarray], num_tokens: int) -> AttentionGroup:
@@ -291,23 +311,23 @@ class ModelRunner:
         return {w: torch.from_numpy(t[row_of, positions // bs] * bs + positions % bs).to(self.device)
                 for w, t in tables.items()}
 
-    def _prepare_decodes(self, seqs: list[Sequence]) -> dict:
+    def _prepare_decodes(self, seqs: list[Sequence]) -> StepInputs:
         """`_prepare` for a step whose every sequence decodes one token and samples (most steps): the same
         tensors from a third of the numpy calls."""
         b, dev = len(seqs), self.device
         positions = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, b)
         tables = {w: _padded_tables([getattr(s, name) for s in seqs]) for w, name in self.tables.items()}
         group = self._row_group(tables, positions, positions + 1, None, positions)
-        return {
-            "input_ids": torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.long, device=dev),
-            "positions": torch.from_numpy(positions).to(dev),
-            "meta": AttentionMetadata(slot_mapping=self._slot_mapping(tables, np.arange(b), positions),
-                                      groups=[group], num_tokens=b, row_group=group),
-            "logits_index": group.q_index.view(-1),
-            "num_prompt_rows": 0,
-            "prompt_rows": [],
-            "sampling_seqs": seqs,
-        }
+        return StepInputs(
+            input_ids=torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.long, device=dev),
+            positions=torch.from_numpy(positions).to(dev),
+            meta=AttentionMetadata(slot_mapping=self._slot_mapping(tables, np.arange(b), positions), groups=[group],
+                                   num_tokens=b, row_group=group),
+            logits_index=group.q_index.view(-1),
+            num_prompt_rows=0,
+            prompt_rows=[],
+            sampling_seqs=seqs,
+        )
 
     def _keys(self, table: np.ndarray, starts: np.ndarray, ends: np.ndarray,
               window: int | None) -> tuple[np.ndarray, np.ndarray]:

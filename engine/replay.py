@@ -39,7 +39,7 @@ class ReplayRunner:
         self.vocab_size = vocab_size
         self.recordings = recordings
         self.step_cost_s = step_cost_s
-        self._next = itertools.cycle(range(len(recordings))) if recordings else None
+        self._next = itertools.cycle(range(len(recordings or [0])))  # (each choice's recording, in turn)
         self._assigned: dict[tuple[str, int], int] = {}
 
     def run(self, batch: ScheduledBatch) -> StepSamples:

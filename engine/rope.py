@@ -7,10 +7,16 @@ import torch
 
 
 def rope_params(cfg: dict) -> tuple[float, dict]:
-    """(theta, scaling dict) from either the classic or the transformers-5 config keys."""
+    """(theta, scaling dict) from either the classic or the transformers-5 config keys; the dict also holds
+    `partial_rotary_factor` (the share of each head rotated) and the original context length where the
+    config gives them beside it."""
     params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     params.setdefault("rope_type", params.get("type", "default"))
+    if cfg.get("partial_rotary_factor") is not None:
+        params.setdefault("partial_rotary_factor", cfg["partial_rotary_factor"])
+    if params["rope_type"] in ("longrope", "su"):  # (Phi-3 keeps its original length beside the factors)
+        params.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
     return theta, params
 
 
@@ -20,6 +26,8 @@ def inv_freq_and_scale(dim: int, theta: float, params: dict, max_positions: int)
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     if kind == "default":
         return inv_freq, 1.0
+    if kind == "none":  # no rotation: cos 1, sin 0 (a layer without RoPE, SmolLM3)
+        return torch.zeros_like(inv_freq), 1.0
     factor = float(params["factor"])
     if kind == "linear":
         return inv_freq / factor, 1.0
@@ -27,7 +35,34 @@ def inv_freq_and_scale(dim: int, theta: float, params: dict, max_positions: int)
         return _llama3(inv_freq, factor, params), 1.0
     if kind == "yarn":
         return _yarn(dim, theta, factor, params, max_positions)
-    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3, yarn)")
+    raise ValueError(f"rope scaling type {kind!r} is not supported "
+                     "(supported: default, linear, llama3, yarn, longrope)")
+
+
+def _longrope_scale(p: dict, max_positions: int) -> float:
+    factor = float(p.get("factor") or max_positions / p["original_max_position_embeddings"])
+    if p.get("attention_factor") is not None:
+        return float(p["attention_factor"])
+    return math.sqrt(1 + math.log(factor) / math.log(p["original_max_position_embeddings"])) if factor > 1 else 1.0
+
+
+def rope_tables(dim: int, max_positions: int, theta: float, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_positions, dim/2] (float32) of every position. LongRoPE (Phi-3): one set of factors
+    for every position, the long ones where the model serves more than `original_max_position_embeddings`
+    positions, else the short ones (as vLLM and llama.cpp choose; transformers switches a sequence to the long
+    ones, recomputing it whole, once it grows past that length, which a paged cache shared by a batch cannot
+    do)."""
+    positions = torch.arange(max_positions, dtype=torch.float64)
+    if params["rope_type"] in ("longrope", "su"):
+        base = theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        long = max_positions > int(params["original_max_position_embeddings"])
+        factors = torch.tensor(params["long_factor" if long else "short_factor"], dtype=torch.float64)
+        freqs = torch.outer(positions, 1.0 / (factors * base))
+        scale = _longrope_scale(params, max_positions)
+    else:
+        inv_freq, scale = inv_freq_and_scale(dim, theta, params, max_positions)
+        freqs = torch.outer(positions, inv_freq)
+    return (freqs.cos() * scale).float(), (freqs.sin() * scale).float()
 
 
 def _llama3(inv_freq: torch.Tensor, factor: float, p: dict) -> torch.Tensor:
@@ -65,12 +100,18 @@ def _yarn(dim: int, theta: float, factor: float, p: dict, max_positions: int) ->
 
 
 class Rotary(torch.nn.Module):
-    """Neox-style (rotate-half) rotary embedding over a precomputed cos/sin table."""
+    """Neox-style (rotate-half) rotary embedding over a precomputed cos/sin table. Optionally on the first
+    dimensions of each head only (the params' `partial_rotary_factor`: Phi-4-mini, GLM-4), and pairing dimensions
+    2i and 2i + 1 instead of i and i + dim/2 (`interleaved`: GLM-4)."""
 
-    def __init__(self, dim: int, max_positions: int, theta: float, params: dict) -> None:
+    def __init__(self, dim: int, max_positions: int, theta: float, params: dict, interleaved: bool = False) -> None:
         super().__init__()
-        self._args = (dim, max_positions, theta, params)
-        self.register_buffer("cos", torch.empty(0), persistent=False)  # [P, dim/2]
+        self.rotary_dim = int(dim * params.get("partial_rotary_factor", 1.0))
+        self.interleaved = interleaved
+        # what the backends' kernels compute: every dimension, rotate-half
+        self.plain = self.rotary_dim == dim and not interleaved
+        self._args = (self.rotary_dim, max_positions, theta, params)
+        self.register_buffer("cos", torch.empty(0), persistent=False)  # [P, rotary_dim/2]
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self.reset_buffers()
 
@@ -81,10 +122,7 @@ class Rotary(torch.nn.Module):
         if torch.empty(0).device.type == "meta":  # shapes only (arange on meta costs torch's whole compiler import)
             self.cos = self.sin = torch.empty(max_positions, dim // 2)
             return
-        inv_freq, scale = inv_freq_and_scale(dim, theta, params, max_positions)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        self.cos = (freqs.cos() * scale).float()
-        self.sin = (freqs.sin() * scale).float()
+        self.cos, self.sin = rope_tables(dim, max_positions, theta, params)
 
     def _at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at `positions` [T, 1, D/2]; every layer of a step asks with the same tensor, and
@@ -98,6 +136,15 @@ class Rotary(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [T, H, D], positions: [T]
-        cos, sin = self._at(positions, x.dtype)  # [T, 1, D/2]
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        cos, sin = self._at(positions, x.dtype)  # [T, 1, R/2]
+        if self.plain:
+            x1, x2 = x.chunk(2, dim=-1)
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        if self.interleaved:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            rot = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        else:
+            x1, x2 = rot.chunk(2, dim=-1)
+            rot = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return torch.cat((rot, rest), dim=-1)

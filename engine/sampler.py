@@ -10,13 +10,12 @@ distribution, before any of the above.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
 
-from engine.cpu import kernels as cpu_kernels
-from engine.grammar import apply_grammars
+from engine.grammar import GrammarState, apply_grammars
 from engine.sequence import Sequence
 
 _GREEDY_EPS = 1e-5
@@ -49,6 +48,13 @@ class TokenLogprobs:
     top_logprobs: list[float]
 
 
+class ExpKernels(NamedTuple):
+    """A backend's kernels for the sampler's exp pass (Backend.exp_kernels; the CPU's: csrc/exp_blocks.c)."""
+
+    blocks: Callable  # exp((x - max) / t) over whole rows: each block's sum (and the probs, when asked)
+    block: Callable  # the probs of one block a row
+
+
 @dataclass
 class SamplingBatch:
     temperature: torch.Tensor | None  # [B] (None, like the four below, when every row is greedy)
@@ -61,14 +67,15 @@ class SamplingBatch:
     any_top_k: bool
     any_min_p: bool
     seqs: list[Sequence] | None = None  # for the per-request processors below
+    exp: ExpKernels | None = None  # the backend's kernels for the exp pass (None: torch's softmax)
 
     @classmethod
     def build(cls, params: list, seeds: list[int], steps: list[int], device: torch.device,
-              seqs: list[Sequence] | None = None) -> "SamplingBatch":
+              seqs: list[Sequence] | None = None, exp: ExpKernels | None = None) -> "SamplingBatch":
         temp = np.array([p.temperature for p in params], dtype=np.float32)
         if (temp < _GREEDY_EPS).all():  # nothing below reads the per-row tensors of an all-greedy batch
-            return cls(*([None] * 5), all_greedy=True, any_top_p=False, any_top_k=False, any_min_p=False,
-                       seqs=seqs)
+            return cls(None, None, None, None, None, all_greedy=True, any_top_p=False, any_top_k=False,
+                       any_min_p=False, seqs=seqs, exp=exp)
         top_p = np.array([p.top_p for p in params], dtype=np.float32)
         top_k = np.array([p.top_k for p in params], dtype=np.int64)
         min_p = np.array([p.min_p for p in params], dtype=np.float32)
@@ -84,12 +91,13 @@ class SamplingBatch:
             any_top_k=bool((top_k > 0).any()),
             any_min_p=bool((min_p > 0.0).any()),
             seqs=seqs,
+            exp=exp,
         )
 
     @classmethod
-    def for_seqs(cls, seqs: list[Sequence], device: torch.device) -> "SamplingBatch":
+    def for_seqs(cls, seqs: list[Sequence], device: torch.device, exp: ExpKernels | None = None) -> "SamplingBatch":
         return cls.build([s.sampling for s in seqs], [s.seed for s in seqs], [s.num_output_tokens for s in seqs],
-                         device, seqs)
+                         device, seqs, exp)
 
 
 def plain_greedy(seq: Sequence) -> bool:
@@ -163,7 +171,7 @@ class _Constraints:
         """In place, in vLLM's order."""
         vocab, dev = logits.shape[1], logits.device
         if self.grammar_rows:
-            apply_grammars(logits, self.grammar_rows, [seqs[r].grammar for r in self.grammar_rows])
+            apply_grammars(logits, self.grammar_rows, [_grammar(seqs[r]) for r in self.grammar_rows])
         if self.allowed:
             rows = torch.tensor([r for r, _ in self.allowed], device=dev)
             keep = torch.zeros(len(self.allowed), vocab + 1, dtype=torch.bool, device=dev)
@@ -192,7 +200,12 @@ class _Constraints:
         alive = torch.isfinite(logits[torch.tensor(held, device=logits.device)]).any(1).tolist()
         for r, ok in zip(held, alive):
             if not ok:
-                seqs[r].grammar.starve(field)
+                _grammar(seqs[r]).starve(field)
+
+
+def _grammar(seq: Sequence) -> GrammarState:
+    assert seq.grammar is not None  # (a grammar row's)
+    return seq.grammar
 
 
 def process_logits(logits: torch.Tensor, seqs: list[Sequence], c: _Constraints | None = None) -> torch.Tensor:
@@ -246,6 +259,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 def _sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     if sb.all_greedy:
         return argmax(logits)
+    assert sb.temperature is not None  # (set unless all greedy)
     is_greedy = sb.temperature < _GREEDY_EPS
     any_greedy = bool(is_greedy.any())
     greedy = argmax(logits) if any_greedy else None
@@ -253,7 +267,7 @@ def _sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     # With torch's softmax on the CPU, a few rows at a time: their float32 copy stays in cache through the
     # passes below (at batch 64 the whole batch is 51 MB, past the last-level cache, and the passes run 2x
     # slower). Sluice's kernel makes one pass: the whole batch at once splits best between threads.
-    chunked = logits.device.type == "cpu" and cpu_kernels.exp_blocks() is None
+    chunked = logits.device.type == "cpu" and sb.exp is None
     step = _CPU_ROWS if chunked else logits.shape[0]
     sampled = torch.cat([_draw(logits[i : i + step], scale[i : i + step], sb, slice(i, i + step))
                          for i in range(0, logits.shape[0], step)])
@@ -265,31 +279,34 @@ _CPU_ROWS = 8
 
 def _draw(logits: torch.Tensor, scale: torch.Tensor, sb: SamplingBatch, rows: slice) -> torch.Tensor:
     """Samples rows of logits [R, V] scaled by 1/scale [R, 1], with their top-k / top-p / min-p."""
-    top_k = sb.any_top_k and bool((sb.top_k[rows] > 0).any())  # these rows, not only others in the batch
-    top_p = sb.any_top_p and bool((sb.top_p[rows] < 1.0).any())
-    if top_k or top_p:
+    top_k, top_p, min_p, uniform = sb.top_k, sb.top_p, sb.min_p, sb.uniform
+    assert top_k is not None and top_p is not None and min_p is not None and uniform is not None  # (not all greedy)
+    some_top_k = sb.any_top_k and bool((top_k[rows] > 0).any())  # these rows, not only others in the batch
+    some_top_p = sb.any_top_p and bool((top_p[rows] < 1.0).any())
+    if some_top_k or some_top_p:
         logits, scale = _scaled(logits, scale), torch.ones_like(scale)
-        if top_k:
-            logits = _apply_top_k(logits, sb.top_k[rows])
-        if top_p:
-            logits = _apply_top_p(logits, sb.top_p[rows])
-    if not sb.any_min_p and (tokens := _draw_from_sums(logits, scale, sb.uniform[rows])) is not None:
+        if some_top_k:
+            logits = _apply_top_k(logits, top_k[rows])
+        if some_top_p:
+            logits = _apply_top_p(logits, top_p[rows])
+    if not sb.any_min_p and (tokens := _draw_from_sums(logits, scale, uniform[rows], sb.exp)) is not None:
         return tokens
-    probs, sums = exp_blocks(logits, scale)
+    probs, sums = exp_blocks(logits, scale, sb.exp)
     if sb.any_min_p:
-        probs.mul_(probs >= sb.min_p[rows].unsqueeze(1) * probs.amax(dim=-1, keepdim=True))
+        probs.mul_(probs >= min_p[rows].unsqueeze(1) * probs.amax(dim=-1, keepdim=True))
         sums = None
-    return inverse_cdf(probs, sb.uniform[rows].to(probs.dtype), sums)
+    return inverse_cdf(probs, uniform[rows].to(probs.dtype), sums)
 
 
-def _draw_from_sums(logits: torch.Tensor, scale: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+def _draw_from_sums(logits: torch.Tensor, scale: torch.Tensor, u: torch.Tensor,
+                    exp: ExpKernels | None) -> torch.Tensor | None:
     """`inverse_cdf(*exp_blocks(logits, scale))`'s tokens (the same bits) from the kernel's block sums
     alone and then the probs of each row's one chosen block: without writing and reading back 4 bytes a
     column. None where the kernel does not apply."""
-    block_kernel = cpu_kernels.exp_block() if logits.device.type == "cpu" else None
-    done = _exp_pass(logits, scale, write_probs=False) if block_kernel is not None else None
-    if done is None:
+    done = _exp_pass(logits, scale, exp, write_probs=False)
+    if done is None or exp is None:
         return None
+    block_kernel = exp.block
     x, sums, row_max, inverse_t = done.logits, done.sums, done.row_max, done.inverse_t
     (r, v), c = x.shape, min(_BLOCK, x.shape[1])
 
@@ -308,13 +325,14 @@ def _scaled(logits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return logits if bool((scale == 1.0).all()) else logits / scale
 
 
-def exp_blocks(logits: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def exp_blocks(logits: torch.Tensor, scale: torch.Tensor,
+               exp: ExpKernels | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Unnormalized probabilities [R, V] (float32) of logits [R, V] at temperatures `scale` [R, 1], and
-    their per-block sums as `inverse_cdf` reads them (None: not computed). On a CPU with AVX-512,
-    Sluice's kernel (csrc/exp_blocks.c: exp((x - max) / t) and the block sums in one pass, ~3x torch's
+    their per-block sums as `inverse_cdf` reads them (None: not computed). With the backend's kernels (the
+    CPU's with AVX-512: csrc/exp_blocks.c, exp((x - max) / t) and the block sums in one pass, ~3x torch's
     softmax here); elsewhere torch's softmax (its kernel reads bf16 as it goes: twice as fast here as the
     same steps one op at a time)."""
-    done = _exp_pass(logits, scale, write_probs=True)
+    done = _exp_pass(logits, scale, exp, write_probs=True)
     if done is None:
         return torch.softmax(_scaled(logits, scale), dim=-1, dtype=torch.float32), None
     return done.probs, done.sums
@@ -328,12 +346,12 @@ class _ExpPass(NamedTuple):
     inverse_t: torch.Tensor  # [R]: 1 / temperature
 
 
-def _exp_pass(logits: torch.Tensor, scale: torch.Tensor, write_probs: bool) -> _ExpPass | None:
-    """csrc/exp_blocks.c's pass over logits at temperatures `scale`, or None where the kernel does not
-    apply."""
-    kernel = cpu_kernels.exp_blocks() if logits.device.type == "cpu" else None
-    if kernel is None or logits.dtype not in (torch.bfloat16, torch.float32):
+def _exp_pass(logits: torch.Tensor, scale: torch.Tensor, exp: ExpKernels | None,
+              write_probs: bool) -> _ExpPass | None:
+    """The backend's pass over logits at temperatures `scale`, or None where it has none for them."""
+    if exp is None or logits.device.type != "cpu" or logits.dtype not in (torch.bfloat16, torch.float32):
         return None
+    kernel = exp.blocks
     x = logits.contiguous()
     r, v = x.shape
     c = min(_BLOCK, v)

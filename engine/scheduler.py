@@ -75,8 +75,8 @@ class Scheduler:
     def tail_tokens(self) -> int:
         """A prompt whose last chunk would be this many tokens or fewer takes it in the step before, over the
         budget: a step reads every weight and the prompt's keys whatever its size, so a step for a small tail
-        costs several times its tokens (bench/RESULTS.md). 0 with a sliding window, whose pool holds a window and
-        one budget."""
+        costs several times its tokens (bench/JOURNAL.md, "a long prompt's prefill"). 0 with a sliding window,
+        whose pool holds a window and one budget."""
         return 0 if self.sliding_window else self.max_num_batched_tokens // 8
 
     @property
@@ -156,9 +156,10 @@ class Scheduler:
         hits = self.bm.cached_prefix(seq)
         if self.window_pool is None:
             return hits, ([], 0)
-        bs = self.bm.block_size
+        bs, window = self.bm.block_size, self.sliding_window
+        assert window is not None  # (a window pool serves sliding-window layers)
         for k in range(len(hits), 0, -1):
-            first = max(0, k * bs - (self.sliding_window - 1)) // bs
+            first = max(0, k * bs - (window - 1)) // bs
             tail = self.window_pool.cached_blocks(seq, first, k)
             if tail is not None:
                 return hits[:k], (tail, first)
@@ -223,15 +224,16 @@ class Scheduler:
             sp, num_tokens = seq.sampling, len(seq.token_ids)
             if (seq.grammar is None and token not in sp.stop_token_ids and num_tokens < self.max_model_len
                     and num_tokens - seq.num_prompt_tokens < sp.max_tokens):
-                continue  # what _finish_reason says of most tokens (None), sooner
-            reason = self._finish_reason(seq, token)
+                continue  # what finish_reason says of most tokens (None), sooner
+            reason = self.finish_reason(seq, token)
             if reason is not None:
                 self._finish(seq)
                 result.finished.append((seq, reason))
         return result
 
-    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        # (update() skips this call for a token it can tell ends nothing: keep its check in step with these)
+    def finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        """Whether `token`, just appended to the choice's tokens, ends it (and why). (update() skips this call
+        for a token it can tell ends nothing: keep its check in step with these.)"""
         sp = seq.sampling
         num_tokens = len(seq.token_ids)
         grammar = seq.grammar

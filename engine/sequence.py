@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import enum
 import itertools
+from typing import TYPE_CHECKING
 
 from ipc.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarState
 
 _arrivals = itertools.count()
 
@@ -48,7 +52,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
         self.started = False  # the postproc shard has been told about it
-        self.grammar = None  # a GrammarState when the output is constrained
+        self.grammar: GrammarState | None = None  # when the output is constrained
         self.render_done_time = 0.0
         self.first_scheduled_time = 0.0
         self.first_token_time = 0.0

@@ -61,7 +61,7 @@ async def _fail(ingress: Any, send, status: int, message: str, param: str | None
 @route("POST", "/v1/messages/count_tokens", dialect=MESSAGES)
 async def count_tokens(ingress: Any, request: Request, receive, send) -> int:
     """The prompt's size, rendered by the render pool as the same request to /v1/messages would be."""
-    got = await ingress.read_request(_COUNT, receive, send)
+    got = await ingress.read_request(_COUNT, receive, send, request.scope["headers"])
     if isinstance(got, int):
         return got
     counted, _ = got
@@ -91,7 +91,7 @@ async def _answer(ingress: Any, send, got: Any) -> int:
 
 @route("POST", "/v1/messages/batches", dialect=MESSAGES)
 async def create_batch(ingress: Any, request: Request, receive, send) -> int:
-    got = await ingress.read_request(_BATCH, receive, send)
+    got = await ingress.read_request(_BATCH, receive, send, request.scope["headers"])
     if isinstance(got, int):
         return got
     try:

@@ -17,11 +17,14 @@ import msgspec
 import ingress.anthropic  # noqa: F401  (registers its dialect and routes)
 import ingress.models  # noqa: F401  (registers its route)
 import ingress.responses  # noqa: F401  (registers its dialect and routes)
+import ingress.stored_chat  # noqa: F401  (registers its routes and keeper)
 import ingress.tokenize  # noqa: F401  (registers its routes)
 import ingress.worker_info  # noqa: F401  (registers its route)
-from ingress.dialects import DIALECTS, OPENAI_CHAT, OPENAI_COMPLETIONS, Dialect
-from ingress.http import (JSON, SSE, BodyTimedOut, BodyTooLarge, read_body, respond, respond_error,
-                          validation_error)
+from ingress.dialects import DIALECTS, KEEPERS, OPENAI_CHAT, OPENAI_COMPLETIONS, Dialect, Keep
+from ingress import middleware
+from ingress.formats import BadMsgpack, accepts_msgpack, msgpack_as_json, msgpack_responses, sends_msgpack
+from ingress.http import (JSON, SSE, BodyTimedOut, BodyTooLarge, capped, capped_failure, read_body, respond,
+                          respond_error, validation_error)
 from ingress.metrics import render_metrics
 from ingress.openapi import openapi_document
 from ingress.pipeline import CLIENT_CLOSED, DISCONNECTED, TIMED_OUT, FrameQueue, Pipeline, ended_as
@@ -77,20 +80,22 @@ class Ingress(Pipeline):
         499: it left before its response ended) and the route's template."""
         path, method = scope["path"], scope["method"]
         dialect = DIALECTS.get(path)
-        routes = find(path) if dialect is None else []
+        routes = find(path) if dialect is None or method != "POST" else []  # (GET /v1/chat/completions lists)
         label = path if dialect is not None else routes[0][0].template if routes else "other"
         shape = dialect or next((r.dialect for r, _ in routes if r.dialect is not None), OPENAI_CHAT)
         send = shape.wrap_send(send)
+        if accepts_msgpack(scope["headers"]):
+            send = msgpack_responses(send)
         if not authorized(path, scope["headers"], self.api_keys, self.cfg.protect_metrics):
             return await self.respond_failure(send, shape, Failure(401, MISSING_KEY, "invalid_api_key"),
                                               [CHALLENGE]), label
-        if dialect is not None:
-            if method != "POST":
-                return await self.respond_failure(send, dialect, Failure(405, f"use POST for {path}")), label
+        if dialect is not None and method == "POST":
             return await self.generate(dialect, receive, send, headers=scope["headers"]), label
         for r, params in routes:
             if r.method == method:
                 return await self._handle(r, Request(scope, params), receive, send, shape), label
+        if dialect is not None:
+            return await self.respond_failure(send, dialect, Failure(405, f"use POST for {path}")), label
         if routes:
             allowed = ", ".join(sorted(r.method for r, _ in routes))
             return await self.respond_failure(send, shape, Failure(
@@ -132,7 +137,7 @@ class Ingress(Pipeline):
             return await respond(send, 200, self._openapi_body)
         if path == "/version":
             return await respond(send, 200, msgspec.json.encode({"version": __version__}))
-        if path == "/metrics":
+        if path in ("/metrics", "/prometheus/metrics"):  # (the second: trtllm-serve's)
             return await respond(send, 200, render_metrics(self.stats.read),
                                  [(b"content-type", b"text/plain; version=0.0.4")])
         return await respond_error(send, 404, f"no route for {path}", code="not_found")
@@ -149,8 +154,10 @@ class Ingress(Pipeline):
 
     # ---- generation -------------------------------------------------------------
 
-    async def read_request(self, dialect: Dialect, receive, send) -> tuple[Any, bytes] | int:
-        """The request body, validated as the dialect's Struct; or the status of the error sent instead."""
+    async def read_request(self, dialect: Dialect, receive, send,
+                           headers: list[tuple[bytes, bytes]]) -> tuple[Any, bytes] | int:
+        """The request body, validated as the dialect's Struct, and its JSON (a msgpack body's JSON form, which
+        is what goes on to render); or the status of the error sent instead."""
         limit = self.cfg.max_request_bytes
         try:
             body = await read_body(receive, limit, self.cfg.body_timeout)
@@ -161,17 +168,22 @@ class Ingress(Pipeline):
                 408, f"the request body did not arrive within {self.cfg.body_timeout:g}s", "timeout"))
         except ConnectionResetError:
             return 0
+        form = "msgpack" if sends_msgpack(headers) else "JSON"
         try:
+            if form == "msgpack":
+                body = msgpack_as_json(body)
             request = dialect.decoder.decode(body)
             if dialect.check is not None:
                 dialect.check(request)
             return request, body
+        except BadMsgpack as e:
+            return await self.respond_failure(send, dialect, Failure(400, capped(f"invalid msgpack body: {e}")))
         except msgspec.MsgspecError as e:
             message, param = validation_error(e)
             return await self.respond_failure(send, dialect, Failure(400, message, param=param))
         except RecursionError:  # msgspec's guard: it stops at the interpreter's recursion limit
             return await self.respond_failure(send, dialect, Failure(
-                400, "invalid JSON body: arrays or objects nested too deeply to parse"))
+                400, f"invalid {form} body: arrays or objects nested too deeply to parse"))
 
     def refusal(self, model: str) -> Failure | None:
         """Why a request for `model` cannot be taken now, if it cannot."""
@@ -189,7 +201,7 @@ class Ingress(Pipeline):
         """One generation request from its HTTP body to its last frame (a route that read and checked the
         body itself passes it on). `headers`: the request's, where disaggregated_params may come from."""
         if body is None:
-            got = await self.read_request(dialect, receive, send)
+            got = await self.read_request(dialect, receive, send, headers or [])
             if isinstance(got, int):
                 return got
             request, body = got
@@ -198,6 +210,9 @@ class Ingress(Pipeline):
         disagg = accepted_disagg(request, headers or [], self.cfg)
         if isinstance(disagg, Failure):
             return await self.respond_failure(send, dialect, disagg)
+        keep = await keeper(self, request) if (keeper := KEEPERS.get(dialect.endpoint)) is not None else None
+        if isinstance(keep, Failure):
+            return await self.respond_failure(send, dialect, keep)
         rid = dialect.id_prefix + uuid.uuid4().hex
         q = self.open(rid)
         watcher = asyncio.create_task(_watch_disconnect(receive, q))
@@ -205,7 +220,7 @@ class Ingress(Pipeline):
             self.submit(rid, RenderJob(rid, dialect.endpoint, body, self.address, time.time(), disagg=disagg))
             # a context_only answer is one body, whatever the client's request asked: the orchestrator reads it
             stream = dialect.streams(request) and (disagg is None or disagg.request_type != "context_only")
-            delivered, status = await self._relay(q, send, dialect, stream, rid)
+            delivered, status = await self._relay(q, send, dialect, stream, rid, keep)
             if not delivered:
                 self.abort(rid)
             return status
@@ -217,6 +232,7 @@ class Ingress(Pipeline):
                               headers: list[tuple[bytes, bytes]] | None = None) -> int:
         """The failure as a whole response in the dialect's shape (503s say when to retry)."""
         headers = JSON + (headers or [])
+        failure = capped_failure(failure)  # (one that echoes a client's input)
         if failure.status == 503:
             headers.append((b"retry-after", b"5" if self.draining else b"1"))
         return await respond(send, failure.status, dialect.errors.body(failure), headers)
@@ -224,9 +240,11 @@ class Ingress(Pipeline):
     def _timeout(self) -> Failure:
         return Failure(504, f"the request did not finish within {self.cfg.request_timeout:g}s", "timeout")
 
-    async def _relay(self, q: FrameQueue, send, dialect: Dialect, stream: bool, rid: str) -> tuple[bool, int]:
-        """Writes the request's frames to the client. Returns whether it got its last frame (if not: client
-        gone, deadline passed, so the engine must drop it) and the status sent."""
+    async def _relay(self, q: FrameQueue, send, dialect: Dialect, stream: bool, rid: str,
+                     keep: Keep | None = None) -> tuple[bool, int]:
+        """Writes the request's frames to the client, its last one kept first where the request is stored
+        (`keep`: one that cannot be stored goes out as the error instead). Returns whether it got its last
+        frame (if not: client gone, deadline passed, so the engine must drop it) and the status sent."""
         began = False  # the stream began before its first frame (keepalives)
         if stream and dialect.keepalive:
             frame, began = await self._keep_alive(q, send, dialect, rid)
@@ -242,6 +260,8 @@ class Ingress(Pipeline):
             if frame.error is not None and not began:
                 return True, await self.respond_failure(send, dialect, frame.error)
             if not stream:
+                if keep is not None and (unkept := await keep(frame)) is not None:
+                    return True, await self.respond_failure(send, dialect, unkept)
                 q.sending_since = time.monotonic()  # (a body its client does not read can stall too)
                 return True, await respond(send, 200, frame.data)
             if not began:
@@ -257,6 +277,9 @@ class Ingress(Pipeline):
                         break
                     frame, after = after, None
                     parts.append(frame.data)
+                if frame.done and keep is not None and frame.error is None and \
+                        (unkept := await keep(frame)) is not None:
+                    parts[-1] = dialect.errors.stream(unkept)  # (its last chunk goes: the error takes its place)
                 body = parts[0] if len(parts) == 1 else b"".join(parts)
                 q.sending_since = time.monotonic()
                 await send({"type": "http.response.body", "body": body, "more_body": not frame.done})
@@ -342,8 +365,8 @@ async def _watch_disconnect(receive, q: FrameQueue) -> None:
             return
 
 
-def create_app() -> Ingress:
-    """granian's factory: one Ingress per worker process."""
+def create_app() -> Any:
+    """granian's factory: one Ingress per worker process, inside the --middleware given."""
     procs.die_with_parent()  # with granian's main process, which dies with the supervisor
     procs.set_title("sluice: ingress")
     path = envs.config_path()
@@ -351,4 +374,4 @@ def create_app() -> Ingress:
         raise RuntimeError("SLUICE_CONFIG is not set: start the ingress through `sluice serve`")
     cfg = ServerConfig.load(path)
     setup_logging(f"ingress[{os.getpid()}]", cfg.log_format)
-    return Ingress(cfg)
+    return middleware.wrapped(Ingress(cfg), cfg.middleware)

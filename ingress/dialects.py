@@ -11,7 +11,7 @@ from typing import Any, Awaitable, Callable
 import msgspec
 
 from ipc.errors import OPENAI, ErrorShape
-from ipc.messages import Endpoint
+from ipc.messages import Endpoint, Failure, Frame
 from ipc.openai import ChatCompletionRequest, CompletionRequest
 
 Send = Callable[[dict], Awaitable[None]]
@@ -64,6 +64,11 @@ def _decoder(request_type: type) -> msgspec.json.Decoder:
 
 
 DIALECTS: dict[str, Dialect] = {}  # by route
+# A dialect's keeper of what it stores (by endpoint): given a request, what to call with its last frame
+# before it goes out (a Failure then: the response is not delivered as one), None when the request stores
+# nothing, or a Failure when storing cannot be done (said before the work). ingress/stored_chat.py's.
+Keep = Callable[[Frame], Awaitable[Failure | None]]
+KEEPERS: dict[Endpoint, Callable[[Any, Any], Awaitable[Keep | Failure | None]]] = {}
 
 
 def register(dialect: Dialect) -> Dialect:

@@ -7,6 +7,7 @@ from typing import Sequence
 
 import msgspec
 
+from ipc.messages import Failure
 from ipc.openai import error_body
 
 JSON = [(b"content-type", b"application/json")]
@@ -14,6 +15,9 @@ SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
 _PARAM = re.compile(r"at `\$\.([^`]+)`")
 _UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
+# An error says at most this many characters (a 1 MB field name does not come back whole), its param (a field's
+# path) at most MAX_PARAM of them
+MAX_MESSAGE, MAX_PARAM = 4096, 256
 
 
 class BodyTooLarge(Exception):
@@ -61,14 +65,36 @@ async def respond_error(send, status: int, message: str, param: str | None = Non
 
 
 def validation_error(e: msgspec.MsgspecError) -> tuple[str, str | None]:
-    """An OpenAI-style message and param for a msgspec decode/validation error."""
+    """An OpenAI-style message and param for a msgspec decode/validation error, each at most MAX_MESSAGE
+    characters."""
     text = str(e)
     if isinstance(e, msgspec.DecodeError) and not isinstance(e, msgspec.ValidationError):
-        return f"invalid JSON body: {text}", None
+        return capped(f"invalid JSON body: {text}"), None
     for pattern in (_UNKNOWN, _MISSING, _PARAM):
         if m := pattern.search(text):
-            field = m.group(1)
+            field = capped(m.group(1), MAX_PARAM)
             if pattern is _UNKNOWN:
-                return f"unknown field {field!r}: this server does not support it", field
-            return text, field
-    return text, None
+                return capped(f"unknown field {field!r}: this server does not support it"), field
+            return capped(text), field
+    return capped(text), None
+
+
+def capped(text: str, limit: int = MAX_MESSAGE) -> str:
+    """`text`, cut to `limit` characters where it is longer (saying how much was left out)."""
+    if len(text) <= limit:
+        return text
+    kept = limit - 64  # (room for the tail)
+    return f"{text[:kept]}... ({len(text) - kept} more characters)"
+
+
+def capped_failure(failure: Failure) -> Failure:
+    """`failure` within MAX_MESSAGE and MAX_PARAM (the message leaves room for the param: Anthropic's says it)."""
+    if len(failure.message) + len(failure.param or "") + 2 <= MAX_MESSAGE:
+        return failure
+    param = failure.param and capped(failure.param, MAX_PARAM)
+    return msgspec.structs.replace(failure, param=param,
+                                   message=capped(failure.message, MAX_MESSAGE - len(param or "") - 2))
+
+
+def header(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    return next((v for k, v in headers if k.lower() == name), None)

@@ -188,9 +188,6 @@ class Pipeline:
     def full(self) -> bool:
         return len(self.pending) >= self.max_pending
 
-    def healthy(self) -> bool:
-        return self.health_problem() is None
-
     def health_problem(self) -> str | None:
         """Why the server cannot serve now, if it cannot: the engine died, or made no progress (nor idled,
         answering) within the stall timeout; or a render or postproc worker has been on one job (or silent)

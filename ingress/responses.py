@@ -17,12 +17,14 @@ import msgspec
 from ingress.dialects import Dialect
 from ipc import errors
 from ingress.http import JSON, SSE, respond
+from ingress.paging import item_page, page_query
 from ingress.routes import Request, route
 from ipc.messages import Failure
 from ipc.openai import INT64_MAX
 from ipc.responses import (CreateResponse, ErrorEvent, InputItem, Part, RenderBody, Response, ResponseError,
                            ResponseEvent, event_head, final_response, new_response, split_events, sse)
-from sluice import state
+from ipc.responses_tools import left_out, left_out_message
+from sluice import sealing, state
 from sluice.responses_store import NotFound, NotReady, Store
 from sluice.state import POLL_S
 
@@ -31,7 +33,6 @@ T = TypeVar("T")
 _json = msgspec.json.Encoder()
 _response = msgspec.json.Decoder(Response)
 _ID_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
-MAX_PAGE = 100
 
 
 RESPONSES = Dialect(endpoint="responses", path="/v1/responses", request_type=CreateResponse, id_prefix="resp_",
@@ -49,12 +50,17 @@ def _missing(rid: str) -> Failure:
 
 @route("POST", "/v1/responses", dialect=RESPONSES)
 async def create(ingress, request: Request, receive, send) -> int:
-    got = await ingress.read_request(RESPONSES, receive, send)
+    got = await ingress.read_request(RESPONSES, receive, send, request.scope["headers"])
     if isinstance(got, int):
         return got
     r: CreateResponse = got[0]
     if (refused := ingress.refusal(r.model)) is not None:
         return await ingress.respond_failure(send, RESPONSES, refused)
+    if (refused := _tools_left_out(ingress.cfg, r)) is not None:
+        return await ingress.respond_failure(send, RESPONSES, refused)
+    state_dir = str(state.database_path(ingress.cfg).parent)
+    if (keyless := await _sealing_key(ingress.cfg, state_dir, r)) is not None:
+        return await ingress.respond_failure(send, RESPONSES, keyless)
     history: list[InputItem] | Failure = []
     if r.previous_response_id is not None:
         history = await _conversation(ingress, r.previous_response_id)
@@ -62,14 +68,43 @@ async def create(ingress, request: Request, receive, send) -> int:
         return await ingress.respond_failure(send, RESPONSES, history)
     items = _json.encode([_stored(item) for item in r.items])
     if r.background:
-        return await _queue(ingress, r, history, items, receive, send)
+        return await _queue(ingress, r, RenderBody(r, history, state_dir=state_dir), items, receive, send)
     if r.store is not False and isinstance(usable := await _state(ingress, Store.check), Failure):
         return await ingress.respond_failure(send, RESPONSES, usable)  # (before the work, not after it)
     keeper = Keeper(ingress, bool(r.stream), items if r.store is not False else None)
     dialect = dataclasses.replace(RESPONSES, errors=dataclasses.replace(errors.RESPONSES, stream=keeper.stream_error))
-    status = await ingress.generate(dialect, receive, keeper.wrap(send), body=_json.encode(RenderBody(r, history)),
-                                    request=r)
+    status = await ingress.generate(dialect, receive, keeper.wrap(send),
+                                    body=_json.encode(RenderBody(r, history, state_dir=state_dir)), request=r)
     return keeper.failed or status
+
+
+_told: set[str] = set()  # the tool types this worker has logged as left out
+
+
+def _tools_left_out(cfg, r: CreateResponse) -> Failure | None:
+    """The one policy for tools this server does not offer the model (ipc.responses.left_out): a 400 naming
+    the first under --strict-tools; else each is left out of the prompt, named in the response's `warnings`,
+    and logged (once per type and worker: every response names them)."""
+    for param, kind in left_out(r.tools):
+        if cfg.strict_tools:
+            return Failure(400, f"{left_out_message(param, kind)} (--strict-tools refuses it)", param=param)
+        if kind not in _told:
+            _told.add(kind)
+            log.warning("POST /v1/responses: %s; the response says so in `warnings` (logged once per tool type; "
+                        "--strict-tools refuses such requests)", left_out_message(param, kind))
+    return None
+
+
+async def _sealing_key(cfg, state_dir: str, r: CreateResponse) -> Failure | None:
+    """The state directory's key for sealed reasoning, made now if the request needs it and there is none yet
+    (so that the workers that seal and open it find it): a directory that cannot hold it is an error."""
+    if not r.sealed_reasoning and not any(item.encrypted_content for item in r.items):
+        return None
+    try:
+        await asyncio.to_thread(sealing.sealer, state_dir)
+    except OSError as e:
+        return state.unavailable(cfg, e)
+    return None
 
 
 async def _conversation(ingress, rid: str) -> list[InputItem] | Failure:
@@ -92,11 +127,11 @@ def _stored(item: InputItem) -> dict[str, Any]:
     return {"type": item.type, **msgspec.to_builtins(stored)}
 
 
-async def _queue(ingress, r: CreateResponse, history: list[InputItem], items: bytes, receive, send) -> int:
+async def _queue(ingress, r: CreateResponse, render: RenderBody, items: bytes, receive, send) -> int:
     """Stores a background response, queued for the owner; answers with it, or follows its stream."""
     created_at = int(time.time())
     response = new_response(r, RESPONSES.id_prefix + uuid.uuid4().hex, created_at, "queued")
-    job = _json.encode(RenderBody(r, history, created_at, background=True))
+    job = _json.encode(msgspec.structs.replace(render, created_at=created_at, background=True))
     created = sse(ResponseEvent(type="response.created", sequence_number=0, response=response))
     body = _json.encode(response)
     if isinstance(saved := await _state(ingress, Store.save, body, items, job, created), Failure):
@@ -269,28 +304,15 @@ async def cancel(ingress, request: Request, receive, send) -> int:
 
 @route("GET", "/v1/responses/{id}/input_items", dialect=RESPONSES)
 async def input_items(ingress, request: Request, receive, send) -> int:
-    rid, query = request.params["id"], request.query
-    limit, order = request.integer("limit", 20, 1, MAX_PAGE), query.get("order", "desc")
-    if limit is None:
-        return await ingress.respond_failure(send, RESPONSES, Failure(
-            400, f"limit is an integer from 1 to {MAX_PAGE}", param="limit"))
-    if order not in ("asc", "desc"):
-        return await ingress.respond_failure(send, RESPONSES, Failure(400, "order is asc or desc", param="order"))
+    rid = request.params["id"]
+    if isinstance(paged := page_query(request, "desc"), Failure):
+        return await ingress.respond_failure(send, RESPONSES, paged)
     row = await _state(ingress, Store.get, rid)
     if isinstance(row, Failure) or row is None:
         return await ingress.respond_failure(send, RESPONSES, row or _missing(rid))
-    items: list[dict[str, Any]] = msgspec.json.decode(row["input_items"])
-    if order == "desc":
-        items.reverse()
-    start = 0
-    if after := query.get("after"):
-        ids = [item["id"] for item in items]
-        if after not in ids:
-            return await ingress.respond_failure(send, RESPONSES, Failure(
-                400, f"no input item {after!r} in this response", param="after"))
-        start = ids.index(after) + 1
-    page = items[start:start + limit]
-    return await respond(send, 200, _json.encode({
-        "object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-        "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < len(items)}))
+    page = item_page(msgspec.json.decode(row["input_items"]), request.query.get("after"), *paged,
+                     "input item in this response")
+    if isinstance(page, Failure):
+        return await ingress.respond_failure(send, RESPONSES, page)
+    return await respond(send, 200, page)
 

@@ -24,7 +24,7 @@ _answer = msgspec.json.Decoder(TokenizeResponse)
 
 @route("POST", "/tokenize")
 async def tokenize(ingress: Any, request: Request, receive, send) -> int:
-    got = await ingress.read_request(_TOKENIZE, receive, send)
+    got = await ingress.read_request(_TOKENIZE, receive, send, request.scope["headers"])
     if isinstance(got, int):
         return got
     r, _ = got
@@ -45,7 +45,7 @@ async def tokenize(ingress: Any, request: Request, receive, send) -> int:
 
 @route("POST", "/detokenize")
 async def detokenize(ingress: Any, request: Request, receive, send) -> int:
-    got = await ingress.read_request(_DETOKENIZE, receive, send)
+    got = await ingress.read_request(_DETOKENIZE, receive, send, request.scope["headers"])
     if isinstance(got, int):
         return got
     r, body = got

@@ -233,6 +233,7 @@ class Frame(msgspec.Struct, **_WIRE):
     data: bytes  # SSE bytes for a stream; the whole body otherwise
     done: bool = False
     error: Failure | None = None  # the request ends in this error instead (with done, and no data)
+    stored: bytes = b""  # a request the ingress stores (PostprocSpec.store): its whole body, in its last frame
 
 
 class Frames(msgspec.Struct, tag=True, **_WIRE):
@@ -298,7 +299,8 @@ ControlInput = Drain | DrainTimedOut | EngineDied | StageDied
 
 # ---- render -> postproc (carried opaquely by the engine) -------------------
 
-ParserName = Literal["harmony", "think", "hermes"]
+ParserName = Literal["harmony", "think", "qwen3", "deepseek_r1", "hermes", "llama3_json", "mistral", "qwen3_coder",
+                     "deepseek_v3", "pythonic", "granite"]
 
 
 class PostprocSpec(msgspec.Struct, **_WIRE):
@@ -324,8 +326,10 @@ class PostprocSpec(msgspec.Struct, **_WIRE):
     dialect: bytes = b""  # what a dialect's framer needs beyond the above (msgpack, its own Struct)
     parsers: list[ParserName] = []  # chat output parsers, in order
     output_prefix: list[int] = []  # prompt tokens that begin the assistant's output (the parsers read them first)
+    tool_param_types: dict[str, dict[str, str]] = {}  # function -> parameter -> JSON-schema type (qwen3_coder)
     return_token_ids: bool = False
     prompt_token_ids: list[int] | None = None  # with return_token_ids
     arrival_time: float = 0.0
     perf_metrics: bool = False  # put each request's timings in its response
     stream_interval: int = 1  # a stream sends a frame every this many tokens (the first at once)
+    store: bool = False  # the ingress stores the response: the last frame carries the whole body (Frame.stored)

@@ -5,8 +5,9 @@ owner), and what the responses endpoint's render job carries.
 The request's top level is strict (an unknown field is a 400 naming it); every field of the SDK's create call
 is decided in ipc/sdk_fields.py (honoured, a hint, or refused with a 400 that says why; null is always unset).
 Items and tools are lenient, since clients send back the items they were given (with annotations, logprobs...);
-what this server cannot honour (a hosted tool, an image, encrypted reasoning) is refused as the body is
-decoded, with a message naming it.
+what this server cannot honour (an image, an item type it never produces) is refused as the body is decoded,
+with a message naming it. Tools it cannot offer the model (hosted ones) follow one policy: see `left_out`.
+Reasoning comes back sealed where the request includes `reasoning.encrypted_content` (sluice/sealing.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import msgspec
 
 from ipc import sdk_fields
 from ipc.openai import Int64, Metadata, PositiveInt, Temperature, TopP
+from ipc.responses_tools import ResponsesTool, check_names, left_out, left_out_message
 
 _STRICT = dict(forbid_unknown_fields=True, omit_defaults=True)
 TEXT_PARTS = frozenset({"input_text", "output_text", "text", "reasoning_text", "summary_text"})
@@ -55,9 +57,10 @@ class InputItem(msgspec.Struct, omit_defaults=True):
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None
+    namespace: str | None = None  # a function_call's: the namespace tool its function belongs to
     output: Content | None = None
     summary: list[Part] | None = None
-    encrypted_content: str | None = None
+    encrypted_content: str | None = None  # a reasoning item's, as this server sealed it (render opens it)
     status: str | None = None
 
     def __post_init__(self) -> None:
@@ -68,27 +71,10 @@ class InputItem(msgspec.Struct, omit_defaults=True):
         for field in need:
             if getattr(self, field) is None:
                 raise ValueError(f"a {self.type} item needs {field}")
-        if self.encrypted_content is not None and not self.content:
-            raise ValueError("encrypted reasoning is not supported: send the reasoning item's content "
-                             "(reasoning_text), as this server returns it")
 
 
 def text_of(content: Content | None) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content or [])
-
-
-class FunctionTool(msgspec.Struct, kw_only=True, omit_defaults=True):
-    type: str
-    name: str = ""
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.type != "function":
-            raise ValueError(f"tools of type {self.type!r} are not supported: this server runs function tools only")
-        if not self.name:
-            raise ValueError("a function tool needs a name")
 
 
 class ToolChoiceFunction(msgspec.Struct, omit_defaults=True):
@@ -115,6 +101,12 @@ class TextFormat(msgspec.Struct, **_STRICT):
 
 class TextConfig(msgspec.Struct, **_STRICT):
     format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+    def __post_init__(self) -> None:
+        if self.verbosity not in (None, "medium"):
+            raise ValueError("text.verbosity: only the model's own verbosity ('medium', the default) is produced "
+                             "here")
 
 
 class ReasoningConfig(msgspec.Struct, **_STRICT):
@@ -131,7 +123,7 @@ class CreateResponse(msgspec.Struct, **_STRICT):
     model: str
     input: str | list[InputItem] = ""
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[ResponsesTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: PositiveInt | None = None
@@ -164,9 +156,14 @@ class CreateResponse(msgspec.Struct, **_STRICT):
     max_tool_calls: Int64 | None = None
     top_logprobs: Int64 | None = None
     moderation: Any = None
+    client_metadata: dict[str, Any] | None = None  # Codex's (no SDK parameter): about the client, a hint
 
     def __post_init__(self) -> None:
         sdk_fields.refuse(self, _REFUSALS)
+        for value in self.include or []:
+            if (why := sdk_fields.RESPONSES_INCLUDE.get(value, "not a value the API knows")) is not None:
+                raise ValueError(f"include: {value!r} cannot be included: {why} - at `$.include`")
+        check_names(self.tools)
         if self.background and self.store is False:
             raise ValueError("a background response is stored: drop store: false")
         if not self.input and self.previous_response_id is None:
@@ -178,6 +175,11 @@ class CreateResponse(msgspec.Struct, **_STRICT):
             return [InputItem(role="user", content=self.input)] if self.input else []
         return self.input
 
+    @property
+    def sealed_reasoning(self) -> bool:
+        """Whether its reasoning items come back sealed (encrypted_content)."""
+        return "reasoning.encrypted_content" in (self.include or [])
+
 
 class RenderBody(msgspec.Struct, omit_defaults=True):
     """The responses endpoint's render job: the request, the stored conversation its previous_response_id
@@ -187,6 +189,7 @@ class RenderBody(msgspec.Struct, omit_defaults=True):
     history: list[InputItem] = []
     created_at: int | None = None
     background: bool = False  # run by the background owner: its stream goes on from the stored response.created
+    state_dir: str = ""  # the server's --state-dir, whose key seals and opens reasoning (sluice/sealing.py)
 
 
 # ---- the response ------------------------------------------------------------
@@ -215,6 +218,7 @@ class ReasoningItem(msgspec.Struct, tag_field="type", tag="reasoning", kw_only=T
     status: ItemStatus
     summary: list[Any] = []
     content: list[ReasoningText] = []
+    encrypted_content: str | msgspec.UnsetType = msgspec.UNSET  # the text sealed (include asked; when done)
 
 
 class FunctionCallItem(msgspec.Struct, tag_field="type", tag="function_call", kw_only=True):
@@ -223,6 +227,7 @@ class FunctionCallItem(msgspec.Struct, tag_field="type", tag="function_call", kw
     call_id: str
     name: str
     arguments: str = ""
+    namespace: str | msgspec.UnsetType = msgspec.UNSET  # a namespace tool's function: the namespace
 
 
 OutputItem = MessageItem | ReasoningItem | FunctionCallItem
@@ -253,6 +258,15 @@ class IncompleteDetails(msgspec.Struct):
     reason: Literal["max_output_tokens"]
 
 
+class ResponseWarning(msgspec.Struct):
+    """Something of the request this server did not do, said rather than dropped (a response-level field of
+    this server's: the SDKs keep fields they do not know)."""
+
+    code: Literal["tool_not_offered"]
+    message: str
+    param: str
+
+
 class Response(msgspec.Struct, kw_only=True):
     id: str
     object: Literal["response"] = "response"
@@ -263,9 +277,10 @@ class Response(msgspec.Struct, kw_only=True):
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     usage: Usage | None = None
+    warnings: list[ResponseWarning] | msgspec.UnsetType = msgspec.UNSET  # (none: left out)
     # The request, as OpenAI echoes it:
     instructions: str | None = None
-    tools: list[FunctionTool] = []
+    tools: list[ResponsesTool] = []
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction = "auto"
     parallel_tool_calls: bool = True
     max_output_tokens: int | None = None
@@ -287,8 +302,11 @@ class Response(msgspec.Struct, kw_only=True):
 def new_response(request: CreateResponse, response_id: str, created_at: int, status: Status) -> Response:
     """The response to `request` before it has any output."""
     r = request
+    warnings = [ResponseWarning("tool_not_offered", left_out_message(param, kind), param)
+                for param, kind in left_out(r.tools)]
     return Response(
         id=response_id, created_at=created_at, status=status, model=r.model, instructions=r.instructions,
+        warnings=warnings or msgspec.UNSET,
         tools=r.tools or [], tool_choice=r.tool_choice or "auto",
         parallel_tool_calls=r.parallel_tool_calls is not False, max_output_tokens=r.max_output_tokens,
         temperature=r.temperature, top_p=r.top_p,
@@ -303,6 +321,8 @@ class FramerSpec(msgspec.Struct, omit_defaults=True):
 
     response: Response  # the response before output (its id is the request's id)
     first_sequence_number: int = 0  # background: the stored response.created is event 0
+    seal_with: str = ""  # include asked for sealed reasoning: the state directory whose key seals it
+    namespaces: dict[str, tuple[str, str]] = {}  # the name the model sees -> (namespace, function name)
 
 
 # ---- stream events -----------------------------------------------------------

@@ -104,12 +104,12 @@ CHAT_COMPLETIONS: Table = {
     "function_call": refused("the legacy function_call is not taken: send tool_choice"),
     "web_search_options": refused("web search is not run here: no hosted tools", accepts=_never),
     "moderation": refused(_NO_MODERATION),
-    "store": refused("stored chat completions are not kept here: send store: false or leave it out",
-                     accepts=lambda v: v is False),
+    "store": honoured("kept in the state database (--state-dir): GET /v1/chat/completions[/{id}[/messages]], "
+                      "POST (metadata) and DELETE /v1/chat/completions/{id}"),
     "verbosity": refused("only the model's own verbosity ('medium', the default) is produced here",
                          accepts=lambda v: v == "medium"),
-    "metadata": hint("kept by the real API with a stored chat completion, which this server does not keep "
-                     "(store: true is refused); checked (16 keys of up to 64 characters, values of up to 512)"),
+    "metadata": honoured("kept with a stored chat completion, and what its list filters on; checked (16 keys "
+                         "of up to 64 characters, values of up to 512)"),
     "prediction": hint("a predicted output only makes a response faster, never different: the output is the "
                        "same without it (not used as a draft here)"),
     "prompt_cache_key": honoured(_AFFINITY),
@@ -140,7 +140,7 @@ RESPONSES: Table = {
     "top_p": honoured(),
     "reasoning": honoured(),
     "text": honoured(),
-    "tools": honoured("function tools"),
+    "tools": honoured("function and namespace tools; each other type as RESPONSES_TOOLS says"),
     "tool_choice": honoured(),
     "parallel_tool_calls": honoured(),
     "store": honoured(),
@@ -151,7 +151,8 @@ RESPONSES: Table = {
     "metadata": honoured("kept with the response and echoed"),
     "truncation": honoured(),
     "user": honoured("echoed, and the end user named in the request's log line"),
-    "include": refused("this server returns no encrypted reasoning, logprobs or tool sources"),
+    "include": honoured("each value as RESPONSES_INCLUDE says: reasoning.encrypted_content is returned, any "
+                        "other value is a 400 naming it"),
     "conversation": refused("conversations are not kept here: chain responses with previous_response_id"),
     "prompt": refused("stored prompt templates are not kept here: send instructions and input"),
     "context_management": refused("server-side compaction is not run here"),
@@ -168,6 +169,38 @@ RESPONSES: Table = {
                                "continuation id changes nothing"),
     "access_programs": hint("no access programs here: every request is served alike"),
     "image": hint("image options: this server takes no images (an image input is refused)"),
+}
+
+# The Responses API's `include` values (the SDK's ResponseIncludable): None where it is returned, else why not
+# (a 400 naming the value: each would add to the output what this server does not produce).
+_NOT_RUN = "no {} calls are made here (hosted tools are not offered to the model: see RESPONSES_TOOLS)"
+RESPONSES_INCLUDE: dict[str, str | None] = {
+    "reasoning.encrypted_content": None,  # each reasoning item sealed with the server's key (sluice/sealing.py)
+    "message.output_text.logprobs": "logprobs are not returned by the Responses API here (the chat completions "
+                                    "API returns them)",
+    "file_search_call.results": _NOT_RUN.format("file_search"),
+    "web_search_call.results": _NOT_RUN.format("web_search"),
+    "web_search_call.action.sources": _NOT_RUN.format("web_search"),
+    "code_interpreter_call.outputs": _NOT_RUN.format("code_interpreter"),
+    "computer_call_output.output.image_url": "no computer calls are made here, and this server takes no images",
+    "message.input_image.image_url": "this server takes no images",
+}
+
+# The Responses API's tool types (the SDK's Tool union): None where the model is offered it, else why not. A
+# tool not offered is left out of the prompt, named in the response's `warnings` (code tool_not_offered) and
+# in a log line; with --strict-tools the request is a 400 naming it instead (ipc/responses.py: left_out).
+_HOSTED = "a hosted tool, which OpenAI's servers run: this server runs none"
+_OWN_ITEMS = ("its calls are items of a type of their own, which this server does not produce: offer it as a "
+              "function tool")
+RESPONSES_TOOLS: dict[str, str | None] = {
+    "function": None,
+    "namespace": None,  # its functions, each as namespace and name joined (ipc/responses.py: flat_name); a call
+    # comes back with the function's name and its namespace
+    **dict.fromkeys(["web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11",
+                     "file_search", "code_interpreter", "image_generation", "computer", "computer_use_preview",
+                     "tool_search", "programmatic_tool_calling"], _HOSTED),
+    "mcp": "MCP servers are not called here: offer their tools as function (or namespace) tools",
+    **dict.fromkeys(["local_shell", "shell", "apply_patch", "custom"], _OWN_ITEMS),
 }
 
 

@@ -2,7 +2,7 @@
 
 A payload of at least `shm_threshold` bytes goes through a shared-memory ring
 (see ipc/shm.py) with a small descriptor on the socket; the threshold comes
-from bench/transport.py (see bench/RESULTS.md).
+from bench/transport.py (bench/RESULTS.md#ipc-transport).
 """
 from __future__ import annotations
 

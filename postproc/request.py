@@ -10,7 +10,7 @@ from tokenizers.decoders import DecodeStream
 from ipc.messages import Frame, PostprocSpec, Started, Timings
 from ipc.openai import PerfMetrics
 from postproc.framers import framer_for
-from postproc.parsers import TEXT_PARSERS, HermesParser, Piece
+from postproc.parsers import Piece, keeps_special_tokens, text_parser
 from postproc.stop import StopStrings
 from sluice import metrics
 
@@ -38,12 +38,9 @@ class Choice:
 
             self.harmony = HarmonyParser(harmony_encoding(), spec.output_prefix)
             return
-        self.decode = DecodeStream(skip_special_tokens=spec.skip_special_tokens)
-        self.parsers = [TEXT_PARSERS[name]() for name in spec.parsers]
-        if not spec.parallel_tool_calls:
-            for parser in self.parsers:
-                if isinstance(parser, HermesParser):
-                    parser.max_calls = 1
+        skip = spec.skip_special_tokens and not keeps_special_tokens(spec.parsers)  # (a format's markers stay)
+        self.decode = DecodeStream(skip_special_tokens=skip)
+        self.parsers = [text_parser(name, spec.parallel_tool_calls, spec.tool_param_types) for name in spec.parsers]
         if spec.output_prefix:  # a forced start already in the prompt: the parsers read it, nobody sees it
             self._parse(Piece(content=tokenizer.decode(spec.output_prefix, skip_special_tokens=False)), False)
 
@@ -99,7 +96,8 @@ class RequestOutput:
         self.started = started
         self.choices = [Choice(spec, tokenizer) for _ in range(spec.n)]
         self.framer = framer_for(spec, started.num_prompt_tokens, started.num_cached_tokens, text_of)
-        self._adds = not spec.stream or self.framer.takes_each_piece
+        # (a stored stream's framer also builds the whole body, which the last frame carries: Frame.stored)
+        self._adds = not spec.stream or self.framer.takes_each_piece or spec.store
         # A streamed harmony output with no stop strings nor logprobs: most of its tokens only add text
         # (HarmonyParser.plain_text), which `feed` merges into the pending piece itself.
         self._lean = (spec.stream and not self._adds and not spec.logprobs and self.choices[0].harmony is not None
@@ -200,9 +198,11 @@ class RequestOutput:
     def final(self) -> Frame:
         perf = self.perf() if self.spec.perf_metrics else None
         self.framer.reasoning_tokens = sum(c.reasoning_tokens for c in self.choices)
-        if self.spec.stream:
-            return Frame(self.spec.request_id, self.framer.end(self.completion_tokens, perf), True)
-        return Frame(self.spec.request_id, self.framer.body(self.completion_tokens, perf), True)
+        if not self.spec.stream:
+            return Frame(self.spec.request_id, self.framer.body(self.completion_tokens, perf), True)
+        tail = self.framer.end(self.completion_tokens, perf)
+        stored = self.framer.body(self.completion_tokens, perf) if self.spec.store else b""
+        return Frame(self.spec.request_id, tail, True, stored=stored)
 
     def perf(self) -> PerfMetrics:
         t = self.timings or [Timings(self.spec.request_id, 0, self.spec.arrival_time, 0.0, 0.0, 0.0, 0.0)]

@@ -18,6 +18,7 @@ from ipc.responses import (Event, FramerSpec, FunctionCallItem, IncompleteDetail
 from postproc.assembly import Item, Kind
 from postproc.framers import FRAMERS, ItemFramer
 from postproc.parsers import Piece
+from sluice import sealing
 
 _json = msgspec.json.Encoder()
 _spec_decoder = msgspec.msgpack.Decoder(FramerSpec)
@@ -32,11 +33,15 @@ def _part(item: Item) -> OutputText | ReasoningText:
     return ReasoningText(text=item.text) if item.kind == "reasoning" else OutputText(text=item.text)
 
 
-def _output_item(item: Item, id: str, status: ItemStatus, parts: list) -> OutputItem:
+def _output_item(item: Item, id: str, status: ItemStatus, parts: list, framing: FramerSpec) -> OutputItem:
     if item.kind == "reasoning":
         return ReasoningItem(id=id, status=status, content=parts)
     if item.kind == "text":
         return MessageItem(id=id, status=status, content=parts)
+    if item.name in framing.namespaces:  # a namespace's function: its own name, and the namespace
+        namespace, name = framing.namespaces[item.name]
+        return FunctionCallItem(id=id, status=status, call_id=item.call_id, name=name, arguments=item.text,
+                                namespace=namespace)
     return FunctionCallItem(id=id, status=status, call_id=item.call_id, name=item.name, arguments=item.text)
 
 
@@ -53,7 +58,7 @@ class ResponsesFramer(ItemFramer):
 
     def __init__(self, spec: PostprocSpec, num_prompt_tokens: int, num_cached_tokens: int, text_of) -> None:
         super().__init__()
-        framing = _spec_decoder.decode(spec.dialect)
+        framing = self.framing = _spec_decoder.decode(spec.dialect)
         self.response = framing.response
         self.response.id = spec.request_id
         self.response.created_at = self.response.created_at or spec.created
@@ -125,7 +130,7 @@ class ResponsesFramer(ItemFramer):
 
     def opened(self, index: int, item: Item) -> None:
         self._ids.append(item_id := new_item_id(item.kind))
-        added = _output_item(item, item_id, "in_progress", [])
+        added = _output_item(item, item_id, "in_progress", [], self.framing)
         self.items.append(added)
         self._event(ItemEvent, type="response.output_item.added", output_index=index, item=added)
         if item.kind != "tool_call":
@@ -151,7 +156,9 @@ class ResponsesFramer(ItemFramer):
                         content_index=0, text=item.text, **_logprobs(item.kind))
             self._event(PartEvent, type="response.content_part.done", item_id=item_id, output_index=index,
                         content_index=0, part=part)
-        done = self.items[index] = _output_item(item, item_id, self._status, parts)
+        done = self.items[index] = _output_item(item, item_id, self._status, parts, self.framing)
+        if isinstance(done, ReasoningItem) and self.framing.seal_with:
+            done.encrypted_content = sealing.sealer(self.framing.seal_with).seal(item.text)
         self._event(ItemEvent, type="response.output_item.done", output_index=index, item=done)
 
     def _event(self, cls: type, **fields) -> None:

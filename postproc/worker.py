@@ -26,8 +26,8 @@ _spec_decoder = msgspec.msgpack.Decoder(PostprocSpec)
 log = logging.getLogger("sluice.postproc")
 # Tokens framed per message to the ingress when steps queued up: frames are not held back for a whole backlog,
 # which bounds the gaps between a stream's events; two steps of 256 rows still make one part, so a request's
-# tokens from the engine's window (--max-steps-ahead 2) go out in one event at 256 streams as at 64 (bench/ceiling.py,
-# bench/RESULTS.md).
+# tokens from the engine's window (--max-steps-ahead 2) go out in one event at 256 streams as at 64 (bench/ceiling.py;
+# bench/RESULTS.md#pipeline-ceiling).
 _PART_TOKENS = 512
 
 
@@ -88,7 +88,8 @@ class Shard:
             if req.done:
                 del self.requests[rid]
                 self._finished(req)
-                out[req.spec.reply_to].append(Frame(rid, data[rid] + req.final().data, True))
+                final = req.final()
+                out[req.spec.reply_to].append(Frame(rid, data[rid] + final.data, True, stored=final.stored))
             elif data[rid]:
                 out[req.spec.reply_to].append(Frame(rid, data[rid]))
         self._gaps += step.gaps

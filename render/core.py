@@ -17,7 +17,7 @@ from ipc.openai import (ChatCompletionRequest, CompletionRequest, DetokenizeRequ
 from render import deadline, dialects
 from render.constraints import check_tool_choice, requested
 from render.errors import RequestError
-from render.extensions import ServingExtension, message_text
+from render.extensions import ServingExtension, message_text, tool_param_types
 from render.structured import Constraint, GrammarCompiler, response_format
 from render.tokenizer import PromptBudget, TokenizerBundle, context_length_error
 from render.truncation import Turns, fitting, guess_dropped, message_overhead
@@ -137,6 +137,7 @@ class ChatCore:
             grammar, trigger = self._grammar(request, constraint)
             max_tokens_field = "max_tokens"
         max_tokens = self._check_length(len(prompt), max_tokens, max_tokens_field)
+        parsers = self.ext.parsers() if chat else []
         spec = PostprocSpec(
             request_id=job.request_id,
             endpoint=job.endpoint,
@@ -144,6 +145,7 @@ class ChatCore:
             created=int(job.arrival_time),
             reply_to=job.reply_to,
             stream=bool(request.stream),
+            store=job.endpoint == "chat" and bool(getattr(request, "store", None)),
             include_usage=bool(request.stream_options and request.stream_options.include_usage),
             continuous_usage=bool(request.stream_options and request.stream_options.include_usage
                                   and request.stream_options.continuous_usage_stats),
@@ -152,7 +154,8 @@ class ChatCore:
             user=request.user,
             stop=[request.stop] if isinstance(request.stop, str) else list(request.stop or []),
             output_mode=self.ext.output_mode if chat else "text",
-            parsers=self.ext.parsers() if chat else [],
+            parsers=parsers,
+            tool_param_types=tool_param_types(request, parsers) if isinstance(request, ChatCompletionRequest) else {},
             dialect=dialect,
             output_prefix=prefix,
             return_token_ids=request.return_token_ids,

@@ -7,6 +7,8 @@ the registry), never a branch in the core.
 from __future__ import annotations
 
 import json
+import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Protocol, cast
 
@@ -19,9 +21,10 @@ from render.chat_template import ChatTemplateError, TemplateOutputTooLong, rende
 from render.errors import RequestError
 from render.structured import Constraint
 from render.tokenizer import PromptBudget, TokenizerBundle
+from sluice import tool_formats
+from sluice.tool_formats import AUTO, REASONING_PARSERS, TOOL_PARSERS
 
-TOOL_PARSERS = {"hermes"}
-REASONING_PARSERS = {"think"}
+log = logging.getLogger("sluice.render")
 
 
 @dataclass(frozen=True)
@@ -196,6 +199,19 @@ def _open_final_message(text: str, final: ChatMessage) -> str:
     return text[: loc + (len(body) if text.startswith(body, loc) else len(content.strip()))]
 
 
+def resolved_parsers(options: ExtensionOptions, template: str | None) -> tuple[str | None, str | None]:
+    """The tool and reasoning parsers, `auto` chosen from the chat template (and said in the log)."""
+    tool, reasoning = options.tool_parser, options.reasoning_parser
+    for flag, value, choose in (("--tool-parser", tool, tool_formats.tool_parser_of),
+                                ("--reasoning-parser", reasoning, tool_formats.reasoning_parser_of)):
+        if value == AUTO:
+            chosen = choose(template)
+            log.info("%s auto: %s", flag, f"{chosen} (from the chat template)" if chosen else
+                     "none (the chat template names no format, or more than one)")
+            tool, reasoning = (chosen, reasoning) if flag == "--tool-parser" else (tool, chosen)
+    return tool, reasoning
+
+
 def _opened_reasoning(prompt: str) -> str:
     """The `<think>` (and the whitespace after it) that ends a rendered prompt, or ""."""
     at = prompt.rfind("<think>")
@@ -209,16 +225,17 @@ class HfChatTemplateExtension:
 
     def __init__(self, bundle: TokenizerBundle, options: ExtensionOptions) -> None:
         self.bundle = bundle
+        self.tool_parser, self.reasoning_parser = resolved_parsers(options, bundle.chat_template)
         self.options = options
+        self.call_format = tool_grammars.ALL_FORMATS.get(self.tool_parser or "")
+        self._added = _syntax_tokens(bundle)
 
     @staticmethod
     def check_options(options: ExtensionOptions) -> None:
-        if options.tool_parser is not None and options.tool_parser not in TOOL_PARSERS:
-            raise ValueError(f"--tool-parser {options.tool_parser!r} cannot apply to this model; "
-                             f"choose from {sorted(TOOL_PARSERS)}")
-        if options.reasoning_parser is not None and options.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"--reasoning-parser {options.reasoning_parser!r} cannot apply to this model; "
-                             f"choose from {sorted(REASONING_PARSERS)}")
+        for flag, value, names in (("--tool-parser", options.tool_parser, TOOL_PARSERS),
+                                   ("--reasoning-parser", options.reasoning_parser, REASONING_PARSERS)):
+            if value is not None and value not in (*names, AUTO):
+                raise ValueError(f"{flag} {value!r} cannot apply to this model; choose from {[*names, AUTO]}")
 
     def render_prompt(self, request: ChatCompletionRequest, budget: PromptBudget) -> Rendered:
         template = request.chat_template or self.bundle.chat_template
@@ -227,9 +244,11 @@ class HfChatTemplateExtension:
         tools = request.tools if request.tool_choice != "none" else None
         text = render_template(template, request, self.bundle, tools, budget)
         prefix = ""
-        if (tool := forced_tool(request)) is not None:  # hermes: start the turn with that call
-            prefix = "<tool_call>" + tool_grammars.hermes_call_opening(tool.function.name)
-        elif self.options.reasoning_parser == "think" and (opened := _opened_reasoning(text)):
+        if (tool := forced_tool(request)) is not None and self.call_format is not None:  # start the turn with that call
+            # (deepseek_r1 reads all before `</think>` as reasoning: the forced turn closes the block first)
+            closed = "</think>\n\n" if self.reasoning_parser == "deepseek_r1" else ""
+            prefix = closed + self.call_format.forced_prefix(tool.function.name)
+        elif self.reasoning_parser in ("think", "qwen3") and (opened := _opened_reasoning(text)):
             # The template opened the reasoning block itself (DeepSeek-R1's, Qwen3 thinking models'): the model
             # never writes <think>, so the parsers read the opening first and what comes before </think> is
             # reasoning.
@@ -242,38 +261,75 @@ class HfChatTemplateExtension:
         return ()
 
     def unsupported_features(self, request: ChatCompletionRequest) -> list[Unsupported]:
-        out = common_unsupported(request, self.options, self.options.reasoning_parser is not None)
+        out = common_unsupported(request, self.options, self.reasoning_parser is not None)
         if request.thinking_token_budget is not None:
             out.append(Unsupported("thinking_token_budget", "this server does not enforce a thinking budget; "
                                                             "use max_tokens", "thinking_token_budget"))
-        if holds_tools(request) and self.options.tool_parser != "hermes":
-            out.append(Unsupported("forced_or_strict_tools", "forcing a call (tool_choice required or a named "
-                                   "function) or strict tools need --tool-parser hermes on this model", "tool_choice"))
+        if holds_tools(request) and self.call_format is None:
+            forced = request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice)
+            what = "forcing a call (tool_choice required or a named function)" if forced else "strict tools"
+            if self.tool_parser is None:
+                message = (f"{what} needs a tool parser on this model: start the server with --tool-parser hermes "
+                           f"(or another of {sorted(tool_grammars.ALL_FORMATS)})")
+            else:
+                message = (f"{what} cannot be held in the {self.tool_parser} call format; send tool_choice auto "
+                           "and tools without strict")
+            out.append(Unsupported("forced_or_strict_tools", message, "tool_choice" if forced else "tools"))
         return out
 
     def structured_output_format(self, request: ChatCompletionRequest) -> list[int]:
         return []
 
     def tool_constraint(self, request: ChatCompletionRequest) -> Constraint | None:
-        if not holds_tools(request):
+        fmt = self.call_format
+        if not holds_tools(request) or fmt is None:  # (None: unsupported_features has said so)
             return None
         tools, lit = request.tools or [], self._literal
-        if (tool := forced_tool(request)) is not None:
-            return Constraint("lark", tool_grammars.hermes_named(tool, lit), "tools")
-        if request.tool_choice == "required":
-            think = self.options.reasoning_parser == "think"
-            lark = tool_grammars.hermes_required(tools, lit, request.parallel_tool_calls is not False, think)
-            return Constraint("lark", lark, "tools")
-        return Constraint("lark", tool_grammars.hermes_strict(tools, lit), "tools")
+        try:
+            if (tool := forced_tool(request)) is not None:
+                lark = tool_grammars.named(fmt, tool, lit)
+            elif request.tool_choice == "required":
+                parallel = request.parallel_tool_calls is not False
+                lark = tool_grammars.required(fmt, tools, lit, parallel, self.reasoning_parser)
+            else:
+                lark = tool_grammars.strict(fmt, tools, lit)
+        except tool_grammars.Unholdable as e:
+            raise RequestError(400, f"tools: {e} in the {self.tool_parser} call format", param="tools") from None
+        return Constraint("lark", lark, "tools")
 
     def _literal(self, text: str) -> str:
-        """Call syntax as a grammar terminal: a token of the vocabulary's own (`<tool_call>` in Qwen's) by its
-        id, which no text can spell; anything else as text."""
-        ids = self.bundle.tokenizer.encode(text, add_special_tokens=False).ids
-        if len(ids) == 1 and ids[0] in self.bundle.tokenizer.get_added_tokens_decoder():
-            return f"<[{ids[0]}]>"
-        return json.dumps(text)
+        """Call syntax as grammar terminals: each token of the vocabulary's own (`<tool_call>` in Qwen's,
+        `[TOOL_CALLS]` in Mistral's) by its id, which no text can spell; the text between as text."""
+        added = self._added
+        pieces = re.split("(" + "|".join(map(re.escape, added)) + ")", text) if added else [text]
+        return " ".join(f"<[{added[p]}]>" if p in added else json.dumps(p) for p in pieces if p)
 
     def parsers(self) -> list[ParserName]:
-        # (check_options admitted only names of TEXT_PARSERS)
-        return [cast(ParserName, p) for p in (self.options.reasoning_parser, self.options.tool_parser) if p]
+        # (check_options admitted only parser names)
+        return [cast(ParserName, p) for p in (self.reasoning_parser, self.tool_parser) if p]
+
+
+def _syntax_tokens(bundle: TokenizerBundle) -> dict[str, int]:
+    """The vocabulary's own tokens that the call formats' syntax uses (longest first, so that a split on them
+    takes the longest)."""
+    syntax = "".join(f.syntax() for f in tool_grammars.ALL_FORMATS.values()) + "<think></think>"
+    found = {t.content: i for i, t in bundle.tokenizer.get_added_tokens_decoder().items()
+             if len(t.content) > 1 and t.content in syntax}
+    return dict(sorted(found.items(), key=lambda kv: -len(kv[0])))
+
+
+def tool_param_types(request: ChatCompletionRequest, parsers: list[ParserName]) -> dict[str, dict[str, str]]:
+    """Each tool's parameters' JSON-schema types, for a tool parser whose arguments are text (qwen3_coder)."""
+    if "qwen3_coder" not in parsers or not request.tools:
+        return {}
+    return {t.function.name: {k: _schema_type(v) for k, v in
+                              ((t.function.parameters or {}).get("properties") or {}).items()}
+            for t in request.tools}
+
+
+def _schema_type(schema: Any) -> str:
+    """A parameter's JSON-schema type (of a list, the first that is not null; "string" when it names none)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    return kind if isinstance(kind, str) else "string"

@@ -21,7 +21,7 @@ from render.tokenizer import PromptBudget, TokenizerBundle
 from sluice.harmony_vocab import harmony_encoding
 
 _EFFORT = {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM, "high": ReasoningEffort.HIGH}
-PARSER_ALIASES = {"gpt_oss", "openai_gptoss", "harmony"}
+PARSER_ALIASES = {"gpt_oss", "openai_gptoss", "harmony", "auto"}
 
 
 def system_message(effort: str, today: str) -> Message:

@@ -3,7 +3,7 @@ tool-call format) compiled to a grammar engine's grammar.
 
 Compiled in the render pool, in a child process of the render worker with a time and a memory limit (a
 hostile schema can take minutes and gigabytes), and shipped to the engine, which applies it as a token
-bitmask (engine/grammar.py). Two engines, chosen by --grammar-backend (bench/RESULTS.md compares them):
+bitmask (engine/grammar.py). Two engines, chosen by --grammar-backend (bench/RESULTS.md#grammar-engines compares them):
 llguidance (the default: it compiles lazily, and refuses what it cannot enforce) and xgrammar.
 """
 from __future__ import annotations

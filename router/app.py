@@ -70,7 +70,8 @@ class Router:
         await asyncio.shield(self._started)
 
     async def _start(self) -> None:
-        # aiohttp: its C parser relays a streamed response for a fraction of httpx's CPU (bench/RESULTS.md)
+        # aiohttp: its C parser relays a streamed response for a fraction of httpx's CPU
+        # (bench/RESULTS.md#kv-aware-routing)
         self.client = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=self.cfg.request_timeout),
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30), auto_decompress=False,

@@ -4,9 +4,9 @@ The engine sends each postproc worker a message every step and waits for its ans
 --max-steps-ahead steps ahead. Where the stage processes outnumber the cores, the kernel keeps moving
 them between cores, and each of those messages (four threads: two ZeroMQ I/O threads and the two
 stages) then hops between cores. On one core together, the exchange stays there: on 2 cores the replay
-pipeline streams 1.07-1.2x the tokens (bench/RESULTS.md, 2026-12-02 fifth session), and pinning only
+pipeline streams more tokens (bench/JOURNAL.md, 2026-12-02 fifth session), and pinning only
 their main threads, or their I/O threads elsewhere, is worse than pinning every thread; as SCHED_BATCH
-there (see pin) another 1.05-1.1x. An engine that computes on the CPU needs every core for its kernels,
+there (see pin) more again. An engine that computes on the CPU needs every core for its kernels,
 so it is left where it is.
 """
 from __future__ import annotations

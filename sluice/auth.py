@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import hmac
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/health_generate", "/metrics", "/version", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/health_generate", "/metrics", "/prometheus/metrics", "/version",
+                        "/openapi.json"})
 MISSING_KEY = "missing or invalid API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
 CHALLENGE = (b"www-authenticate", b"Bearer")
 

@@ -48,6 +48,10 @@ def resolve_model(model: str) -> Path:
     path = Path(model).expanduser()
     if path.is_dir():
         return path
+    if path.suffix == ".gguf" and path.is_file():  # one GGUF file: its metadata as a checkpoint directory
+        from sluice.gguf_checkpoint import gguf_checkpoint
+
+        return gguf_checkpoint(path)
     return _from_hub(model)
 
 

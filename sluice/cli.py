@@ -10,6 +10,7 @@ from pathlib import Path
 
 import msgspec
 
+from ingress import middleware
 from render.extensions import ExtensionOptions, check_parsers
 from render.tokenizer import chat_template
 from sluice import envs, ports, state
@@ -29,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", help="load generator: `sluice bench serve --help`, `sluice bench sweep --help`",
                    add_help=False)
-    sub.add_parser("flags", help="print the README's table of `sluice serve` flags")
+    sub.add_parser("flags", help="print the table of `sluice serve` flags (docs/flags.md)")
     sub.add_parser("router", help="KV-cache-aware router over Sluice servers: `sluice router --help`",
                    add_help=False)
     s = sub.add_parser("serve", help="serve a model over HTTP")
@@ -88,6 +89,7 @@ def config_from_args(args: dict) -> ServerConfig:
         replay_file=str(Path(cfg.replay_file).resolve()) if cfg.replay_file else None,
         kv_timing_output=str(Path(cfg.kv_timing_output).resolve()) if cfg.kv_timing_output else None,
         state_dir=str(Path(cfg.state_dir or envs.state_dir()).resolve()),
+        middleware=[middleware.checked(spec) for spec in cfg.middleware],
     )
     if cfg.chat_template is not None:  # (checked now; a file is read by each render worker, as it is then)
         chat_template(path, cfg.chat_template)

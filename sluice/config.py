@@ -2,7 +2,7 @@
 handed to every process (as a JSON file for the granian-started ingress).
 
 Each option is defined here once: its name, type, default, bounds and help.
-The command line (`sluice serve --help`), `--config` files and the README's
+The command line (`sluice serve --help`), `--config` files and docs/flags.md's
 flag table are all derived from these fields (sluice/cli.py).
 """
 from __future__ import annotations
@@ -38,10 +38,9 @@ AUTO_WORKERS = "1; 2 on 16 or more cores"
 
 
 def auto_workers() -> int:
-    """Processes of each front stage for this machine's cores. Each is one single-threaded Python process that
-    keeps up with ~140k tokens/s on a core of its own (bench/RESULTS.md: 6.7-7.2 CPU-ms per 1,000 tokens for
-    the ingress and the postproc); a second one of each halves their load where cores are plenty, and where
-    they are few costs more than it gives (2 cores: 0.63-0.79x the tokens/s of one of each)."""
+    """Processes of each front stage for this machine's cores. Each is one single-threaded Python process with
+    a core's worth of work at the pipeline's ceiling; a second one of each halves their load where cores are
+    plenty, and where they are few costs more than it gives (bench/RESULTS.md#front-stage-workers)."""
     return 2 if len(allowed_cpus()) >= 16 else 1
 
 
@@ -79,6 +78,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], option(
         "compute dtype", default_text="auto: float32 on CPU, the checkpoint's bf16/fp16 on CUDA")] = "auto"
     device: Annotated[Literal["auto", "cpu", "cuda"], option("where the engine runs (auto: CUDA if present)")] = "auto"
+    quantization: Annotated[Literal["none", "int8", "q4"], option(
+        "quantize a float checkpoint's linears at load (CPU): int8 as GGUF's Q8_0, q4 as its Q4_0 (a GGUF "
+        "file's own quantized linears are kept as they are)")] = "none"
     generation_config: Annotated[str, option(
         "sampling defaults: auto takes the checkpoint's generation_config.json (temperature, top_p, top_k, min_p, "
         "repetition_penalty; a request's own values win), none the API's own (temperature 1, ...), or a "
@@ -86,22 +88,32 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     chat_template: Annotated[str | None, option(
         "the chat template: a file, or the name of one in the checkpoint's tokenizer_config.json list",
         default_text="the checkpoint's")] = None
-    tool_parser: Annotated[str | None, option("tool-call parser for chat output: hermes (generic), gpt_oss "
-                                              "(gpt-oss)")] = None
-    reasoning_parser: Annotated[str | None, option("reasoning parser for chat output: think (generic), gpt_oss "
-                                                   "(gpt-oss)")] = None
+    tool_parser: Annotated[str | None, option(
+        "tool-call parser for chat output: hermes, llama3_json, mistral, qwen3_coder, deepseek_v3, pythonic, "
+        "granite, auto (chosen from the chat template, said in the log), gpt_oss (gpt-oss)")] = None
+    reasoning_parser: Annotated[str | None, option(
+        "reasoning parser for chat output: think, qwen3, deepseek_r1 (all before </think> is reasoning), auto "
+        "(chosen from the chat template), gpt_oss (gpt-oss)")] = None
+    strict_tools: Annotated[bool, option(
+        "refuse (400) a Responses request with a tool this server does not offer the model (web_search and the "
+        "other hosted tools); by default such a tool is left out of the prompt, and the response's `warnings` "
+        "and a log line say so")] = False
     harmony: Annotated[bool, option("serve a gpt-oss checkpoint through its HF chat template, as text",
                                     flag="--no-harmony")] = True
     trust_request_chat_template: Annotated[bool, option(
         "allow a chat_template in requests (rendered in jinja2's sandbox, with a time limit)")] = False
     shm_threshold: Annotated[int, option("payloads of at least this size go through shared memory "
-                                         "(bench/RESULTS.md)", unit="bytes", ge=0)] = 1 << 20
+                                         "(bench/RESULTS.md#ipc-transport)", unit="bytes", ge=0)] = 1 << 20
     shutdown_timeout: Annotated[float, option("how long SIGTERM waits for in-flight requests", unit="s",
                                               ge=0)] = 30.0
     api_keys: Annotated[list[str], option("require 'Authorization: Bearer KEY' on /v1 routes (repeatable; also "
                                           "SLUICE_API_KEY, comma-separated)", flag="--api-key",
                                           default_text="none")] = []
     protect_metrics: Annotated[bool, option("require the API key on /metrics and the health routes too")] = False
+    middleware: Annotated[list[str], option(
+        "wrap the HTTP app in an ASGI middleware: module:factory or path/to/file.py:factory, the factory called "
+        "with the app and returning the app around it (repeatable: the first given is the outermost; "
+        "deploy/middleware_example.py)", default_text="none")] = []
     max_request_bytes: Annotated[int, option("larger request bodies get 413", unit="bytes", ge=1)] = 32 << 20
     request_timeout: Annotated[float, option("per-request deadline (504, or an error event in a stream; 0: none)",
                                              unit="s", ge=0)] = 0.0
@@ -144,8 +156,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         "a stream's events waiting for a client that reads slower than they come; past it the request is "
         "aborted and the stream cut", unit="bytes", ge=1)] = 4 << 20
     grammar_backend: Annotated[Literal["llguidance", "xgrammar"], option(
-        "the grammar engine for structured output and tool calls (bench/RESULTS.md compares them; forced and "
-        "strict tool calls need llguidance)")] = "llguidance"
+        "the grammar engine for structured output and tool calls (bench/RESULTS.md#grammar-engines compares "
+        "them; forced and strict tool calls need llguidance)")] = "llguidance"
     grammar_compile_timeout: Annotated[float, option(
         "time to compile one response_format schema; past it, 408", unit="s", gt=0)] = 10.0
     grammar_memory: Annotated[int, option(

@@ -87,6 +87,16 @@ def cpu_hidden_isa() -> frozenset[str]:
     return frozenset(f.strip() for f in os.environ.get("SLUICE_CPU_HIDE", "").split(",") if f.strip())
 
 
+def quant_activations() -> str | None:
+    """SLUICE_QUANT_ACTIVATIONS: how the CPU's quantized linears take their rows, `int8` (quantized per block
+    of 32, llama.cpp's way) or `float` (float32, the weight dequantized in the kernel); unset: float (why:
+    engine/cpu/quant.py)."""
+    value = os.environ.get("SLUICE_QUANT_ACTIVATIONS", "").strip().lower()
+    if value not in ("", "int8", "float"):
+        raise ValueError(f"SLUICE_QUANT_ACTIVATIONS={value!r}: expected int8 or float")
+    return value or None
+
+
 def c_compiler() -> list[str] | None:
     """The C compiler command for Sluice's CPU kernels, split as a shell would: CC is a command line, as
     make reads it (`ccache gcc`). None where CC is unset or blank (the caller looks for cc or gcc);
@@ -98,5 +108,5 @@ def default_omp_wait_policy() -> None:
     """OMP_WAIT_POLICY=PASSIVE for the stages unless the user set it: OpenMP threads then sleep when a
     parallel region ends instead of spinning. The engine shares the machine's cores with the server's
     other processes (and, in benchmarks, the client's), which the spinning thread robbed: alternating
-    runs at concurrency 16 / 64 gave ~9% / ~5% more tokens/s (bench/RESULTS.md)."""
+    runs at concurrency 16 / 64 gave more tokens/s (bench/JOURNAL.md, 2026-11-30 third session)."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -1,4 +1,4 @@
-"""`sluice serve`'s flags, `--config` files and the README's flag table, all derived from ServerConfig's
+"""`sluice serve`'s flags, `--config` files and docs/flags.md's flag table, all derived from ServerConfig's
 fields (sluice/config.py), where each option is defined once."""
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def validated(values: dict) -> ServerConfig:
 
 
 def flag_table() -> str:
-    """The README's flag table (tests/test_cli.py keeps the README equal to it)."""
+    """docs/flags.md's flag table (tests/test_cli.py keeps docs/flags.md equal to it)."""
     rows = ["| flag | default | meaning |", "|---|---|---|"]
     for f in flags():
         default = f.shown_default()

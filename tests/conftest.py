@@ -14,16 +14,25 @@ os.environ.setdefault("SLUICE_CACHE_DIR",
 
 _SHARED_SERVERS = {"server", "client", "aclient", "trio"}
 _HARNESS = ("Server", "RouterProc", "Trio")  # bench.server's, bench.router's, tests.disagg.helpers'
+# In-process modules that load models and compare them with transformers, build and compare kernels, or run
+# mypy: `slow`, so that `-m "unit and not slow"` is the edit-test loop.
+_SLOW = {"test_architectures", "test_moe", "test_gguf", "test_gpt_oss", "test_model_vs_transformers",
+         "test_f32_kernels", "test_cpu_kernels", "test_decoder_stack", "test_quant", "test_kernel_builds",
+         "test_engine_postproc", "test_kv_handoff", "test_structured_output", "test_prefix_cache", "test_layers",
+         "test_harness", "test_lint", "test_harmony", "test_structured", "test_unsatisfiable_constraints"}
 
 
 def pytest_collection_modifyitems(config, items):
     """The tiers: `e2e` starts real server processes (tests/e2e, tests/disagg, a module that uses the harness,
-    a test that uses the shared servers); `unit` runs in process. `pytest -m unit` is the edit-test loop."""
+    a test that uses the shared servers); `unit` runs in process, and `slow` marks the unit modules above.
+    `pytest -m "unit and not slow"` is the edit-test loop."""
     for item in items:
         module = vars(getattr(item, "module", None) or object)
         real = ({"e2e", "disagg"} & set(item.path.parts) or any(name in module for name in _HARNESS)
                 or _SHARED_SERVERS & set(getattr(item, "fixturenames", ())))
         item.add_marker(pytest.mark.e2e if real else pytest.mark.unit)
+        if not real and item.path.stem in _SLOW:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

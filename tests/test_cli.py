@@ -36,16 +36,16 @@ def test_values_out_of_bounds_name_their_flag(flags, message, tiny_chat_dir):
         config_from_args(parse_args(["serve", *flags]))
 
 
-def test_the_readme_flag_table_is_the_options_own():
-    """Each option is defined once (sluice/config.py); the README's table is printed by `sluice flags`."""
+def test_the_docs_flag_table_is_the_options_own():
+    """Each option is defined once (sluice/config.py); docs/flags.md's table is printed by `sluice flags`."""
     from pathlib import Path
 
     from sluice.options import flag_table
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    start = readme.index("<!-- flags: begin -->\n") + len("<!-- flags: begin -->\n")
-    assert readme[start:readme.index("<!-- flags: end -->")] == flag_table(), \
-        "README.md's flag table drifted: replace it with the output of `sluice flags`"
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "flags.md").read_text()
+    start = doc.index("<!-- flags: begin -->\n") + len("<!-- flags: begin -->\n")
+    assert doc[start:doc.index("<!-- flags: end -->")] == flag_table(), \
+        "docs/flags.md's flag table drifted: replace it with the output of `sluice flags`"
 
 
 def test_unknown_config_keys_are_errors(tmp_path):

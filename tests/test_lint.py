@@ -1,4 +1,4 @@
-"""The codebase stays clean under ruff (pyflakes, pycodestyle) and mypy (ipc/, render/, postproc/, ingress/;
+"""The codebase stays clean under ruff (pyflakes, pycodestyle) and mypy (the packages in pyproject.toml;
 settings in pyproject.toml)."""
 from __future__ import annotations
 

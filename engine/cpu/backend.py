@@ -10,7 +10,8 @@ Which CPUs get which path (chosen at run time from /proc/cpuinfo, logged once a 
   heads together, the step's rows and the cache's slots read where they lie), their SwiGLU in the gate-and-up
   product's epilogue (the [T, 2I] product never written).
 - float32 activations, AVX2 and FMA without AVX-512F: the linears and the LM head on csrc/f32_matmul_avx2.c
-  (the same values, the same bf16 weights), the layers' other ops as torch runs them (no step in one call).
+  (the same values, the same bf16 weights); each step's layers in one call on csrc/f32_layers.c built for
+  AVX2 (the same source on 8-lane vectors); prompts too long for that step take torch's attention.
 - bf16 activations, AVX512-BF16: the bf16 kernels (VDPBF16PS) for the LM head and small linears, a step
   in one call where every linear is small (csrc/decoder_layers.c); with AVX512-VNNI, greedy rows of the
   LM head screened in int8 (csrc/int8_argmax.c).
@@ -28,10 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.backend import Backend, LMHead
-from engine.cpu import ops
+from engine.cpu import kernels, ops
+from engine.cpu.experts import F32Experts
 from engine.cpu.lm_head import CpuLMHead
 from engine.cpu.matmul import Bf16Matmul, F32Matmul, narrowed
+from engine.cpu.quant import quant_linear
 from engine.cpu.stack import DecodeLayer, DecoderStack
+from engine.sampler import ExpKernels
 
 log = logging.getLogger("sluice.engine")
 
@@ -93,6 +97,8 @@ class CpuBackend(Backend):
 
     def linear(self, layer: nn.Linear):
         weight, bias = layer.weight, layer.bias
+        if getattr(layer, "quant", None) is not None:  # a weight kept in a block format (engine/quant.py)
+            return quant_linear(layer.quant, bias)
         if weight.device.type != "cpu":
             return None
         if self.dtype == torch.float32:
@@ -102,10 +108,17 @@ class CpuBackend(Backend):
                 return kernel
             return None
         if self.dtype == torch.bfloat16 and weight.numel() <= _SMALL_WEIGHT:
-            kernel = Bf16Matmul.build(weight, bias)
-            if kernel is not None:
-                return kernel
+            small = Bf16Matmul.build(weight, bias)
+            if small is not None:
+                return small
         return BucketedLinear(weight, bias)
+
+    def experts(self, experts: nn.Module):
+        return F32Experts.build(experts) if self.dtype == torch.float32 else None
+
+    def exp_kernels(self) -> ExpKernels | None:
+        blocks, block = kernels.exp_blocks(), kernels.exp_block()
+        return ExpKernels(blocks, block) if blocks is not None and block is not None else None
 
     def lm_head(self, weight: torch.Tensor) -> LMHead:
         head = CpuLMHead.build(weight, self.dtype)
@@ -123,7 +136,9 @@ class CpuBackend(Backend):
         return super().rms_norm(x, weight, eps) if out is None else out
 
     def rope_and_store(self, qk, v, heads, rotary, positions, k_cache, v_cache, slots) -> torch.Tensor:
-        q = ops.rope_store(qk, v, heads, positions, rotary.cos, rotary.sin, slots, k_cache, v_cache)
+        # (the kernels rotate every dimension, rotate-half: a partial or interleaved rotary is torch's)
+        q = ops.rope_store(qk, v, heads, positions, rotary.cos, rotary.sin, slots, k_cache,
+                           v_cache) if rotary.plain else None
         return super().rope_and_store(qk, v, heads, rotary, positions, k_cache, v_cache, slots) if q is None else q
 
     def decode_attention(self, q, k_cache, v_cache, rows, slots, mask, scale, sinks, out) -> bool:
@@ -155,7 +170,7 @@ def _kind(run) -> str:
     """What runs a linear, for the log: F.linear, or the kernel's class (the float32 one's instructions too)."""
     if run is None:
         return "F.linear"
-    return f"F32Matmul ({run.isa})" if isinstance(run, F32Matmul) else type(run).__name__
+    return f"{type(run).__name__} ({run.isa})" if hasattr(run, "isa") else type(run).__name__
 
 
 def kernel_weight(weight: torch.Tensor, kernel: F32Matmul) -> torch.Tensor:
@@ -179,20 +194,28 @@ class StepInOneCall:
 
 def decode_layer(layer: nn.Module, kv: tuple[torch.Tensor, torch.Tensor]) -> DecodeLayer | None:
     """A pre-norm Llama-family layer (engine.layers' DecoderLayer of an Attention and a GatedMLP) as the stack
-    runs it, or None where it is another kind of layer or its linears do not run on one kernel."""
-    from engine.layers import Attention, DecoderLayer, GatedMLP
+    runs it, or None where it is another kind of layer or its linears do not run on one kernel. Exactly those
+    classes, with only the options the kernels compute: a subclass or option (sandwich norms, GeGLU, (1 + w)
+    norms, soft-capping, whole-projection q/k norms, a partial rotary) runs op by op."""
+    from engine.layers import Attention, DecoderLayer, GatedMLP, RMSNorm
 
-    if not isinstance(layer, DecoderLayer):
+    if type(layer) is not DecoderLayer:
         return None
     attn, mlp = layer.self_attn, layer.mlp
-    if not isinstance(attn, Attention) or not isinstance(mlp, GatedMLP):
+    if type(attn) is not Attention or type(mlp) is not GatedMLP:
+        return None
+    norms = [layer.input_layernorm, layer.post_attention_layernorm, *([attn.q_norm, attn.k_norm] if attn.qk_norm
+                                                                       else [])]
+    if (any(type(n) is not RMSNorm for n in norms) or attn.softcap is not None or not attn.qk_norm_per_head
+            or not attn.rotary.plain):
         return None
     eps = layer.input_layernorm.eps
     qk_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     if layer.post_attention_layernorm.eps != eps or any(n is not None and n.eps != eps for n in qk_norm):
         return None
-    linears = (attn.qkv_proj.run, attn.o_proj.run, mlp.gate_up_proj.run, mlp.down_proj.run)
-    if not all(isinstance(k, (Bf16Matmul, F32Matmul)) for k in linears):
+    linears = [k for k in (attn.qkv_proj.run, attn.o_proj.run, mlp.gate_up_proj.run, mlp.down_proj.run)
+               if isinstance(k, (Bf16Matmul, F32Matmul))]
+    if len(linears) < 4:
         return None
     return DecodeLayer(input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
                        eps=eps, qkv=linears[0], o=linears[1], gate_up=linears[2], down=linears[3], heads=attn.heads,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +50,7 @@ def pair_tiles(w: torch.Tensor) -> torch.Tensor:
     return w.view(-1, TILE, k // 2, 2).permute(0, 2, 3, 1).contiguous()
 
 
-_LINEAR_F32 = [P, INT, INT, INT, P, L, INT, P, P, L, P]
+_LINEAR_F32: list[Any] = [P, INT, INT, INT, P, L, INT, P, P, L, P]
 _CAUSAL_F32 = [P, P, P, P, P, P, INT, INT, INT, INT, INT, INT, FLOAT, P, P, L]
 
 
@@ -129,8 +130,24 @@ def f32_layers():
     """csrc/f32_layers.c (the float32 stack and its pieces) as a library, or None: built with AMX where the CPU
     has it and the kernel lets this process use it (`f32_amx`), else for AVX-512F alone."""
     lib = f32_layers_amx() or load("f32_layers", _AVX512_VL)
-    if lib is None:
-        return None
+    return None if lib is None else _f32_entries(lib, swiglu=True)
+
+
+@_cached
+def f32_layers_avx2():
+    """The same source built for AVX2 and FMA (its linears csrc/f32_matmul_avx2.c's; no SwiGLU epilogue), or
+    None."""
+    lib = load("f32_layers", _AVX2)
+    return None if lib is None else _f32_entries(lib, swiglu=False)
+
+
+def f32_step():
+    """The float32 step's library (sluice_f32_layers and the pieces the op-by-op path calls alone) of the best
+    instruction set this CPU runs, or None: `f32_layers`, else `f32_layers_avx2`."""
+    return f32_layers() or f32_layers_avx2()
+
+
+def _f32_entries(lib: ctypes.CDLL, swiglu: bool) -> ctypes.CDLL:
     from engine.cpu.stack import F32LayerSpec, StepSpec
 
     for symbol, argtypes in (
@@ -138,9 +155,8 @@ def f32_layers():
             ("sluice_f32_rms_norm", [P, L, P, INT, INT, FLOAT, P, L]),
             ("sluice_f32_rope_store", [P, L, P, L, INT, INT, INT, INT, P, P, FLOAT, P, P, P, INT, P, L, P, P, P]),
             ("sluice_f32_decode_attention", [P, L, P, P, P, P, P, P, INT, INT, INT, INT, INT, FLOAT, P]),
-            ("sluice_f32_embed", [P, INT, L, INT, P, INT, P]),
             ("sluice_f32_matmul", _LINEAR_F32),
-            ("sluice_f32_matmul_swiglu", _LINEAR_F32[:-1])):
+            *([("sluice_f32_matmul_swiglu", _LINEAR_F32[:-1])] if swiglu else [])):
         fn = getattr(lib, symbol)
         fn.restype, fn.argtypes = ctypes.c_int, argtypes
     return lib

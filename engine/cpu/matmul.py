@@ -201,7 +201,7 @@ class Int8Argmax:
         self._weights = [t.data_ptr() for t in (self.packed, self.start, self.scale, self.err, self.norm,
                                                 kernel.packed)]
         self.f32 = isinstance(kernel, F32Matmul)
-        if self.f32:
+        if isinstance(kernel, F32Matmul):
             self._weights.append(kernel.mode)
         self.rows = self.redone = 0
 

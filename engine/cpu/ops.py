@@ -1,4 +1,5 @@
-"""The CPU kernels for attention and norms, bf16 (AVX512-BF16) or float32 (AVX-512F) by the tensors' dtype:
+"""The CPU kernels for attention and norms, bf16 (AVX512-BF16) or float32 (AVX-512F, else AVX2 and FMA: the
+f32_layers.c build `kernels.f32_step` picks; prompts' causal attention AVX-512F only) by the tensors' dtype:
 each returns None / False, with nothing written, where it does not apply or cannot run (the caller's
 torch path then does the work)."""
 from __future__ import annotations
@@ -39,7 +40,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if dtype == torch.bfloat16:
         fn = kernels.decode_attention_bf16()
     else:
-        fn = None if (lib := kernels.f32_layers()) is None else lib.sluice_f32_decode_attention
+        fn = None if (lib := kernels.f32_step()) is None else lib.sluice_f32_decode_attention
     if fn is None:
         return False
     rows, slots = rows.contiguous(), slots.contiguous()
@@ -124,7 +125,7 @@ def rope_store(qk: torch.Tensor, v: torch.Tensor, heads: int, positions: torch.T
                           positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0], slots.data_ptr(),
                           k_cache.shape[0], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
     else:
-        if (lib := kernels.f32_layers()) is None:
+        if (lib := kernels.f32_step()) is None:
             return None
         # (the kernel writes q/k norms in place when asked; here it is given none and leaves qk alone)
         status = t and lib.sluice_f32_rope_store(
@@ -144,24 +145,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     if dtype == torch.bfloat16:
         fn = kernels.rms_norm_bf16()
     else:
-        fn = None if (lib := kernels.f32_layers()) is None else lib.sluice_f32_rms_norm
+        fn = None if (lib := kernels.f32_step()) is None else lib.sluice_f32_rms_norm
     if fn is None:
         return None
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if x.shape[0]:
         fn(x.data_ptr(), x.stride(0), weight.data_ptr(), x.shape[0], x.shape[1], eps, out.data_ptr(), out.stride(0))
-    return out
-
-
-def embed(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
-    """Rows of a bf16 or float32 embedding table [V, D] at ids [T], in float32 [T, D] (bf16 widened: exact)."""
-    if table.device.type != "cpu" or table.dtype not in _KERNEL_DTYPES or not table.is_contiguous():
-        return None
-    if (lib := kernels.f32_layers()) is None:
-        return None
-    ids = ids.contiguous()
-    out = torch.empty(ids.shape[0], table.shape[1], dtype=torch.float32)
-    if lib.sluice_f32_embed(table.data_ptr(), table.dtype == torch.bfloat16, table.shape[0], table.shape[1],
-                            ids.data_ptr(), ids.shape[0], out.data_ptr()):
-        raise IndexError("index out of range in the embedding")
     return out

@@ -1,11 +1,13 @@
 """A step through every decoder layer of a model in one kernel call: csrc/decoder_layers.c for bf16
-(AVX512-BF16), csrc/f32_layers.c for float32 (AVX-512F). Each row attends as one query (a decode, or a
-prefill chunk's row at its position; see the C files). Op by op, a layer is ~20 torch calls and kernel
-calls, each 10-100 us, against a few microseconds of arithmetic at a small model's decode step."""
+(AVX512-BF16), csrc/f32_layers.c for float32 (AVX-512F, else built for AVX2 and FMA). Each row attends as one
+query (a decode, or a prefill chunk's row at its position; see the C files). Op by op, a layer is ~20 torch
+calls and kernel calls, each 10-100 us, against a few microseconds of arithmetic at a small model's decode
+step."""
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -77,9 +79,9 @@ class DecoderStack:
         self.fn, self.hidden, self.count, self.dtype = fn, hidden, len(layers), dtype
         self._keep = [layer.sinks.detach().float().contiguous() if layer.sinks is not None else None
                       for layer in layers]
-        spec = self._f32_spec if dtype == torch.float32 else self._bf16_spec
-        kind = F32LayerSpec if dtype == torch.float32 else LayerSpec
-        self.specs = (kind * len(layers))(*(spec(layer, sinks) for layer, sinks in zip(layers, self._keep)))
+        specs: list[Any] = [(self._f32_spec if dtype == torch.float32 else self._bf16_spec)(layer, sinks)
+                            for layer, sinks in zip(layers, self._keep)]
+        self.specs = ((F32LayerSpec if dtype == torch.float32 else LayerSpec) * len(layers))(*specs)
         self._layers = layers  # (what the specs point into)
 
     @staticmethod
@@ -135,7 +137,7 @@ class DecoderStack:
                     or layer.gate_up.n % 2 or (layer.down.k, layer.down.n) != (layer.gate_up.n // 2, hidden)):
                 return None
         if dtype == torch.float32:
-            fn = None if (lib := kernels.f32_layers()) is None else lib.sluice_f32_layers
+            fn = None if (lib := kernels.f32_step()) is None else lib.sluice_f32_layers
         else:
             fn = kernels.decoder_layers_bf16()
         return None if fn is None else cls(fn, layers, hidden, dtype)

@@ -4,7 +4,7 @@
  * the diagonal is read.
  *
  * torch's SDPA multiplies small blocks, and with grouped-query attention each query head reads its kv
- * head again (figures in bench/RESULTS.md). Here a job is one (sequence, kv head,
+ * head again (bench/RESULTS.md#cpu-kernels). Here a job is one (sequence, kv head,
  * tile of QT query positions): the rows are the tile's positions for every query head of the group, so a
  * block of keys, transposed once into [D][64], serves them all. Scores: for each of the D dimensions one
  * broadcast query value times the 64 keys' values (FMAs, no horizontal sums); values: for each key, one

@@ -1,4 +1,4 @@
-/* A model served in float32 on CPUs with AVX-512F: a step through a stack of pre-norm Llama-family layers
+/* A model served in float32 on CPUs with AVX-512F, or AVX2 and FMA: a step through a stack of pre-norm Llama-family layers
  * in one call (RMSNorm, one stacked qkv projection, optional per-head q/k RMSNorm (Qwen3), rotary with the
  * KV store, paged grouped-query attention, SwiGLU MLP), and the pieces of it the op-by-op path calls alone.
  *
@@ -10,12 +10,28 @@
  *
  * Shapes, layouts and return codes as decoder_layers.c (the bf16 stack): x [tokens][hidden] updated in place;
  * each row attends as one query over its own keys (a decode, or a prefill chunk's row at its position).
+ *
+ * One source for both instruction sets: built with AVX-512F its linears are f32_matmul.c's (and AMX's where
+ * built for it), built with AVX2 and FMA alone f32_matmul_avx2.c's (the same bits); everything else is
+ * written once on f32_vec.h's vectors of the build's width (F32V lanes).
  */
 #include <sched.h>
 
+#ifdef __AVX512F__
 #include "f32_matmul.c"
+#else
+#include "f32_matmul_avx2.c"
+enum { F32_AMX = 2 }; /* (f32_matmul.c's `bf16` argument for AMX: not this build's, never given to it) */
+#endif
+#include "f32_vec.h"
 
-enum { F32_MAX_GROUP = 16, F32_MAX_VECS = 16 }; /* query heads per kv head, D / 16 */
+enum { F32_MAX_GROUP = 16, F32_MAX_DIM = 256 }; /* query heads per kv head, head dim (a multiple of 16) */
+/* the probabilities @ values loop: query heads x vectors of a value row a pass (accumulators in registers) */
+#ifdef __AVX512F__
+enum { F32_PV_HEADS = 4, F32_PV_VECS = 4 };
+#else
+enum { F32_PV_HEADS = 4, F32_PV_VECS = 2 };
+#endif
 /* attention multiply-adds below which one thread does it all (see decode_attention.c) */
 #define F32_ATTENTION_SERIAL 2e5
 
@@ -48,17 +64,14 @@ typedef struct {
 
 /* out = x / sqrt(mean(x^2) + eps) * weight over one row of dim */
 static inline void f32_rms_row(const float *xr, const float *weight, int dim, float eps, float *o) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int c = 0; c < dim; c += 16) {
-        const __m512 v = _mm512_maskz_loadu_ps(first_lanes(dim - c), xr + c);
-        acc = _mm512_fmadd_ps(v, v, acc);
+    vf acc = vf_zero();
+    for (int c = 0; c < dim; c += F32V) {
+        const vf v = vf_loadn(xr + c, dim - c);
+        acc = vf_fmadd(v, v, acc);
     }
-    const __m512 scale = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps));
-    for (int c = 0; c < dim; c += 16) {
-        const __mmask16 keep = first_lanes(dim - c);
-        _mm512_mask_storeu_ps(o + c, keep, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(keep, xr + c), scale),
-                                                         _mm512_maskz_loadu_ps(keep, weight + c)));
-    }
+    const vf scale = vf_set1(1.0f / sqrtf(vf_sum(acc) / (float)dim + eps));
+    for (int c = 0; c < dim; c += F32V)
+        vf_storen(o + c, dim - c, vf_mul(vf_mul(vf_loadn(xr + c, dim - c), scale), vf_loadn(weight + c, dim - c)));
 }
 
 /* the same over rows (ld_x / ld_out apart) */
@@ -70,13 +83,13 @@ int sluice_f32_rms_norm(const float *x, long ld_x, const float *weight, int rows
 }
 
 static inline void f32_rotate(const float *x, const float *cos, const float *sin, int half, float *out) {
-    for (int c = 0; c < half; c += 16) {
-        const __mmask16 keep = first_lanes(half - c);
-        const __m512 x1 = _mm512_maskz_loadu_ps(keep, x + c), x2 = _mm512_maskz_loadu_ps(keep, x + half + c);
-        const __m512 cs = _mm512_maskz_loadu_ps(keep, cos + c), sn = _mm512_maskz_loadu_ps(keep, sin + c);
+    for (int c = 0; c < half; c += F32V) {
+        const int n = half - c;
+        const vf x1 = vf_loadn(x + c, n), x2 = vf_loadn(x + half + c, n);
+        const vf cs = vf_loadn(cos + c, n), sn = vf_loadn(sin + c, n);
         /* (x1 cos - x2 sin, x2 cos + x1 sin): torch's four products, then the sums */
-        _mm512_mask_storeu_ps(out + c, keep, _mm512_sub_ps(_mm512_mul_ps(x1, cs), _mm512_mul_ps(x2, sn)));
-        _mm512_mask_storeu_ps(out + half + c, keep, _mm512_add_ps(_mm512_mul_ps(x2, cs), _mm512_mul_ps(x1, sn)));
+        vf_storen(out + c, n, vf_sub(vf_mul(x1, cs), vf_mul(x2, sn)));
+        vf_storen(out + half + c, n, vf_add(vf_mul(x2, cs), vf_mul(x1, sn)));
     }
 }
 
@@ -126,14 +139,14 @@ int sluice_f32_rope_store(float *qk, long qk_stride, const float *v, long v_stri
     for (int b_ = 0; b_ < (dim) * 4; b_ += 64) _mm_prefetch((const char *)(row) + b_, hint)
 
 /* Decode attention in float32 (see decode_attention.c, the bf16 kernel, for the shapes and the method):
- * scores 16 keys at a time (one transposed reduction for the 16), each value row read once for all the
+ * scores F32V keys at a time (one transposed reduction for them), each value row read once for all the
  * query heads that share it. One job: sequence b = job / kv_heads, kv head j = job % kv_heads; scores: the
  * group's heads' rows of `padded` floats. */
 static void f32_attention_job(long job, float *scores, const float *q, long q_stride, const float *k_cache,
                               const float *v_cache, const int64_t *rows, const int64_t *slots, const uint8_t *mask,
                               const float *sinks, int heads, int kv_heads, int dim, int keys, float scale,
                               float *out) {
-    const int group = heads / kv_heads, vecs = dim / 16, padded = (keys + 15) / 16 * 16;
+    const int group = heads / kv_heads, vecs = dim / F32V, padded = (keys + 15) / 16 * 16;
     const int b = (int)(job / kv_heads), j = (int)(job % kv_heads);
     const int64_t *slot = slots + (size_t)b * keys;
     const uint8_t *attend = mask + (size_t)b * keys;
@@ -141,74 +154,73 @@ static void f32_attention_job(long job, float *scores, const float *q, long q_st
     while (used > 1 && !attend[used - 1]) used--;
     const size_t row = (size_t)rows[b];
     const float *qh = q + row * q_stride + (size_t)j * group * dim;
-    __m512 top[F32_MAX_GROUP];
-    for (int g = 0; g < group; g++) top[g] = _mm512_set1_ps(-INFINITY);
-    for (int i0 = 0; i0 < used; i0 += 16) {
-        const int n = used - i0 < 16 ? used - i0 : 16;
-        const __mmask16 live = _mm_test_epi8_mask(_mm_maskz_loadu_epi8(first_lanes(n), attend + i0),
-                                                  _mm_set1_epi8(1));
-        for (int l = i0 == 0 ? 0 : i0 + 16; l < i0 + 32 && l < used; l++)
+    vf top[F32_MAX_GROUP];
+    for (int g = 0; g < group; g++) top[g] = vf_set1(-INFINITY);
+    for (int i0 = 0; i0 < used; i0 += F32V) {
+        const int n = used - i0 < F32V ? used - i0 : F32V;
+        const vf_mask live = vf_flags(attend + i0, n);
+        const int any = vf_any(live);
+        for (int l = i0 == 0 ? 0 : i0 + F32V; l < i0 + 2 * F32V && l < used; l++)
             f32_prefetch_row(k_cache + ((size_t)slot[l] * kv_heads + j) * dim, dim, _MM_HINT_T0);
         for (int l = i0; l < i0 + n; l++)
             f32_prefetch_row(v_cache + ((size_t)slot[l] * kv_heads + j) * dim, dim, _MM_HINT_T1);
-        const float *key[16];
-        if (live)
-            for (int l = 0; l < 16; l++) key[l] = k_cache + ((size_t)slot[i0 + (l < n ? l : 0)] * kv_heads + j) * dim;
+        const float *key[F32V];
+        if (any)
+            for (int l = 0; l < F32V; l++) key[l] = k_cache + ((size_t)slot[i0 + (l < n ? l : 0)] * kv_heads + j) * dim;
         for (int g = 0; g < group; g++) {
-            __m512 sc = _mm512_set1_ps(-INFINITY);
-            if (live) {
-                __m512 acc[16];
+            vf sc = vf_set1(-INFINITY);
+            if (any) {
+                vf acc[F32V];
                 const float *qg = qh + (size_t)g * dim;
-                _Pragma("GCC unroll 16") for (int l = 0; l < 16; l++) acc[l] = _mm512_setzero_ps();
+                _Pragma("GCC unroll 16") for (int l = 0; l < F32V; l++) acc[l] = vf_zero();
                 for (int c = 0; c < vecs; c++) {
-                    const __m512 qv = _mm512_loadu_ps(qg + c * 16);
-                    _Pragma("GCC unroll 16") for (int l = 0; l < 16; l++)
-                        acc[l] = _mm512_fmadd_ps(_mm512_loadu_ps(key[l] + c * 16), qv, acc[l]);
+                    const vf qv = vf_load(qg + c * F32V);
+                    _Pragma("GCC unroll 16") for (int l = 0; l < F32V; l++)
+                        acc[l] = vf_fmadd(vf_load(key[l] + c * F32V), qv, acc[l]);
                 }
-                sc = _mm512_mask_mul_ps(sc, live, sum16(acc), _mm512_set1_ps(scale));
+                sc = vf_where(live, vf_mul(vf_sums(acc), vf_set1(scale)), sc);
             }
-            _mm512_storeu_ps(scores + (size_t)g * padded + i0, sc);
-            top[g] = _mm512_max_ps(top[g], sc);
+            vf_store(scores + (size_t)g * padded + i0, sc);
+            top[g] = vf_max(top[g], sc);
         }
     }
     float inv[F32_MAX_GROUP];
     for (int g = 0; g < group; g++) {
         float *s = scores + (size_t)g * padded;
         const int h = j * group + g;
-        const float most = _mm512_reduce_max_ps(top[g]), top_g = sinks && sinks[h] > most ? sinks[h] : most;
+        const float most = vf_most(top[g]), top_g = sinks && sinks[h] > most ? sinks[h] : most;
         float total = sinks ? exp1(sinks[h] - top_g) : 0.0f;
-        __m512 sum = _mm512_setzero_ps();
-        for (int i = 0; i < used; i += 16) {
-            const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(top_g)));
-            _mm512_storeu_ps(s + i, e);
-            sum = _mm512_add_ps(sum, e);
+        vf sum = vf_zero();
+        for (int i = 0; i < used; i += F32V) {
+            const vf e = vf_exp(vf_sub(vf_load(s + i), vf_set1(top_g)));
+            vf_store(s + i, e);
+            sum = vf_add(sum, e);
         }
-        total += _mm512_reduce_add_ps(sum);
+        total += vf_sum(sum);
         inv[g] = 1.0f / total;
     }
-    /* probabilities @ values: a value row read once for up to 4 heads of the group at a time */
+    /* probabilities @ values: a value row read once for up to F32_PV_HEADS heads of the group at a time */
     float *o = out + (row * heads + (size_t)j * group) * dim;
-    for (int c0 = 0; c0 < vecs; c0 += 4) {
-        const int nc = vecs - c0 < 4 ? vecs - c0 : 4;
-        for (int g0 = 0; g0 < group; g0 += 4) {
-            const int ng = group - g0 < 4 ? group - g0 : 4;
-            __m512 acc[4][4];
-            for (int g = 0; g < 4; g++)
-                for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int c0 = 0; c0 < vecs; c0 += F32_PV_VECS) {
+        const int nc = vecs - c0 < F32_PV_VECS ? vecs - c0 : F32_PV_VECS;
+        for (int g0 = 0; g0 < group; g0 += F32_PV_HEADS) {
+            const int ng = group - g0 < F32_PV_HEADS ? group - g0 : F32_PV_HEADS;
+            vf acc[F32_PV_HEADS][F32_PV_VECS];
+            for (int g = 0; g < F32_PV_HEADS; g++)
+                for (int c = 0; c < F32_PV_VECS; c++) acc[g][c] = vf_zero();
             for (int i = 0; i < used; i++) {
                 if (!attend[i]) continue;
-                const float *vr = v_cache + ((size_t)slot[i] * kv_heads + j) * dim + c0 * 16;
-                __m512 x[4];
-                for (int c = 0; c < nc; c++) x[c] = _mm512_loadu_ps(vr + c * 16);
+                const float *vr = v_cache + ((size_t)slot[i] * kv_heads + j) * dim + c0 * F32V;
+                vf x[F32_PV_VECS];
+                for (int c = 0; c < nc; c++) x[c] = vf_load(vr + c * F32V);
                 for (int g = 0; g < ng; g++) {
-                    const __m512 p = _mm512_set1_ps(scores[(size_t)(g0 + g) * padded + i]);
-                    for (int c = 0; c < nc; c++) acc[g][c] = _mm512_fmadd_ps(p, x[c], acc[g][c]);
+                    const vf p = vf_set1(scores[(size_t)(g0 + g) * padded + i]);
+                    for (int c = 0; c < nc; c++) acc[g][c] = vf_fmadd(p, x[c], acc[g][c]);
                 }
             }
             for (int g = 0; g < ng; g++)
                 for (int c = 0; c < nc; c++)
-                    _mm512_storeu_ps(o + (size_t)(g0 + g) * dim + (c0 + c) * 16,
-                                     _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g0 + g])));
+                    vf_store(o + (size_t)(g0 + g) * dim + (c0 + c) * F32V, vf_mul(acc[g][c], vf_set1(inv[g0 + g])));
         }
     }
 }
@@ -217,7 +229,7 @@ int sluice_f32_decode_attention(const float *q, long q_stride, const float *k_ca
                                 const int64_t *rows, const int64_t *slots, const uint8_t *mask, const float *sinks,
                                 int batch, int heads, int kv_heads, int dim, int keys, float scale, float *out) {
     const int group = heads / kv_heads, padded = (keys + 15) / 16 * 16;
-    if (group > F32_MAX_GROUP || dim / 16 > F32_MAX_VECS || dim % 16) return -2;
+    if (group > F32_MAX_GROUP || dim > F32_MAX_DIM || dim % 16) return -2;
     int failed = 0;
 #pragma omp parallel if ((double)batch * heads * keys * dim >= F32_ATTENTION_SERIAL)
     {
@@ -240,18 +252,15 @@ int sluice_f32_decode_attention(const float *q, long q_stride, const float *k_ca
 static void f32_swiglu(const float *gu, int rows, int inter, float *out) {
     for (int r = 0; r < rows; r++) {
         const float *gate = gu + (size_t)r * 2 * inter, *up = gate + inter;
-        for (int c = 0; c < inter; c += 16) {
-            const __mmask16 keep = first_lanes(inter - c);
-            _mm512_mask_storeu_ps(out + (size_t)r * inter + c, keep,
-                                  silu_mul(_mm512_maskz_loadu_ps(keep, gate + c), _mm512_maskz_loadu_ps(keep, up + c)));
-        }
+        for (int c = 0; c < inter; c += F32V)
+            vf_storen(out + (size_t)r * inter + c, inter - c, vf_silu_mul(vf_loadn(gate + c, inter - c), vf_loadn(up + c, inter - c)));
     }
 }
 
 static void f32_add_into(float *x, const float *y, size_t n) {
-    for (size_t i = 0; i < n; i += 16) {
-        const __mmask16 keep = first_lanes(n - i < 16 ? (int)(n - i) : 16);
-        _mm512_mask_storeu_ps(x + i, keep, _mm512_add_ps(_mm512_maskz_loadu_ps(keep, x + i), _mm512_maskz_loadu_ps(keep, y + i)));
+    for (size_t i = 0; i < n; i += F32V) {
+        const int keep = n - i < F32V ? (int)(n - i) : F32V;
+        vf_storen(x + i, keep, vf_add(vf_loadn(x + i, keep), vf_loadn(y + i, keep)));
     }
 }
 
@@ -312,7 +321,7 @@ int sluice_f32_layers(const f32_layer_t *layers, int count, const f32_step_t *s,
     for (int i = 0; i < count; i++) {
         const f32_layer_t *l = layers + i;
         if (l->heads % l->kv_heads || l->heads / l->kv_heads > F32_MAX_GROUP || l->head_dim % 16 ||
-            l->head_dim / 16 > F32_MAX_VECS)
+            l->head_dim > F32_MAX_DIM)
             return -2;
         if (!f32_rope_in_range(t, s->positions, l->num_positions, s->slot_mapping, l->num_slots)) return -3;
         if (l->qkv.n > most_qkv) most_qkv = l->qkv.n;
@@ -407,24 +416,4 @@ int sluice_f32_layers(const f32_layer_t *layers, int count, const f32_step_t *s,
     free(counters);
     free(xs);
     return failed ? -1 : 0;
-}
-
-/* embedding rows out [t][d] = table[ids[t]] for a bf16 (bf16 != 0) or float32 table [v][d]; -3 for an id
- * outside [0, v) (nothing written) */
-int sluice_f32_embed(const void *table, int bf16, long v, int d, const int64_t *ids, int t, float *out) {
-    for (int i = 0; i < t; i++)
-        if (ids[i] < 0 || ids[i] >= v) return -3;
-    for (int i = 0; i < t; i++) {
-        float *o = out + (size_t)i * d;
-        if (!bf16) {
-            memcpy(o, (const float *)table + (size_t)ids[i] * d, sizeof(float) * d);
-            continue;
-        }
-        const uint16_t *row = (const uint16_t *)table + (size_t)ids[i] * d;
-        for (int c = 0; c < d; c += 16) {
-            const __mmask16 keep = first_lanes(d - c);
-            _mm512_mask_storeu_ps(o + c, keep, load_bf16(row + c, keep));
-        }
-    }
-    return 0;
 }

@@ -31,7 +31,7 @@ enum { F32_AMX = 2 };
 /* a group's slice of KP pairs widened to float32 (bf16 weights, F32_WIDEN_ROWS rows or more): floats of scratch */
 enum { F32_WIDE = F32_GROUP * F32_KP * 2 * F32_TILE, F32_WIDEN_ROWS = 4 * F32_ROWS };
 /* bytes of input rows a panel holds: each group's weight slices are read (and widened) once a panel, so the
- * more rows the fewer times; past a few MB the rows' own traffic costs more (bench/RESULTS.md) */
+ * more rows the fewer times; past a few MB the rows' own traffic costs more (bench/RESULTS.md#tried-and-not-kept) */
 #define F32_PANEL_BYTES (2 << 20)
 
 /* a panel's rows come in steps of whole F32_ROWS blocks and whole AMX tiles of 16 rows */

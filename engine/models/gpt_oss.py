@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers import Attention, CausalLM, DecoderConfig
+from engine.moe import mix
 from engine.rope import Rotary
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -76,20 +77,17 @@ class MoE(nn.Module):
         self.experts = Experts(c)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        c, ex = self.c, self.experts
         logits = F.linear(x, self.router.weight, self.router.bias)  # [T, E]
-        top, chosen = logits.topk(c.experts_per_token, dim=-1)  # [T, k]
-        weights = top.softmax(dim=-1)
-        out = torch.zeros_like(x)
-        for e in chosen.unique().tolist():
-            tokens, slot = (chosen == e).nonzero(as_tuple=True)
-            gate_up = x[tokens] @ ex.gate_up_proj[e] + ex.gate_up_proj_bias[e]  # [t, 2I]
-            gate = gate_up[:, ::2].clamp(max=c.swiglu_limit)
-            up = gate_up[:, 1::2].clamp(-c.swiglu_limit, c.swiglu_limit)
-            hidden = (up + 1) * gate * torch.sigmoid(gate * c.swiglu_alpha)
-            y = hidden @ ex.down_proj[e] + ex.down_proj_bias[e]  # [t, H]
-            out.index_add_(0, tokens, y * weights[tokens, slot, None])
-        return out
+        top, chosen = logits.topk(self.c.experts_per_token, dim=-1)  # [T, k]
+        return mix(x, chosen, top.softmax(dim=-1), self._expert)
+
+    def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        c, ex = self.c, self.experts
+        gate_up = rows @ ex.gate_up_proj[e] + ex.gate_up_proj_bias[e]  # [n, 2I]
+        gate = gate_up[:, ::2].clamp(max=c.swiglu_limit)
+        up = gate_up[:, 1::2].clamp(-c.swiglu_limit, c.swiglu_limit)
+        hidden = (up + 1) * gate * torch.sigmoid(gate * c.swiglu_alpha)
+        return hidden @ ex.down_proj[e] + ex.down_proj_bias[e]  # [n, H]
 
 
 def _attention(c: GptOssConfig, rotary: Rotary, window: int | None) -> Attention:

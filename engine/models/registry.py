@@ -1,15 +1,31 @@
 """Maps a checkpoint's `architectures[0]` to the model class that runs it."""
 from __future__ import annotations
 
+from engine.models.gemma import GemmaForCausalLM
+from engine.models.glm4 import Glm4ForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
+from engine.models.granite import GraniteForCausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.models.mixtures import MoeForCausalLM
+from engine.models.olmo2 import Olmo2ForCausalLM
+from engine.models.smollm3 import SmolLM3ForCausalLM
 
 MODELS = {
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Glm4ForCausalLM": Glm4ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MoeForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": MoeForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": MoeForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 
 

@@ -6,6 +6,7 @@ import json
 import time
 
 import httpx
+import msgspec
 import openai
 import pytest
 
@@ -191,3 +192,92 @@ def test_health_version_and_unknown_route(server):
     assert httpx.get(server.url + "/version").json()["version"]
     r = httpx.get(server.url + "/v2/nothing")
     assert r.status_code == 404 and _error(r)["code"] == "not_found"
+
+
+# ---- msgpack bodies (issue 34) -------------------------------------------------------------------------------
+
+def _same_fields(path: str, answer: dict) -> object:
+    """What two answers to the same request share (ids, times and the prefix cache's hits differ)."""
+    usage = {k: v for k, v in (answer.get("usage") or {}).items() if "cache" not in k and "details" not in k}
+    if path == "/v1/responses":
+        return answer["status"], usage, [c.get("text") for item in answer["output"] for c in item.get("content") or []]
+    if path == "/v1/messages":
+        return answer["content"], usage, answer["stop_reason"]
+    if path in ("/v1/chat/completions", "/v1/completions"):
+        return answer["choices"], usage
+    return answer
+
+
+MSGPACK_CASES = [
+    ("/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 5, "temperature": 0, "ignore_eos": True}),
+    ("/v1/completions", {"model": MODEL, "prompt": "The quick brown", "max_tokens": 5, "temperature": 0}),
+    ("/v1/messages", {"model": MODEL, "messages": HI, "max_tokens": 5, "temperature": 0}),
+    ("/v1/responses", {"model": MODEL, "input": "Hello", "max_output_tokens": 5, "temperature": 0, "store": False}),
+    ("/v1/messages/count_tokens", {"model": MODEL, "messages": HI}),
+    ("/v1/messages/batches", {"requests": [{"custom_id": "a", "params": {"model": MODEL, "max_tokens": 1,
+                                                                         "messages": HI}}] * 2}),  # (a 400)
+    ("/tokenize", {"model": MODEL, "prompt": "hello world"}),
+    ("/detokenize", {"model": MODEL, "tokens": [5, 6, 7]}),
+    ("/v1/chat/completions/chatcmpl-none", {"metadata": {"k": "v"}}),  # (a 404)
+]
+
+
+@pytest.mark.parametrize("path, body", MSGPACK_CASES, ids=[p for p, _ in MSGPACK_CASES])
+def test_a_msgpack_body_gets_the_answer_its_json_gets(server, path, body):
+    url = server.url + path
+    as_json = httpx.post(url, json=body, timeout=60)
+    as_msgpack = httpx.post(url, content=msgspec.msgpack.encode(body), timeout=60,
+                            headers={"content-type": "application/msgpack"})
+    assert as_msgpack.status_code == as_json.status_code, as_msgpack.text
+    assert as_json.headers["content-type"] == as_msgpack.headers["content-type"] == "application/json"
+    assert _same_fields(path, as_msgpack.json()) == _same_fields(path, as_json.json())
+
+
+def test_trtllm_orchestrators_msgpack_header_is_taken(server):
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/completions", content=msgspec.msgpack.encode(body), timeout=60,
+                   headers={"content-type": "application/json", "x-trtllm-msgpack": "1"})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses", "/tokenize",
+                                  "/v1/messages/count_tokens"])
+def test_a_malformed_msgpack_body_is_a_400_in_the_routes_dialect(server, path):
+    r = httpx.post(server.url + path, content=b"\x81\xa5model\xc1", timeout=60,
+                   headers={"content-type": "application/x-msgpack"})
+    assert r.status_code == 400
+    if path.startswith("/v1/messages"):
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+        assert "invalid msgpack body" in r.json()["error"]["message"]
+    else:
+        assert "invalid msgpack body" in r.json()["error"]["message"]
+
+
+def test_accept_msgpack_gets_a_msgpack_body_and_a_stream_stays_sse(server):
+    body = {"model": MODEL, "messages": HI, "max_tokens": 3, "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"accept": "application/msgpack"},
+                   timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/msgpack"
+    assert msgspec.msgpack.decode(r.content)["usage"]["completion_tokens"] == 3
+    r = httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": True},
+                   headers={"accept": "application/msgpack"}, timeout=60)
+    assert r.headers["content-type"].startswith("text/event-stream") and r.text.endswith("data: [DONE]\n\n")
+    r = httpx.post(server.url + "/v1/chat/completions", json={**body, "model": "nope"},
+                   headers={"accept": "application/msgpack"}, timeout=60)
+    assert r.status_code == 404 and msgspec.msgpack.decode(r.content)["error"]["param"] == "model"
+
+
+def test_prometheus_metrics_is_metrics(server):
+    r = httpx.get(server.url + "/prometheus/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert "sluice:num_requests_running" in r.text
+
+
+def test_a_1mb_field_name_does_not_come_back_whole(server):
+    name = "f" * (1 << 20)
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                   content=b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "%s": 1}'
+                   % (MODEL.encode(), name.encode()))
+    error = r.json()["error"]
+    assert r.status_code == 400 and len(error["message"]) <= 4096 and len(error["param"]) <= 4096
+    assert len(r.content) < 10_000 and error["message"].startswith("unknown field 'fff")

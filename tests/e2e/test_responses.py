@@ -120,8 +120,10 @@ def test_input_items_page_and_a_deleted_response_is_gone(recorded):
 
 @pytest.mark.parametrize("method, path, body, status, says", [
     ("POST", "/v1/responses", {"input": "x", "previous_response_id": "resp_nope"}, 404, "names no stored response"),
-    ("POST", "/v1/responses", {"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools of type 'web_search'"),
-    ("POST", "/v1/responses", {"input": "x", "include": ["reasoning.encrypted_content"]}, 400, "encrypted"),
+    ("POST", "/v1/responses", {"input": "x", "include": ["message.output_text.logprobs"]}, 400,
+     "'message.output_text.logprobs' cannot be included"),
+    ("POST", "/v1/responses", {"input": [{"type": "reasoning", "summary": [], "encrypted_content": "v1.AAAA"}]}, 400,
+     "input[0].encrypted_content is not reasoning this server sealed"),
     ("POST", "/v1/responses", {"input": [{"type": "computer_call_output"}]}, 400, "'computer_call_output'"),
     ("POST", "/v1/responses", {"input": "x", "model": "nope"}, 404, "does not exist"),
     ("POST", "/v1/responses", {"input": "x", "temperature": 9}, 400, "temperature"),
@@ -166,6 +168,81 @@ def test_a_background_stream_outlives_the_client_that_left_it(recorded):
         first = next(iter(stream))
     assert first.type == "response.created" and first.response.status == "queued"
     assert _wait(client, first.response.id).output_text == "Sure."
+
+
+# ---- what Codex sends: sealed reasoning (store: false), namespace and hosted tools ---------------------
+
+# Codex's tools: a function, a namespace (its function's flat name, get_ + weather, is the recordings' call) and
+# web_search, which this server does not run (left out of the prompt, with a warning in the response).
+CODEX_TOOLS = [{"type": "function", "name": "shell", "description": "Runs a command",
+                "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}},
+               {"type": "namespace", "name": "get_", "description": "Weather tools",
+                "tools": [{**TOOLS[0], "name": "weather"}]},
+               {"type": "web_search", "external_web_access": False}]
+
+
+def _codex(client, model: str, input, stream: bool = False, **kw):
+    """A request as `codex exec` sends it (streamed, as Codex does, where `stream`), its final response."""
+    body = dict(model=model, input=input, instructions="You are Codex.", tools=CODEX_TOOLS, tool_choice="auto",
+                parallel_tool_calls=True, store=False, include=["reasoning.encrypted_content"],
+                reasoning={"summary": "auto"}, prompt_cache_key="session-1",
+                extra_body={"client_metadata": {"x-codex-installation-id": "i"}}, **kw)
+    if not stream:
+        return client.responses.create(**body)
+    with client.responses.stream(**body) as events:
+        done = [e.item for e in events if e.type == "response.output_item.done"]
+        final = events.get_final_response()
+    sealed = [getattr(item, "encrypted_content", None) for item in done]  # (what Codex keeps: the done items)
+    assert sealed == [getattr(item, "encrypted_content", None) for item in final.output]
+    return final
+
+
+def _check_codex_response(client, r, reasoning_text: str) -> None:
+    assert r.store is False and [w["param"] for w in r.model_extra["warnings"]] == ["tools[2]"]
+    assert "web_search" in r.model_extra["warnings"][0]["message"]
+    reasoning = r.output[0]
+    assert reasoning.content[0].text == reasoning_text and reasoning.encrypted_content.startswith("v1.")
+    assert reasoning_text not in reasoning.encrypted_content
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+
+
+def _sent_back(user: str, output, call_output: str, reasoning: bool = True) -> list[dict]:
+    """The next request's input as Codex sends it: its items as they came, the reasoning by its sealed text
+    alone, then the call's output."""
+    items = [item.model_dump(exclude_none=True) for item in output]
+    for item in items:
+        item.pop("content", None) if item["type"] == "reasoning" else None
+    items = [item for item in items if reasoning or item["type"] != "reasoning"]
+    call = next(item for item in items if item["type"] == "function_call")
+    return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": user}]}, *items,
+            {"type": "function_call_output", "call_id": call["call_id"], "output": call_output}]
+
+
+def test_codex_on_a_chat_template_model_gets_sealed_reasoning_back_and_continues_from_it(recorded):
+    client = _client(recorded)
+    first = _codex(client, MODEL, ASK, stream=True)
+    _check_codex_response(client, first, "Plan: call the tool.")
+    call = first.output[-1]
+    assert (call.type, call.name, call.namespace, first.output_text) == ("function_call", "weather", "get_", "Sure.")
+    sealed = _codex(client, MODEL, _sent_back(ASK, first.output, "sunny"))
+    without = _codex(client, MODEL, _sent_back(ASK, first.output, "sunny", reasoning=False))
+    plan = len(recorded_tokens("Plan: call the tool."))
+    assert sealed.usage.input_tokens >= without.usage.input_tokens + plan  # (its <think> block was rendered)
+    tampered = _sent_back(ASK, first.output, "sunny")
+    tampered[1]["encrypted_content"] = tampered[1]["encrypted_content"][:-4] + "AAAA"
+    with pytest.raises(openai.BadRequestError) as e:
+        _codex(client, MODEL, tampered)
+    assert e.value.body["param"] == "input[1].encrypted_content"
+
+
+def recorded_tokens(text: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    from sluice.builtin_models import ensure_builtin
+
+    return Tokenizer.from_file(str(ensure_builtin("tiny-chat") / "tokenizer.json")).encode(
+        text, add_special_tokens=False).ids
 
 
 def test_text_format_json_schema_constrains_the_output_text(client):
@@ -282,6 +359,25 @@ def test_gpt_oss_reasoning_items_and_a_function_call_round_trip(harmony):
     whole = client.responses.create(input=[{"role": "user", "content": ASK}, *calling.output, answer], store=False,
                                     **kw)
     assert whole.usage.input_tokens == chained.usage.input_tokens
+
+
+def test_codex_on_gpt_oss_gets_sealed_reasoning_back_and_harmony_renders_it_as_the_analysis(harmony):
+    """Four requests, so the recordings' turns go on as they were (a reasoned answer, then a call)."""
+    client = _client(harmony)
+    answered = _codex(client, GPT_OSS, ASK, stream=True)
+    _check_codex_response(client, answered, "The user wants weather.")
+    calling = _codex(client, GPT_OSS, ASK)
+    _check_codex_response(client, calling, "I need the tool.")
+    call = calling.output[-1]
+    assert (call.name, call.namespace, json.loads(call.arguments)) == ("weather", "get_", {"city": "Paris"})
+    sealed = _codex(client, GPT_OSS, _sent_back(ASK, calling.output, "sunny"))
+    without = _codex(client, GPT_OSS, _sent_back(ASK, calling.output, "sunny", reasoning=False))
+    from sluice.harmony_vocab import harmony_encoding
+
+    analysis = harmony_encoding().encode("<|channel|>analysis<|message|>I need the tool.<|end|>",
+                                         allowed_special="all")
+    # (the analysis message of the turn that called: harmony keeps it before the call's output)
+    assert sealed.usage.input_tokens == without.usage.input_tokens + len(analysis) + 2  # (+ <|start|>assistant)
 
 
 def test_truncation_auto_drops_the_oldest_turns_until_the_prompt_fits(tmp_path):

@@ -102,7 +102,7 @@ def test_the_values_frameworks_send_by_default_are_taken_and_echoed(oc, ac):
 
 def test_what_this_server_cannot_honour_is_a_400_naming_the_field(oc, ac):
     for fields, param in (({"audio": {"voice": "alloy", "format": "mp3"}, "modalities": ["text", "audio"]}, "audio"),
-                          ({"store": True}, "store"), ({"web_search_options": {}}, "web_search_options")):
+                          ({"web_search_options": {}}, "web_search_options")):
         with pytest.raises(openai.BadRequestError) as e:
             oc.chat.completions.create(model=MODEL, messages=USER, max_completion_tokens=4, **fields)
         assert e.value.param == param and sdk_fields.CHAT_COMPLETIONS[param].note in e.value.message
@@ -110,6 +110,46 @@ def test_what_this_server_cannot_honour_is_a_400_naming_the_field(oc, ac):
         ac.beta.messages.create(model=MODEL, messages=USER, max_tokens=4, context_management={
             "edits": [{"type": "clear_tool_uses_20250919", "keep": {"type": "tool_uses", "value": 3}}]})
     assert "context_management" in e.value.message and e.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_a_stored_chat_completion_is_kept_listed_updated_and_deleted(oc):
+    """store: true keeps the completion as answered (a stream's too: the whole body the postproc built), its
+    request's messages and metadata; OpenAI's routes list, filter, page, update and delete them."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [
+        {"type": "text", "text": "Hello"}]}]
+    made = oc.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=4, store=True,
+                                      metadata={"app": "sluice-test", "run": "1"})
+    stream = oc.chat.completions.create(model=MODEL, messages=USER, max_completion_tokens=4, store=True,
+                                        metadata={"app": "sluice-test", "run": "2"}, stream=True,
+                                        stream_options={"include_usage": True})
+    chunks = list(stream)
+    streamed = chunks[0].id
+    unstored = oc.chat.completions.create(model=MODEL, messages=USER, max_completion_tokens=4).id
+    kept = oc.chat.completions.retrieve(made.id)
+    assert kept.choices[0].message.content == made.choices[0].message.content and kept.usage == made.usage
+    assert kept.metadata == {"app": "sluice-test", "run": "1"}
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    again = oc.chat.completions.retrieve(streamed)
+    assert again.choices[0].message.content == text and again.usage == chunks[-1].usage
+    with pytest.raises(openai.NotFoundError):
+        oc.chat.completions.retrieve(unstored)
+    listed = oc.chat.completions.list(metadata={"app": "sluice-test"}, model=MODEL, limit=1)
+    assert [c.id for c in listed.data] == [made.id] and listed.has_more
+    assert [c.id for c in oc.chat.completions.list(metadata={"app": "sluice-test"}, order="desc")] == \
+        [streamed, made.id]  # (the SDK's iterator pages on with `after`)
+    assert [c.id for c in oc.chat.completions.list(metadata={"run": "2"})] == [streamed]
+    listed_messages = oc.chat.completions.messages.list(made.id)
+    assert [(m.role, m.content) for m in listed_messages.data] == [("system", "Be brief."), ("user", "Hello")]
+    assert listed_messages.data[1].content_parts[0].text == "Hello"
+    updated = oc.chat.completions.update(made.id, metadata={"app": "other"})
+    assert updated.metadata == {"app": "other"}
+    assert [c.id for c in oc.chat.completions.list(metadata={"app": "sluice-test"})] == [streamed]
+    assert oc.chat.completions.delete(made.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        oc.chat.completions.delete(made.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        oc.chat.completions.list(after="chatcmpl-nope")
+    assert e.value.param == "after"
 
 
 def _background(oc: openai.OpenAI) -> str:

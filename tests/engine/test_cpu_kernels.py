@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import cpu_kernels
-from engine.cpu import kernels, ops
+from engine.cpu import ops
 from engine.cpu.backend import CpuBackend
 from engine.cpu.matmul import Bf16Matmul, Int8Argmax
 from engine.layers import Linear
@@ -23,6 +23,11 @@ from engine.sampler import SamplingBatch, _draw_from_sums, _per_block, argmax, e
 from tests.engine.helpers import generate, make_engine, seq
 
 _ISA = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+def _exp():
+    """The CPU backend's kernels for the sampler's exp pass (None where they cannot run)."""
+    return CpuBackend(torch.float32).exp_kernels()
+
+
 needs_kernel = pytest.mark.skipif(not _ISA <= cpu_kernels.cpu_flags(), reason="this CPU lacks AVX512-BF16")
 needs_avx512 = pytest.mark.skipif(not {"avx512f", "avx512bw"} <= cpu_kernels.cpu_flags(), reason="no AVX-512")
 
@@ -211,7 +216,7 @@ def test_disabled_kernels_fall_back_to_onednn(fresh_kernels, monkeypatch):
     assert head.kernel is None
     torch.testing.assert_close(head(hidden), F.linear(hidden, weight), rtol=1e-2, atol=1e-2)
     assert torch.equal(head.argmax(hidden), argmax(head(hidden)))
-    probs, sums = exp_blocks(head(hidden), torch.ones(5, 1))
+    probs, sums = exp_blocks(head(hidden), torch.ones(5, 1), _exp())
     assert sums is None
     torch.testing.assert_close(probs, torch.softmax(head(hidden).float(), dim=-1))
 
@@ -282,7 +287,7 @@ def test_exp_blocks_are_torch_exp_and_block_sums(vocab, rows, masked, dtype, see
     logits.view(-1)[torch.randint(0, rows * vocab, (masked,), generator=g)] = float("-inf")
     logits[:, 0] = 1.0  # no row entirely masked
     temperature = torch.rand(rows, 1, generator=g) * 2 + 0.05
-    probs, sums = exp_blocks(logits, temperature)
+    probs, sums = exp_blocks(logits, temperature, _exp())
     assert sums is not None, "the kernel did not load"
     x = logits.double() / temperature.double()
     y = x - x.amax(dim=-1, keepdim=True)  # exact here; in float32 it carries ~|y| ulps of rounding
@@ -293,7 +298,7 @@ def test_exp_blocks_are_torch_exp_and_block_sums(vocab, rows, masked, dtype, see
     assert (probs[tiny] <= ref[tiny] + 1e-37).all() and (probs[logits == float("-inf")] == 0).all()
     torch.testing.assert_close(sums, _per_block(probs, torch.sum)[0], rtol=1e-5, atol=1e-30)
     for r in range(rows):  # a row alone gives the same bits
-        alone, alone_sums = exp_blocks(logits[r : r + 1], temperature[r : r + 1])
+        alone, alone_sums = exp_blocks(logits[r : r + 1], temperature[r : r + 1], _exp())
         assert torch.equal(alone[0], probs[r]) and torch.equal(alone_sums[0], sums[r])
 
 
@@ -313,9 +318,9 @@ def test_drawing_from_block_sums_is_drawing_from_the_written_probs(vocab, rows, 
     u[0] = 1 - 2**-53  # the last token with mass
     if rows > 1:
         u[1] = 0.0
-    tokens = _draw_from_sums(logits, temperature, u)
+    tokens = _draw_from_sums(logits, temperature, u, _exp())
     assert tokens is not None, "the kernel did not load"
-    probs, sums = exp_blocks(logits, temperature)
+    probs, sums = exp_blocks(logits, temperature, _exp())
     assert torch.equal(tokens, inverse_cdf(probs, u.float(), sums))
 
 
@@ -330,12 +335,12 @@ def test_sampling_with_the_exp_kernel_draws_torch_softmax_tokens(fresh_kernels, 
     class Params:
         temperature, top_p, top_k, min_p = 0.8, 1.0, 0, 0.0
 
-    batch = SamplingBatch.build([Params] * rows, list(range(rows)), [3] * rows, torch.device("cpu"))
-    fast = sample(logits, batch)
-    assert kernels.exp_blocks() is not None
-    monkeypatch.setenv("SLUICE_CPU_KERNELS", "0")
-    cpu_kernels.clear()
-    plain = sample(logits, batch)
+    def batch(exp):
+        return SamplingBatch.build([Params] * rows, list(range(rows)), [3] * rows, torch.device("cpu"), exp=exp)
+
+    assert (exp := _exp()) is not None
+    fast = sample(logits, batch(exp))
+    plain = sample(logits, batch(None))
     assert (fast == plain).sum() >= rows - 1
 
 

@@ -96,8 +96,8 @@ def test_a_position_beyond_the_rotary_table_raises_with_the_cache_untouched(tmp_
     inputs = runner._prepare(batch)
     saved = [k.clone() for k, _ in runner.kv_caches]
     with torch.inference_mode(), pytest.raises(IndexError):
-        runner.model(inputs["input_ids"], inputs["positions"] + 64, runner.kv_caches, inputs["meta"],
-                     inputs["logits_index"])
+        runner.model(inputs.input_ids, inputs.positions + 64, runner.kv_caches, inputs.meta,
+                     inputs.logits_index)
     assert all(torch.equal(k, k0) for (k, _), k0 in zip(runner.kv_caches, saved))
 
 

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from engine.worker import Engine, step_outputs
+from engine.engine import Engine
+from engine.outputs import step_outputs
 from ipc.addresses import shard_of
 from ipc.messages import Abort, EndChoices, EngineRequest, Frame, PostprocSpec, SamplingParams, ids_to_bytes
 from postproc.worker import Shard

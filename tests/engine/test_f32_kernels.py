@@ -1,6 +1,6 @@
 """A model served in float32 on the CPU: Sluice's float32 kernels (engine/csrc/f32_matmul.c, f32_layers.c;
-AVX-512F; csrc/f32_matmul_avx2.c for the linears on CPUs with AVX2 and FMA only) against torch's float32
-path, which the kernels must equal up to the order of their sums.
+AVX-512F; on CPUs with AVX2 and FMA only csrc/f32_matmul_avx2.c for the linears and f32_layers.c built for
+AVX2) against torch's float32 path, which the kernels must equal up to the order of their sums.
 
 - The linears, on each instruction set this CPU has: one float32 multiply-add chain over k in order (bit
   for bit), so F.linear's products up to the order of the sums (float64 reference), for bf16 weights
@@ -9,11 +9,11 @@ path, which the kernels must equal up to the order of their sums.
   logits.
 - A bf16 checkpoint served in float32 keeps its weights in bf16 (the same values); a float32 one keeps
   float32.
-- Attention, rotary with the KV store, RMSNorm (and Qwen3's q/k norms), SwiGLU: torch's float32 values
-  within float32 rounding; a whole step through the layers in one call: the op-by-op torch path's hidden
-  states and cache, and the same greedy tokens over whole generations.
-- A CPU without AVX-512 (SLUICE_CPU_HIDE=avx512f) runs the linears on the AVX2 kernel and the rest as torch
-  ops; one without AVX2 either, and disabled kernels, run torch's path: the same tokens.
+- Attention, rotary with the KV store, RMSNorm (and Qwen3's q/k norms), SwiGLU, on each instruction set
+  this CPU has: torch's float32 values within float32 rounding; a whole step through the layers in one call:
+  the op-by-op torch path's hidden states and cache, and the same greedy tokens over whole generations.
+- A CPU without AVX-512 (SLUICE_CPU_HIDE=avx512f) runs the step in one call on the AVX2 build (see
+  test_avx2_step.py); one without AVX2 either, and disabled kernels, run torch's path: the same tokens.
 """
 from __future__ import annotations
 
@@ -43,6 +43,9 @@ needs_avx2 = pytest.mark.skipif(not AVX2, reason="this CPU lacks AVX2/FMA")
 needs_f32_kernel = pytest.mark.skipif(not (AVX512 or AVX2), reason="this CPU lacks AVX-512F/BW/VL and AVX2/FMA")
 # the float32 linears' instruction sets: each test of them runs on every one this CPU has
 ISAS = [pytest.param("AVX-512F", marks=needs_avx512), pytest.param("AVX2", marks=needs_avx2)]
+# the float32 step's pieces (f32_layers.c) on each build this CPU runs
+STEP_ISAS = [pytest.param(kernels.f32_layers, id="AVX-512F", marks=needs_avx512),
+             pytest.param(kernels.f32_layers_avx2, id="AVX2", marks=needs_avx2)]
 AMX = {*_ISA, "avx512_bf16", "amx_tile", "amx_bf16"} <= cpu_kernels.cpu_flags()
 needs_amx = pytest.mark.skipif(not AMX, reason="this CPU lacks AMX-BF16")
 
@@ -66,6 +69,12 @@ def _kernel(isa: str, weight: torch.Tensor, bias: torch.Tensor | None = None) ->
         assert kernel.isa == "AMX"
         return kernel
     return F32Matmul(lib, isa, weight, bias)
+
+
+def _step_on(build):
+    """ops' float32 kernels from one build of f32_layers.c (ops takes the best this CPU has)."""
+    assert build() is not None, f"{build.__name__} did not build"
+    return mock.patch.object(kernels, "f32_step", build)
 
 
 def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -409,11 +418,11 @@ def _engines(path, **kw):
 @needs_f32_kernel
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_a_bf16_checkpoint_in_float32_keeps_bf16_weights_and_generates_torch_fp32_tokens(variant, tmp_path):
-    """On AVX-512 the layers of a step in one call; on AVX2 the linears on its kernel between torch ops."""
+    """The layers of a step in one call (AVX-512F, else AVX2), the linears on that instruction set's kernel."""
     path = _bf16_checkpoint(tmp_path / variant, **VARIANTS[variant])
     (runner, sched), (ref, ref_sched) = _engines(path, block_size=8)
     isa = "AVX-512F" if AVX512 else "AVX2"
-    assert runner.one_call == AVX512
+    assert runner.one_call
     assert isinstance(runner.lm_head.kernel, F32Matmul) and runner.lm_head.kernel.bf16
     linears = [m for m in runner.model.modules() if hasattr(m, "run")]
     assert linears and all(isinstance(m.run, F32Matmul) and m.run.bf16 and m.weight.dtype == torch.bfloat16
@@ -452,7 +461,7 @@ def test_long_prompts_take_the_causal_kernel_and_generate_torch_fp32_tokens(vari
 def test_a_float32_checkpoint_keeps_float32_weights(tmp_path):
     path = write_llama_family(tmp_path / "m", architecture="LlamaForCausalLM")
     runner, _ = make_engine(path)
-    assert runner.one_call == AVX512 and not runner.lm_head.kernel.bf16
+    assert runner.one_call and not runner.lm_head.kernel.bf16
     assert all(not m.run.bf16 and m.weight.dtype == torch.float32 for m in runner.model.modules() if hasattr(m, "run"))
 
 
@@ -488,15 +497,20 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
 @needs_f32_kernel
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_a_float32_decode_step_on_the_kernels_is_torchs_layers_op_by_op(variant, tmp_path):
-    """In one call on AVX-512, the AVX2 linears between torch ops elsewhere: torch's hidden states, cache and
-    logits, up to the order of float32 sums."""
-    path = _bf16_checkpoint(tmp_path / variant, **VARIANTS[variant])
+    """In one call (AVX-512F, else AVX2): torch's hidden states, cache and logits, up to the order of float32
+    sums."""
+    decode_step_is_torchs(_bf16_checkpoint(tmp_path / variant, **VARIANTS[variant]))
+
+
+def decode_step_is_torchs(path):
+    """Checks a decode step of the checkpoint's float32 engine, run in one call, against torch's path (hidden
+    states, cache, logits); returns that engine's runner."""
     fast, plain = _engines(path, block_size=8)
     runner, batch = _decoding(fast)
     ref, ref_batch = _decoding(plain)
     with mock.patch.object(DecoderStack, "__call__", autospec=True, side_effect=DecoderStack.__call__) as spy:
         hidden, caches = _step(runner, batch)
-    assert spy.called == AVX512
+    assert spy.called
     ref_hidden, ref_caches = _step(ref, ref_batch)
     _close(hidden, ref_hidden)
     for kv, ref_kv in zip(caches, ref_caches):
@@ -504,9 +518,10 @@ def test_a_float32_decode_step_on_the_kernels_is_torchs_layers_op_by_op(variant,
             _close(x, y)
     with torch.inference_mode():
         _close(runner.lm_head(hidden), ref.lm_head(ref_hidden))
+    return runner
 
 
-@needs_avx512
+@needs_f32_kernel
 def test_float32_steps_with_prefill_chunks_in_one_call_are_torchs(tmp_path):
     """A chunk's rows attend as decodes of their positions (causal, within the window): torch's values."""
     path = _bf16_checkpoint(tmp_path / "m", **VARIANTS["mistral-window-12"])
@@ -527,12 +542,12 @@ def test_float32_steps_with_prefill_chunks_in_one_call_are_torchs(tmp_path):
     assert sum(mixed) >= 2  # steps whose rows include a prompt's chunk ran in one call
 
 
-@needs_avx512
+@pytest.mark.parametrize("build", STEP_ISAS)
 @settings(max_examples=30, deadline=None)
 @given(batch=st.integers(1, 9), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 3, 4, 6, 8]),
        dim=st.sampled_from([16, 32, 48, 64, 80, 128, 256]), keys=st.integers(1, 100), sinks=st.booleans(),
        seed=st.integers(0, 2**16))
-def test_float32_decode_attention_is_the_torch_path(batch, kv_heads, group, dim, keys, sinks, seed):
+def test_float32_decode_attention_is_the_torch_path(build, batch, kv_heads, group, dim, keys, sinks, seed):
     from engine.attention import _attention
 
     g = torch.Generator().manual_seed(seed)
@@ -546,7 +561,8 @@ def test_float32_decode_attention_is_the_torch_path(batch, kv_heads, group, dim,
     mask[:, :, :, 0] = True
     sink = torch.randn(heads, generator=g) if sinks else None
     out = torch.zeros(t + 1, heads, dim)
-    assert ops.decode_attention(q, k_cache, v_cache, rows, slots, mask, 0.3, sink, out)
+    with _step_on(build):
+        assert ops.decode_attention(q, k_cache, v_cache, rows, slots, mask, 0.3, sink, out)
     qg = q[rows].unsqueeze(1).transpose(1, 2)  # [B, H, 1, D]
     ref = _attention(qg, k_cache[slots].transpose(1, 2), v_cache[slots].transpose(1, 2), mask, 0.3,
                      sink).transpose(1, 2)[:, 0]
@@ -625,23 +641,24 @@ def test_paged_causal_attention_reads_queries_and_keys_where_they_lie(chunks, kv
     assert torch.equal(out[out_index[~pads]], dense[~pads]) and (out[rows] == 7.0).all()
 
 
-@needs_avx512
+@pytest.mark.parametrize("build", STEP_ISAS)
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(0, 40), dim=st.integers(1, 300), strided=st.booleans(), seed=st.integers(0, 2**16))
-def test_float32_rms_norm_is_torchs(rows, dim, strided, seed):
+def test_float32_rms_norm_is_torchs(build, rows, dim, strided, seed):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, dim + (7 if strided else 0), generator=g) * 3)[:, :dim]
     weight = torch.randn(dim, generator=g) * 0.5 + 1
-    out = ops.rms_norm(x, weight, 1e-6)
+    with _step_on(build):
+        out = ops.rms_norm(x, weight, 1e-6)
     assert out is not None and out.shape == (rows, dim) and out.dtype == torch.float32
     torch.testing.assert_close(out, F.rms_norm(x, (dim,), weight, 1e-6), rtol=4e-7, atol=1e-6)
 
 
-@needs_avx512
+@pytest.mark.parametrize("build", STEP_ISAS)
 @settings(max_examples=30, deadline=None)
 @given(tokens=st.integers(0, 40), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 3, 4]),
        dim=st.integers(1, 150).map(lambda n: 2 * n), seed=st.integers(0, 2**16))
-def test_float32_rope_store_is_torchs_rotary_and_the_cache_writes(tokens, kv_heads, group, dim, seed):
+def test_float32_rope_store_is_torchs_rotary_and_the_cache_writes(build, tokens, kv_heads, group, dim, seed):
     from engine.attention import rope_and_store
     from engine.rope import Rotary
 
@@ -652,8 +669,9 @@ def test_float32_rope_store_is_torchs_rotary_and_the_cache_writes(tokens, kv_hea
     positions = torch.randint(0, 100, (tokens,), generator=g)
     slots = torch.randperm(num_slots, generator=g)[:tokens]
     k_cache, v_cache = torch.zeros(num_slots, kv_heads, dim), torch.zeros(num_slots, kv_heads, dim)
-    q = ops.rope_store(qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :], heads, positions, rotary.cos,
-                       rotary.sin, slots, k_cache, v_cache)
+    with _step_on(build):
+        q = ops.rope_store(qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :], heads, positions, rotary.cos,
+                           rotary.sin, slots, k_cache, v_cache)
     k2, v2 = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     q2 = rope_and_store(qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :], heads, rotary, positions, k2, v2, slots)
     torch.testing.assert_close(q, q2, rtol=1e-6, atol=1e-6)
@@ -661,7 +679,7 @@ def test_float32_rope_store_is_torchs_rotary_and_the_cache_writes(tokens, kv_hea
     assert torch.equal(v_cache, v2)
     one, before = torch.randn(1, heads + 2 * kv_heads, dim, generator=g), (k_cache.clone(), v_cache.clone())
     for position, slot in ((100, 0), (0, num_slots), (-1, 0)):
-        with pytest.raises(IndexError):
+        with _step_on(build), pytest.raises(IndexError):
             ops.rope_store(one[:, : heads + kv_heads], one[:, heads + kv_heads :], heads, torch.tensor([position]),
                            rotary.cos, rotary.sin, torch.tensor([slot]), k_cache, v_cache)
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])  # (nothing written)
@@ -673,8 +691,8 @@ def test_cpus_without_the_instructions_run_other_paths_with_the_same_tokens(hide
     """SLUICE_CPU_HIDE stands for a CPU without those instructions (amx_bf16: AVX-512 without AMX; avx512f: AVX2
     alone; avx512f,avx2: neither) and SLUICE_CPU_KERNELS=0 for kernels turned off. What runs follows from what
     the host has once they are hidden (on an AVX2 host hiding AMX changes nothing): the whole step in one call
-    where AVX-512F/BW/VL remain, the linears on the AVX2 kernel and the rest as torch ops where only AVX2/FMA
-    do, no kernel at all otherwise. The tokens are those of the best path the host has."""
+    on AVX-512F where AVX-512F/BW/VL remain, on f32_layers.c's AVX2 build where only AVX2/FMA do, no kernel
+    at all otherwise. The tokens are those of the best path the host has."""
     path = _bf16_checkpoint(tmp_path / "m", **VARIANTS["qwen3-qk-norm"])
     runner, sched = make_engine(path)
     tokens = generate(runner, sched, [seq(f"r{i}", p, max_tokens=16, temperature=0.0) for i, p in enumerate(PROMPTS)])
@@ -686,13 +704,14 @@ def test_cpus_without_the_instructions_run_other_paths_with_the_same_tokens(hide
     left = cpu_kernels.cpu_flags() if hide != "all" else frozenset()
     runner, sched = make_engine(path)
     linears = [m for m in runner.model.modules() if hasattr(m, "run")]
-    assert runner.one_call == (_ISA <= left)
+    assert runner.one_call == (_ISA <= left or {"avx2", "fma"} <= left)
     if _ISA <= left:
         isas = {m.run.isa for m in linears}
         assert isas <= ({"AVX-512F", "AMX"} if AMX and "amx_bf16" in left else {"AVX-512F"}), isas
     elif {"avx2", "fma"} <= left:
         assert isinstance(runner.lm_head.kernel, F32Matmul) and runner.lm_head.kernel.isa == "AVX2"
         assert all(m.run.isa == "AVX2" and m.weight.dtype == torch.bfloat16 for m in linears)
+        assert runner.model.model.stack.stack.fn == kernels.f32_layers_avx2().sluice_f32_layers
     else:
         assert runner.lm_head.kernel is None
         assert all(m.run is None and m.weight.dtype == torch.float32 for m in linears)

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from engine.models.gpt_oss import dequantize_mxfp4
 from sluice.builtin_gpt_oss import write_gpt_oss
 from tests.engine.helpers import assert_logits_match, generate, make_engine, seq
 
-transformers = pytest.importorskip("transformers")
 PROMPTS = [[200006, 1428, 200008, 13225], list(range(1000, 1030)), list(range(5000, 5050, 2)), [300] * 11]
 
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.kv_handoff import IMPORTS
-from engine.worker import Engine
+from engine.engine import Engine
 from ipc.messages import (Abort, EngineRequest, KvExport, KvImport, PostprocSpec, SamplingParams,
                           ids_to_bytes)
 from sluice.config import ServerConfig

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from sluice.builtin_models import write_llama_family
 from tests.engine.helpers import assert_logits_match, generate, make_engine, seq
 
-transformers = pytest.importorskip("transformers")
 
 VARIANTS = {
     "qwen3-tied": dict(architecture="Qwen3ForCausalLM"),
@@ -51,7 +51,7 @@ def test_prompts_from_their_first_token_take_the_causal_fast_path(checkpoint):
     runner, sched = make_engine(path, block_size=8)
     for i, p in enumerate(PROMPTS):
         sched.add(seq(f"r{i}", p, max_tokens=1, temperature=0.0))
-    (group,) = runner._prepare(sched.schedule())["meta"].groups
+    (group,) = runner._prepare(sched.schedule()).meta.groups
     assert group.causal == {w: w is None or w >= 37 for w in runner.windows}  # the longest prompt: 37
     runner, sched = make_engine(path, budget=16, block_size=8)
     for i, p in enumerate(PROMPTS):
@@ -59,7 +59,7 @@ def test_prompts_from_their_first_token_take_the_causal_fast_path(checkpoint):
     batch = sched.schedule()  # r0 whole, r1's first 11 tokens
     logits, _ = runner.forward(batch)
     sched.update(batch, logits.argmax(-1).tolist())
-    (group,) = runner._prepare(sched.schedule())["meta"].groups  # r1 from position 11
+    (group,) = runner._prepare(sched.schedule()).meta.groups  # r1 from position 11
     assert not any(group.causal.values())
 
 

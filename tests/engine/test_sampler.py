@@ -6,13 +6,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.cpu.backend import CpuBackend
 from engine.sampler import SamplingBatch, sample, uniform_from
 from ipc.messages import SamplingParams
 
 
+EXP = CpuBackend(torch.float32).exp_kernels()  # (the CPU's kernels where this CPU runs them)
+
+
 def _batch(params, seeds=None, steps=None):
     n = len(params)
-    return SamplingBatch.build(params, seeds or list(range(n)), steps or [0] * n, torch.device("cpu"))
+    return SamplingBatch.build(params, seeds or list(range(n)), steps or [0] * n, torch.device("cpu"), exp=EXP)
 
 
 def test_greedy_is_argmax():
@@ -124,9 +128,9 @@ def test_masks_go_in_place_and_leave_the_logits_as_they_came(kinds, temperature,
         s.seed = seed + i
     logits = torch.randn(len(seqs), vocab, generator=torch.Generator().manual_seed(seed)).to(dtype)
     raw = logits.clone()
-    got = sample(logits, SamplingBatch.for_seqs(seqs, torch.device("cpu")))
+    got = sample(logits, SamplingBatch.for_seqs(seqs, torch.device("cpu"), EXP))
     assert torch.equal(logits, raw)
-    plain = SamplingBatch.for_seqs(seqs, torch.device("cpu"))
+    plain = SamplingBatch.for_seqs(seqs, torch.device("cpu"), EXP)
     plain.seqs = None
     assert got.tolist() == sample(process_logits(raw, seqs), plain).tolist()
 

@@ -5,6 +5,7 @@ parameter fails here, naming it."""
 from __future__ import annotations
 
 import inspect
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -19,6 +20,9 @@ from anthropic.resources.messages.batches import Batches
 from openai.resources.chat.completions import Completions as ChatCompletions
 from openai.resources.completions import Completions
 from openai.resources.responses import Responses
+from openai.types.responses.namespace_tool import Tool as NamespaceMember
+from openai.types.responses.response_includable import ResponseIncludable
+from openai.types.responses.tool import Tool as ResponsesToolUnion
 
 from ingress.http import validation_error
 from ipc import sdk_fields
@@ -56,10 +60,9 @@ ROUTES = {
 REFUSED_SAMPLES: dict[str, dict[str, Any]] = {
     "chat": {"audio": {"voice": "alloy", "format": "mp3"}, "modalities": ["text", "audio"],
              "functions": [{"name": "f", "parameters": {}}], "function_call": "auto",
-             "web_search_options": {}, "moderation": {"model": "omni-moderation-latest"}, "store": True,
-             "verbosity": "low"},
+             "web_search_options": {}, "moderation": {"model": "omni-moderation-latest"}, "verbosity": "low"},
     "completions": {"best_of": 3, "suffix": "}"},
-    "responses": {"include": ["reasoning.encrypted_content"], "conversation": "conv_1",
+    "responses": {"conversation": "conv_1",
                   "prompt": {"id": "pmpt_1"}, "context_management": [{"type": "compaction"}],
                   "max_tool_calls": 2, "top_logprobs": 3, "moderation": {"model": "omni-moderation-latest"}},
     "count_tokens": {"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]},
@@ -77,9 +80,10 @@ TAKEN: dict[str, dict[str, Any]] = {
              "prediction": {"type": "content", "content": "draft"}, "functions": [],
              "stream_options": {"include_usage": True, "include_obfuscation": False}},
     "completions": {"best_of": 1, "suffix": ""},
-    "responses": {"include": [], "metadata": {"app": "x"}, "service_tier": "flex", "prompt_cache_key": "x",
-                  "safety_identifier": "u", "background_options": {"completion_window": "soonest"},
-                  "access_programs": {"cyber": "standard"}, "image": {"context_compression": "auto"},
+    "responses": {"include": ["reasoning.encrypted_content"], "metadata": {"app": "x"}, "service_tier": "flex",
+                  "prompt_cache_key": "x", "safety_identifier": "u",
+                  "background_options": {"completion_window": "soonest"}, "access_programs": {"cyber": "standard"},
+                  "image": {"context_compression": "auto"},
                   "top_logprobs": 0, "stream_options": {"include_obfuscation": False}},
     "messages": {"context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
                  "mcp_servers": [], "speed": "fast", "inference_geo": "us",
@@ -155,3 +159,30 @@ def test_a_refused_field_inside_a_batch_request_names_its_index():
     with pytest.raises(_Refused) as e:
         _checked(body)
     assert e.value.failure.param == "requests[1].params.container" and "containers" in e.value.failure.message
+
+
+def test_every_include_value_and_tool_type_of_the_installed_sdk_has_a_decision():
+    """The Responses API's per-value decisions: a new includable or tool type fails here, naming it."""
+    includable = set(typing.get_args(ResponseIncludable))
+    assert includable == set(sdk_fields.RESPONSES_INCLUDE), (
+        f"openai {openai.__version__}: decide each in ipc/sdk_fields.py RESPONSES_INCLUDE: "
+        f"{includable ^ set(sdk_fields.RESPONSES_INCLUDE)}")
+    kinds = {k for cls in typing.get_args(typing.get_args(ResponsesToolUnion)[0])
+             for k in typing.get_args(cls.model_fields["type"].annotation)}
+    kinds |= {k for cls in typing.get_args(typing.get_args(NamespaceMember)[0])
+              for k in typing.get_args(cls.model_fields["type"].annotation)}
+    assert kinds == set(sdk_fields.RESPONSES_TOOLS), (
+        f"openai {openai.__version__}: decide each in ipc/sdk_fields.py RESPONSES_TOOLS: "
+        f"{kinds ^ set(sdk_fields.RESPONSES_TOOLS)}")
+
+
+@pytest.mark.parametrize("value", list(sdk_fields.RESPONSES_INCLUDE))
+def test_each_include_value_is_returned_or_a_400_that_names_it_and_says_why(value):
+    why = sdk_fields.RESPONSES_INCLUDE[value]
+    if why is None:
+        assert _decode(ROUTES["responses"], include=[value]).include == [value]
+        return
+    with pytest.raises(msgspec.ValidationError) as e:
+        _decode(ROUTES["responses"], include=["reasoning.encrypted_content", value])
+    message, param = validation_error(e.value)
+    assert param == "include" and f"{value!r}" in message and why in message

@@ -14,7 +14,7 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 from tokenizers import Tokenizer
 
-from ipc.responses import CreateResponse, FramerSpec, new_response
+from ipc.responses import CreateResponse, FramerSpec, RenderBody, new_response
 from postproc.worker import Shard
 from tests.postproc.test_shard import feed, start
 
@@ -147,3 +147,34 @@ def test_a_request_with_nothing_but_whitespace_has_no_output_items(shard, stream
     got = _run(shard, "  \n", stream=stream)
     body = got[-1]["response"] if stream else got
     assert body["output"] == [] and body["status"] == "completed"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_sealed_reasoning_and_a_namespace_call_as_codex_asks_for_them(shard, tmp_path, stream):
+    """include reasoning.encrypted_content: each finished reasoning item carries its text sealed (not the item
+    as added, which is not finished); a call to a namespace's function comes back under its own name with the
+    namespace. The framing is the translation's, as the render worker makes it."""
+    from render.responses import translate
+    from sluice import sealing
+
+    namespace = {"type": "namespace", "name": "weather", "description": "Weather", "tools": TOOLS}
+    r = msgspec.convert({"model": "m", "input": "Hi", "tools": [namespace, {"type": "web_search"}], "store": False,
+                         "include": ["reasoning.encrypted_content"]}, CreateResponse)
+    framing = translate(msgspec.json.encode(RenderBody(r, state_dir=str(tmp_path)))).dialect
+    started = start(shard, "resp_1", endpoint="responses", stream=stream, parsers=["think", "hermes"],
+                    dialect=framing)
+    text = _output("<think>Plan it.</think>", [("weather__get_weather", {"city": "Paris"})])
+    data, _ = feed(shard, text, rid="resp_1", started=started, eos=shard.tokenizer.token_to_id("<|im_end|>"))
+    body = sse_events(data)[-1]["response"] if stream else json.loads(data[-1])
+    reasoning, call = body["output"]
+    assert sealing.sealer(str(tmp_path)).open(reasoning["encrypted_content"]) == "Plan it."
+    assert (call["name"], call["namespace"]) == ("get_weather", "weather")
+    assert body["warnings"][0]["param"] == "tools[1]" and body["tools"][1] == {"type": "web_search"}
+    if stream:
+        events = sse_events(data)
+        added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+        done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+        assert "encrypted_content" not in added[0] and done[0] == reasoning
+        final = _sdk_final(events)
+        assert final.output[0].encrypted_content == reasoning["encrypted_content"]
+        assert final.output[1].namespace == "weather"

@@ -37,7 +37,7 @@ def job(endpoint: str, **body) -> RenderJob:
 
 
 def test_prompt_equals_transformers_chat_template(core, tiny_chat_dir):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     tok = transformers.AutoTokenizer.from_pretrained(tiny_chat_dir)
     # transformers takes content parts as-is; the core joins text parts first
     msgs = copy.deepcopy(CONVERSATION)
@@ -58,7 +58,7 @@ def test_prompt_equals_transformers_chat_template(core, tiny_chat_dir):
 
 @pytest.mark.parametrize("final", ["Once upon a", "  Once upon a time,  ", "Sunny.\n"])
 def test_continue_final_message_leaves_it_open_as_transformers_does(core, tiny_chat_dir, final):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     tok = transformers.AutoTokenizer.from_pretrained(tiny_chat_dir)
     msgs = [{"role": "user", "content": "Tell me a story"}, {"role": "assistant", "content": final}]
     text = tok.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True, tokenize=False)

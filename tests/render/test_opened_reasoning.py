@@ -48,3 +48,29 @@ def test_a_prompt_that_does_not_open_it_and_a_server_without_the_parser_are_as_b
     assert (closed["reasoning_content"], closed["content"]) == ("I ponder.", "The answer.")
     plain = _message(tiny_chat_dir, _rendered(tiny_chat_dir, tmp_path, True), "I ponder.</think>The answer.")
     assert plain["content"] == "I ponder.</think>The answer." and not plain.get("reasoning_content")
+
+
+def test_qwen3_and_deepseek_r1_read_what_comes_before_the_close_as_reasoning(tiny_chat_dir, tmp_path):
+    for parser in ("qwen3", "deepseek_r1"):
+        opened = _message(tiny_chat_dir, _rendered(tiny_chat_dir, tmp_path, True, reasoning_parser=parser),
+                          "I ponder.</think>The answer.")
+        assert (opened["reasoning_content"], opened["content"]) == ("I ponder.", "The answer."), parser
+    # deepseek_r1: the model's own <think> too; qwen3 (enable_thinking false, no tags): all of it is the answer
+    own = _message(tiny_chat_dir, _rendered(tiny_chat_dir, tmp_path, False, reasoning_parser="deepseek_r1"),
+                   "<think>I ponder.</think>The answer.")
+    assert (own["reasoning_content"], own["content"]) == ("I ponder.", "The answer.")
+    plain = _message(tiny_chat_dir, _rendered(tiny_chat_dir, tmp_path, False, reasoning_parser="qwen3"), "The answer.")
+    assert plain["content"] == "The answer." and not plain.get("reasoning_content")
+
+
+def test_a_forced_call_under_deepseek_r1_closes_the_reasoning_first(tiny_chat_dir, tmp_path):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    cfg = ServerConfig(model="m", model_path=str(tiny_chat_dir), served_model_names=["m"], runtime_dir="/tmp/x",
+                       max_model_len=1024, reasoning_parser="deepseek_r1", tool_parser="hermes")
+    request = build_core(cfg).render(RenderJob("r1", "chat", json.dumps(body).encode(), "ipc://r", 1.0))
+    message = _message(tiny_chat_dir, request, '{"a": 1}}\n</tool_call>')
+    assert not message.get("reasoning_content") and not message["content"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == \
+        [("f", {"a": 1})]

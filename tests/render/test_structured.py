@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -99,9 +100,13 @@ def _tool(schema: dict) -> Tool:
     return Tool(function=FunctionDef(name="f", parameters=schema))
 
 
+HERMES = tool_grammars.FORMATS["hermes"]
+
+
 def _lit(text: str) -> str:
     """Call syntax as the serving extension writes it for tiny-chat: its call tags are tokens of their own."""
-    return {"<tool_call>": "<[699]>", "</tool_call>": "<[700]>"}.get(text) or json.dumps(text)
+    tokens = {"<tool_call>": "<[699]>", "</tool_call>": "<[700]>"}
+    return " ".join(tokens.get(p) or json.dumps(p) for p in re.split("(</?tool_call>)", text) if p)
 
 
 IMPOSSIBLE = {  # what a client sent that no output can match, and the field it came in
@@ -109,9 +114,10 @@ IMPOSSIBLE = {  # what a client sent that no output can match, and the field it 
     "response_format that must contain itself": json_schema(SELF, "response_format"),
     "regex [^\\s\\S]": Constraint("regex", r"[^\s\S]", "structured_outputs.regex"),
     "grammar root ::= root": Constraint("grammar", "root ::= root", "structured_outputs.grammar"),
-    "named tool with a $ref loop": Constraint("lark", tool_grammars.hermes_named(_tool(LOOP), _lit), "tools"),
+    "named tool with a $ref loop": Constraint(
+        "lark", tool_grammars.named(HERMES, _tool(LOOP), _lit), "tools"),
     "required tool with a $ref loop": Constraint(
-        "lark", tool_grammars.hermes_required([_tool(LOOP)], _lit, True, False), "tools"),
+        "lark", tool_grammars.required(HERMES, [_tool(LOOP)], _lit, True, None), "tools"),
 }
 
 
@@ -148,9 +154,9 @@ def test_the_forced_start_probe_passes_constraints_that_can_be_met(guidance):
     and forced text the tokenizer spells as a special token (which the grammar, taking text, refuses) compile."""
     for c in (json_schema({"const": 1}, "response_format"),
               Constraint("choice", '["only"]', "structured_outputs.choice"),
-              Constraint("lark", tool_grammars.hermes_strict([_tool(LOOP)], _lit), "tools"),
-              Constraint("lark", tool_grammars.hermes_required([_tool({"type": "object"})], _lit, True, False),
+              Constraint("lark", tool_grammars.strict(HERMES, [_tool(LOOP)], _lit), "tools"),
+              Constraint("lark", tool_grammars.required(HERMES, [_tool({"type": "object"})], _lit, True, None),
                          "tools"),
-              Constraint("lark", tool_grammars.hermes_required([_tool({"type": "object"})], json.dumps, True, False),
+              Constraint("lark", tool_grammars.required(HERMES, [_tool({"type": "object"})], json.dumps, True, None),
                          "tools")):
         assert guidance.compile(c)

@@ -1,94 +1,11 @@
-"""Chat output parsers. Each turns the model's output into pieces of a message:
-content, reasoning, and tool-call deltas. Streaming a request merges the pieces
-into deltas as they come; a non-streaming request merges the same pieces into
-one message, so both give the same message for the same tokens.
-
-Text parsers (`think`, `hermes`) work on detokenized text and hold back text
-that could be the start of a tag, so any chunking gives the same result.
-"""
+"""hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, their arguments streamed."""
 from __future__ import annotations
 
 import json
 import re
-import uuid
-
-import msgspec
 
 from ipc.openai import FunctionCallOut, ToolCallOut
-
-
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
-
-
-class Piece(msgspec.Struct):  # a Struct: made a few times a token, and its init is C
-    content: str = ""
-    reasoning: str = ""
-    tool_calls: list[ToolCallOut] = []  # deltas, each naming its call's index (a new list each Piece)
-
-    def __bool__(self) -> bool:
-        return bool(self.content or self.reasoning or self.tool_calls)
-
-    def extend(self, other: "Piece") -> None:
-        self.content += other.content
-        self.reasoning += other.reasoning
-        self.tool_calls += other.tool_calls
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of tag."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
-class TagSplitter:
-    """Splits streamed text into (inside, text) segments around open/close tags; a tag is (inside, None)."""
-
-    def __init__(self, open_tag: str, close_tag: str) -> None:
-        self.tags = (open_tag, close_tag)
-        self.inside = False
-        self._held = ""
-
-    def feed(self, text: str) -> list[tuple[bool, str | None]]:
-        buf, out = self._held + text, list[tuple[bool, str | None]]()
-        while True:
-            tag = self.tags[self.inside]
-            i = buf.find(tag)
-            if i < 0:
-                keep = _partial_suffix(buf, tag)
-                self._held = buf[len(buf) - keep:]
-                if len(buf) > keep:
-                    out.append((self.inside, buf[: len(buf) - keep]))
-                return out
-            if i:
-                out.append((self.inside, buf[:i]))
-            self.inside = not self.inside
-            out.append((self.inside, None))  # the tag itself: (True, None) opens, (False, None) closes
-            buf = buf[i + len(tag):]
-
-    def flush(self) -> list[tuple[bool, str | None]]:
-        held, self._held = self._held, ""
-        return [(self.inside, held)] if held else []
-
-
-class ThinkParser:
-    """`<think>...</think>` is reasoning; the rest is content."""
-
-    def __init__(self) -> None:
-        self._split = TagSplitter("<think>", "</think>")
-
-    def feed(self, piece: Piece, final: bool = False) -> Piece:
-        out = Piece(reasoning=piece.reasoning, tool_calls=piece.tool_calls)
-        segments = self._split.feed(piece.content) + (self._split.flush() if final else [])
-        for inside, text in segments:
-            if text:
-                if inside:
-                    out.reasoning += text
-                else:
-                    out.content += text
-        return out
+from postproc.parsers.base import Piece, TagSplitter, ToolParser, new_call_id
 
 
 # A call in the usual order, up to the first character of its arguments object: from there they stream.
@@ -102,7 +19,7 @@ def _wrapper_start(call: str, pos: int) -> int:
     return match.start() if match is not None else len(call)
 
 
-class HermesParser:
+class HermesParser(ToolParser):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks are tool calls; the rest is content.
 
     A block that starts `{"name": "...", "arguments": ` followed by an object streams: the call's id and
@@ -112,13 +29,11 @@ class HermesParser:
     a block still open at the end that never got that far.
     """
 
-    def __init__(self, max_calls: int | None = None) -> None:
+    def __init__(self, max_calls: int | None = None, param_types: dict[str, dict[str, str]] | None = None) -> None:
+        super().__init__(max_calls, param_types)
         self._split = TagSplitter("<tool_call>", "</tool_call>")
         self._call = ""  # the open block's text
         self._sent: int | None = None  # streaming: where the block's unsent arguments text starts
-        self.num_calls = 0
-        self.max_calls = max_calls
-        self.done = False  # max_calls calls are closed: the rest of the output is not read
 
     def feed(self, piece: Piece, final: bool = False) -> Piece:
         out = Piece(reasoning=piece.reasoning, tool_calls=list(piece.tool_calls))
@@ -175,5 +90,3 @@ class HermesParser:
                                           function=FunctionCallOut(name=name, arguments=arguments)))
         self.num_calls += 1
 
-
-TEXT_PARSERS = {"think": ThinkParser, "hermes": HermesParser}

@@ -1,0 +1,142 @@
+/* float32 vectors of the width the build has: AVX-512F's 16 lanes, or AVX2 + FMA's 8 (built without
+ * AVX-512F). What f32_layers.c writes once for both: F32V lanes a vector, loads and stores of the first
+ * `count` lanes (the tail of a row), arithmetic, reductions, exp of non-positive values and the SwiGLU, and a
+ * mask of lanes (attention's attended keys).
+ *
+ * On AVX-512F these are simd.h's helpers as they are; on AVX2 the same methods (the same polynomial and
+ * argument reduction for exp, 2^n built in the exponent bits where AVX-512 has scalef), so a value differs
+ * between the two only by the order of a reduction's sums.
+ */
+#ifndef SLUICE_F32_VEC_H
+#define SLUICE_F32_VEC_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __AVX512F__
+#include "simd.h"
+
+enum { F32V = 16 };
+typedef __m512 vf;
+typedef __mmask16 vf_mask;
+
+static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf vf_set1(float x) { return _mm512_set1_ps(x); }
+static inline vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
+/* the first `count` lanes of p (0 in the others; none read past them) */
+static inline vf vf_loadn(const float *p, int count) { return _mm512_maskz_loadu_ps(first_lanes(count), p); }
+static inline void vf_storen(float *p, int count, vf v) { _mm512_mask_storeu_ps(p, first_lanes(count), v); }
+static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline float vf_sum(vf v) { return _mm512_reduce_add_ps(v); }
+static inline float vf_most(vf v) { return _mm512_reduce_max_ps(v); }
+static inline vf vf_exp(vf y) { return exp_nonpositive(y); }
+static inline vf vf_silu_mul(vf g, vf u) { return silu_mul(g, u); }
+/* lane i = the sum of v[i]'s lanes (F32V vectors) */
+static inline vf vf_sums(const vf *v) { return sum16(v); }
+/* the lanes of the first `count` (<= F32V) flags that are set (bool bytes) */
+static inline vf_mask vf_flags(const uint8_t *flags, int count) {
+    return _mm_test_epi8_mask(_mm_maskz_loadu_epi8(first_lanes(count), flags), _mm_set1_epi8(1));
+}
+static inline int vf_any(vf_mask m) { return m != 0; }
+/* a in the lanes of m, b elsewhere */
+static inline vf vf_where(vf_mask m, vf a, vf b) { return _mm512_mask_blend_ps(m, b, a); }
+
+#else /* AVX2 + FMA */
+
+enum { F32V = 8 };
+typedef __m256 vf;
+typedef __m256 vf_mask; /* all ones in a lane that is in */
+
+static inline __m256i vf_first(int count) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline vf vf_zero(void) { return _mm256_setzero_ps(); }
+static inline vf vf_set1(float x) { return _mm256_set1_ps(x); }
+static inline vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vf_store(float *p, vf v) { _mm256_storeu_ps(p, v); }
+/* (a masked move only for a tail: on AMD's cores before Zen 3 a masked store is microcoded) */
+static inline vf vf_loadn(const float *p, int count) {
+    return count >= F32V ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, vf_first(count));
+}
+static inline void vf_storen(float *p, int count, vf v) {
+    if (count >= F32V)
+        _mm256_storeu_ps(p, v);
+    else
+        _mm256_maskstore_ps(p, vf_first(count), v);
+}
+static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline float vf_sum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline float vf_most(vf v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* e^r for |r| <= ln 2 / 2: simd.h's degree-6 polynomial, highest coefficient first */
+static const float VF_EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                     4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+static inline vf vf_exp_reduced(vf r) {
+    vf p = vf_set1(VF_EXP_POLY[0]);
+    for (int i = 1; i < 6; i++) p = vf_fmadd(p, r, vf_set1(VF_EXP_POLY[i]));
+    return vf_fmadd(p, vf_mul(r, r), vf_add(r, vf_set1(1.0f)));
+}
+
+/* exp(y) for y <= 0; 0 below -87 (and for -inf): simd.h's exp_nonpositive, 2^n as exponent bits (n >= -126
+ * wherever the result is kept) */
+static inline vf vf_exp(vf y) {
+    const vf normal = _mm256_cmp_ps(y, vf_set1(-87.0f), _CMP_GE_OQ);
+    y = vf_max(y, vf_set1(-88.0f));
+    const vf n = _mm256_round_ps(vf_mul(y, vf_set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf r = _mm256_fnmadd_ps(n, vf_set1(0.693359375f), y); /* y - n ln2, ln2 in two parts */
+    r = _mm256_fnmadd_ps(n, vf_set1(-2.12194440e-4f), r);
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(vf_mul(vf_exp_reduced(r), _mm256_castsi256_ps(bits)), normal);
+}
+
+/* silu(g) * u = g * sigmoid(g) * u, the sigmoid from exp(-|g|) */
+static inline vf vf_silu_mul(vf g, vf u) {
+    const vf one = vf_set1(1.0f), e = vf_exp(_mm256_or_ps(g, vf_set1(-0.0f)));
+    const vf sigmoid = _mm256_div_ps(_mm256_blendv_ps(e, one, _mm256_cmp_ps(g, vf_zero(), _CMP_GE_OQ)), vf_add(one, e));
+    return vf_mul(vf_mul(g, sigmoid), u);
+}
+
+/* lane i = the sum of v[i]'s lanes (8 vectors): pairs added across, then the 128-bit halves */
+static inline vf vf_sums(const vf *v) {
+    const vf a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+    const vf a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+    const vf b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3); /* halves: v0..v3, v4..v7 */
+    return vf_add(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+static inline vf_mask vf_flags(const uint8_t *flags, int count) {
+    uint8_t bytes[8] = {0};
+    memcpy(bytes, flags, (size_t)count);
+    long long packed;
+    memcpy(&packed, bytes, sizeof packed);
+    const __m256i one = _mm256_set1_epi32(1);
+    const __m256i x = _mm256_and_si256(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(packed)), one);
+    return _mm256_castsi256_ps(_mm256_cmpeq_epi32(x, one));
+}
+static inline int vf_any(vf_mask m) { return _mm256_movemask_ps(m) != 0; }
+static inline vf vf_where(vf_mask m, vf a, vf b) { return _mm256_blendv_ps(b, a, m); }
+
+/* exp of one value */
+static inline float exp1(float y) { return _mm_cvtss_f32(_mm256_castps256_ps128(vf_exp(vf_set1(y)))); }
+#endif
+
+#endif

@@ -1,0 +1,124 @@
+"""A CPU with AVX2 and FMA but no AVX-512 (every avx512* and amx flag hidden with SLUICE_CPU_HIDE, on a host
+that has them) runs a float32 step through the layers in one call, on csrc/f32_layers.c built for AVX2 (its
+linears csrc/f32_matmul_avx2.c's): the path taken is that build's, and its values are torch's float32 path's
+within float32 rounding (hidden states, cache, logits), with the same greedy tokens, batched and alone,
+decode steps and steps that carry prefill chunks, grouped-query heads, Qwen3's q/k norms, biases, a sliding
+window and attention sinks."""
+from __future__ import annotations
+
+import os
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+from engine import cpu_kernels
+from engine.cpu import kernels
+from engine.cpu.matmul import F32Matmul
+from engine.cpu.stack import DecoderStack
+from tests.engine.helpers import seq
+from tests.engine.test_f32_kernels import PROMPTS, VARIANTS, _bf16_checkpoint, _close, _engines, decode_step_is_torchs
+
+pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= cpu_kernels.cpu_flags(), reason="this CPU lacks AVX2/FMA")
+
+
+@pytest.fixture(autouse=True)
+def avx2_only(monkeypatch):
+    """This CPU as one without AVX-512 or AMX, its kernels loaded afresh."""
+    wide = sorted(f for f in cpu_kernels.cpu_flags() if f.startswith(("avx512", "amx")))
+    monkeypatch.setenv("SLUICE_CPU_HIDE", ",".join(filter(None, [os.environ.get("SLUICE_CPU_HIDE"), *wide])))
+    cpu_kernels.clear()
+    yield
+    monkeypatch.undo()
+    cpu_kernels.clear()
+
+
+def _assert_avx2_step(runner) -> None:
+    """The engine runs its layers in one call on f32_layers.c's AVX2 build, its linears on the AVX2 kernel."""
+    assert kernels.f32_layers() is None and kernels.f32_step() is kernels.f32_layers_avx2() is not None
+    assert runner.one_call and runner.model.model.stack.stack.fn == kernels.f32_layers_avx2().sluice_f32_layers
+    linears = [m.run for m in runner.model.modules() if hasattr(m, "run")]
+    assert linears and all(isinstance(k, F32Matmul) and k.isa == "AVX2" for k in linears)
+    assert runner.lm_head.kernel.isa == "AVX2"
+
+
+def _one_call_spy(calls: list):
+    """A spy on DecoderStack.__call__ that records (rows, whether the step ran in one call)."""
+    run = DecoderStack.__call__
+
+    def spy(stack, x, *args):
+        ran = run(stack, x, *args)
+        calls.append((len(x), ran))
+        return ran
+
+    return mock.patch.object(DecoderStack, "__call__", autospec=True, side_effect=spy)
+
+
+def _lockstep(fast, plain, prompts: list[list[int]], max_tokens: int) -> dict[str, list[int]]:
+    """Both engines over the same requests, step by step: every step's logits within float32 rounding of
+    torch's, every greedy token the same. Returns the tokens."""
+    (runner, sched), (ref, ref_sched) = fast, plain
+    out: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        sched.add(seq(f"r{i}", p, max_tokens=max_tokens, temperature=0.0))
+        ref_sched.add(seq(f"r{i}", p, max_tokens=max_tokens, temperature=0.0))
+    while (batch := sched.schedule()) is not None:
+        ref_batch = ref_sched.schedule()
+        assert ref_batch is not None and ref_batch.num_new_tokens == batch.num_new_tokens
+        logits, rows = runner.forward(batch)
+        ref_logits, _ = ref.forward(ref_batch)
+        _close(logits, ref_logits)
+        tokens = logits.argmax(-1).tolist()
+        assert ref_logits.argmax(-1).tolist() == tokens
+        for s, token in sched.update(batch, tokens).new_tokens:
+            out.setdefault(s.request_id, []).append(token)
+        ref_sched.update(ref_batch, tokens)
+    assert ref_sched.schedule() is None
+    return out
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_an_avx2_decode_step_in_one_call_is_torchs(variant, tmp_path):
+    _assert_avx2_step(decode_step_is_torchs(_bf16_checkpoint(tmp_path / variant, **VARIANTS[variant])))
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen3-qk-norm"])
+def test_avx2_steps_batched_and_alone_give_torchs_logits_and_tokens(variant, tmp_path):
+    path = _bf16_checkpoint(tmp_path / variant, **VARIANTS[variant])
+    calls: list = []
+    with _one_call_spy(calls):
+        batched = _lockstep(*_engines(path, block_size=8), PROMPTS, max_tokens=12)
+        alone = {}
+        for i, p in enumerate(PROMPTS):
+            alone[f"r{i}"] = _lockstep(*_engines(path, block_size=8), [p], max_tokens=12)["r0"]
+    assert batched == alone
+    assert calls and all(ran for _, ran in calls)
+    assert {len(PROMPTS), 1} <= {rows for rows, _ in calls}  # the batch's decodes, and each one's alone
+
+
+def test_avx2_steps_with_prefill_chunks_in_one_call_are_torchs(tmp_path):
+    """A chunk's rows attend as decodes of their positions (causal, within the window)."""
+    path = _bf16_checkpoint(tmp_path / "m", **VARIANTS["mistral-window-12"])
+    calls: list = []
+    with _one_call_spy(calls):
+        _lockstep(*_engines(path, block_size=8, budget=19), [*PROMPTS[:3], list(range(400, 440))], max_tokens=20)
+    assert all(ran for _, ran in calls)
+    assert sum(rows > 4 for rows, _ in calls) >= 2  # steps whose rows include a prompt's chunk (19-token budget)
+
+
+def test_avx2_steps_with_attention_sinks_are_torchs(tmp_path):
+    """Learned sink logits (gpt-oss's), set on a Llama's layers: the stack reads them as torch's path does."""
+    path = _bf16_checkpoint(tmp_path / "m", **VARIANTS["llama-gqa"])
+    fast, plain = _engines(path, block_size=8, budget=16)
+    g = torch.Generator().manual_seed(0)
+    for layer_fast, layer_plain in zip(fast[0].model.model.layers, plain[0].model.model.layers):
+        sinks = torch.randn(layer_fast.self_attn.heads[0], generator=g) * 2
+        layer_fast.self_attn.sinks = nn.Parameter(sinks.clone(), requires_grad=False)
+        layer_plain.self_attn.sinks = nn.Parameter(sinks.clone(), requires_grad=False)
+    assert fast[0].backend.prepare(fast[0].model, fast[0].kv_caches)
+    assert all(layer.sinks is not None for layer in fast[0].model.model.stack.stack._layers)
+    calls: list = []
+    with _one_call_spy(calls):
+        _lockstep(fast, plain, PROMPTS, max_tokens=10)
+    assert calls and all(ran for _, ran in calls) and any(rows > len(PROMPTS) for rows, _ in calls)

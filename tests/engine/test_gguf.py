@@ -1,0 +1,172 @@
+"""One GGUF file served as a model (sluice/gguf_checkpoint.py, engine/gguf.py) against transformers reading the
+same file (it dequantizes every tensor: the reference), for tiny random Llama, Qwen2 and Qwen3 checkpoints
+written as GGUF files with every block format the kernels read."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer
+
+from engine import cpu_kernels
+from engine.cpu.quant import QuantMatmul
+from engine.loader import load_model
+from engine.quant import dequantized
+from sluice.builtin_models import resolve_model, write_llama_family
+from sluice.gguf_checkpoint import gguf_checkpoint, is_gguf_checkpoint
+from sluice.gguf_writer import write_gguf
+from tests.engine.helpers import generate, make_engine, seq
+
+# (transformers' GGUF reader takes Qwen3's head_dim from its config's default, 128)
+VARIANTS = {
+    "qwen3-tied": dict(architecture="Qwen3ForCausalLM", head_dim=128),
+    "qwen2-bias": dict(architecture="Qwen2ForCausalLM", tie_word_embeddings=False, head_dim=64),
+    "llama": dict(architecture="LlamaForCausalLM", tie_word_embeddings=False, head_dim=64),
+}
+# every type the kernels read, a stacked projection's parts of different types (as in Q4_K_M files)
+TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q4_0", "ffn_gate": "Q4_1",
+         "ffn_up": "Q8_0", "ffn_down": "Q6_K"}
+PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 57)), list(range(100, 171, 2)), [300] * 3]
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def gguf_model(request, tmp_path_factory):
+    """(the checkpoint, the GGUF file, its metadata directory, transformers' model of the file)"""
+    root = tmp_path_factory.mktemp(request.param)
+    checkpoint = write_llama_family(root / "checkpoint", hidden_size=256, num_heads=4, num_kv_heads=2,
+                                    intermediate_size=512, num_shards=1, **VARIANTS[request.param])
+    file = write_gguf(checkpoint, root / "model.gguf", TYPES)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(root, gguf_file="model.gguf", dtype=torch.float32).eval()
+    return checkpoint, file, gguf_checkpoint(file, root / "meta"), hf
+
+
+@pytest.fixture
+def float_activations(monkeypatch):
+    monkeypatch.setenv("SLUICE_QUANT_ACTIVATIONS", "float")
+    cpu_kernels.clear()
+    yield
+    cpu_kernels.clear()
+
+
+def test_a_gguf_path_resolves_to_a_metadata_directory_of_the_file(gguf_model, monkeypatch, tmp_path):
+    checkpoint, file, meta, _ = gguf_model
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
+    path = resolve_model(str(file))
+    assert is_gguf_checkpoint(path) and path.is_relative_to(tmp_path)
+    assert resolve_model(str(file)) == path  # (written once)
+    assert {p.name for p in meta.iterdir()} >= {"config.json", "tokenizer.json", "tokenizer_config.json",
+                                                  "generation_config.json", "chat_template.jinja"}
+    assert (meta / "chat_template.jinja").read_text() == (checkpoint / "chat_template.jinja").read_text()
+
+
+def test_the_tokenizer_from_the_metadata_encodes_as_the_checkpoints(gguf_model):
+    checkpoint, _, meta, _ = gguf_model
+    ours, theirs = (Tokenizer.from_file(str(p / "tokenizer.json")) for p in (meta, checkpoint))
+    for text in ["Hello, world! It's 2026.", "<|im_start|>user\nhi there<|im_end|>\n", "  spaces\t\tand\nlines  ",
+                 "unicode: café, 日本語, emoji 🎉"]:
+        assert ours.encode(text).ids == theirs.encode(text).ids, text
+        assert ours.decode(ours.encode(text).ids, skip_special_tokens=False) == text
+
+
+def test_linears_stay_quantized_and_dequantize_to_transformers_weights(gguf_model):
+    _, file, meta, hf = gguf_model
+    model = load_model(meta, torch.float32, torch.device("cpu"))
+    reference = hf.state_dict()
+    quantized = {name: m for name, m in model.named_modules() if getattr(m, "quant", None) is not None}
+    assert len(quantized) == 4 * hf.config.num_hidden_layers
+    for name, module in quantized.items():
+        assert module.weight.numel() == 0
+        prefix, _, leaf = name.rpartition(".")
+        parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}.get(leaf,
+                                                                                                          (leaf,))
+        want = torch.cat([reference[f"{prefix}.{p}.weight"] for p in parts])
+        assert torch.equal(dequantized(module.quant), want), name
+    assert [q.qtype.name for q in quantized["model.layers.0.self_attn.qkv_proj"].quant] == ["Q4_K", "Q5_K", "Q6_K"]
+    # the unpermuted (Llama) q / k rows are copies; the other parts lie in the file's memory map
+    v = quantized["model.layers.0.self_attn.qkv_proj"].quant[2]
+    assert not v.data.numpy().flags.owndata
+
+
+@pytest.mark.parametrize("budget", [2048, 16])  # one prefill step, or chunked prefill
+def test_logits_match_transformers_through_prefill_and_decode(gguf_model, float_activations, budget):
+    """Float activations against transformers in float64 on the same dequantized weights: float32's rounding
+    alone (transformers' own float32 run is about as far off)."""
+    _, _, meta, hf = gguf_model
+    hf64 = copy.deepcopy(hf).double()
+    runner, sched = make_engine(meta, budget=budget, block_size=8)
+    linears = [m.run for m in runner.model.modules() if getattr(m, "quant", None) is not None]
+    assert all(isinstance(k, QuantMatmul) and not k.int8 for k in linears)
+    assert not runner.one_call  # (the fused step runs float32 / bf16 linears only: op by op)
+    for i, p in enumerate(PROMPTS):
+        sched.add(seq(f"r{i}", p, max_tokens=6, temperature=0.0))
+    worst, rows = 0.0, 0
+    while (batch := sched.schedule()) is not None:
+        logits, sampling = runner.forward(batch)
+        for row, s in enumerate(sampling):
+            with torch.no_grad():
+                ref = hf64(torch.tensor([s.token_ids])).logits[0, -1]
+            worst = max(worst, ((logits[row].double() - ref).abs().max() / ref.abs().max()).item())
+            rows += 1
+        sched.update(batch, logits.argmax(-1).tolist())
+    assert rows == len(PROMPTS) * 6
+    assert worst <= 3e-4, worst
+
+
+def test_int8_activations_keep_every_linear_within_a_percent_on_the_models_own_rows(gguf_model):
+    """Each linear of a prompt's forward, its int8-activation product against its float one on the rows the
+    model gives it (the kernel tests bound each product; this is what that bound comes to on a model's
+    activations). The whole model's logits are no test of it here: random weights amplify any rounding."""
+    _, _, meta, _ = gguf_model
+    runner, sched = make_engine(meta, block_size=8)
+    errors = {}
+
+    def compare(name):
+        def hook(module, args, out):
+            int8 = QuantMatmul.build(module.quant, module.bias, int8=True)(args[0])
+            exact = QuantMatmul.build(module.quant, module.bias, int8=False)(args[0])
+            errors[name] = ((int8 - exact).abs().max() / exact.abs().max()).item()
+        return hook
+
+    for name, module in runner.model.named_modules():
+        if getattr(module, "quant", None) is not None:
+            module.register_forward_hook(compare(name))
+    sched.add(seq("r", PROMPTS[2], max_tokens=1, temperature=0.0))
+    runner.forward(sched.schedule())
+    assert len(errors) == 8 and max(errors.values()) < 0.015, errors
+
+
+def test_greedy_tokens_equal_transformers_generate_alone_and_batched(gguf_model, monkeypatch):
+    monkeypatch.setenv("SLUICE_QUANT_ACTIVATIONS", "float")
+    cpu_kernels.clear()
+    _, _, meta, hf = gguf_model
+    want = {}
+    for i, p in enumerate(PROMPTS):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        want[f"r{i}"] = ref[0, len(p):].tolist()
+    runner, sched = make_engine(meta, block_size=16)
+    assert generate(runner, sched, [seq(f"r{i}", p, max_tokens=12, temperature=0.0)
+                                    for i, p in enumerate(PROMPTS)]) == want
+    for i, p in enumerate(PROMPTS):
+        runner, sched = make_engine(meta, block_size=16)
+        assert generate(runner, sched, [seq(f"r{i}", p, max_tokens=12, temperature=0.0)]) == {f"r{i}": want[f"r{i}"]}
+    cpu_kernels.clear()
+
+
+def test_on_avx2_the_same_tokens(gguf_model, monkeypatch):
+    if not {"avx2", "fma"} <= cpu_kernels.cpu_flags():
+        pytest.skip("this CPU lacks AVX2/FMA")
+    _, _, meta, _ = gguf_model
+    runner, sched = make_engine(meta, block_size=16)
+    seqs = lambda: [seq(f"r{i}", p, max_tokens=8, temperature=0.0) for i, p in enumerate(PROMPTS)]  # noqa: E731
+    monkeypatch.setenv("SLUICE_QUANT_ACTIVATIONS", "float")
+    cpu_kernels.clear()
+    best = generate(*make_engine(meta, block_size=16), seqs())
+    monkeypatch.setenv("SLUICE_CPU_HIDE", "avx512f,avx512_vnni")
+    cpu_kernels.clear()
+    runner, sched = make_engine(meta, block_size=16)
+    assert {m.run.isa for m in runner.model.modules() if getattr(m, "quant", None) is not None} == {
+        "AVX2, float activations"}
+    assert generate(runner, sched, seqs()) == best
+    cpu_kernels.clear()

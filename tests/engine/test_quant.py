@@ -1,0 +1,188 @@
+"""The quantized linears (engine/quant.py, engine/cpu/quant.py, csrc/quant_matmul.c) against float32 products
+of the same weights dequantized by the gguf package (llama.cpp's definitions), on every instruction set this
+CPU has (SLUICE_CPU_HIDE hides AVX-512 to run the AVX2 build)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine import cpu_kernels
+from engine.cpu import quant as cpu_quant
+from engine.cpu.quant import QuantMatmul, quant_linear
+from engine.quant import BY_NAME, QuantizedWeight, quantize
+
+VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_kernels.cpu_flags()
+AVX2 = {"avx2", "fma"} <= cpu_kernels.cpu_flags()
+ISAS = [pytest.param("AVX512-VNNI", marks=pytest.mark.skipif(not VNNI, reason="this CPU lacks AVX512-VNNI")),
+        pytest.param("AVX2", marks=pytest.mark.skipif(not AVX2, reason="this CPU lacks AVX2/FMA"))]
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
+
+
+@pytest.fixture
+def isa(request, monkeypatch):
+    """The kernels built for one instruction set."""
+    if request.param == "AVX2":
+        monkeypatch.setenv("SLUICE_CPU_HIDE", "avx512f,avx512_vnni")
+    cpu_kernels.clear()
+    assert cpu_quant.library()[1] == request.param
+    yield request.param
+    cpu_kernels.clear()
+
+
+def random_weight(name: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
+    """A weight [N, K] of random blocks: random bytes, with each block's float16 scales set to small normal
+    values (random bytes there would be infs and NaNs). Q8_0/Q4_0/Q4_1 through gguf's own quantizer, of
+    random floats, so their values are those a real file holds."""
+    gen = torch.Generator().manual_seed(seed)
+    if name in ("Q8_0", "Q4_0", "Q4_1"):
+        return quantize(torch.randn(n, k, generator=gen) * 0.05, name)
+    qtype = BY_NAME[name]
+    blocks = torch.randint(0, 256, (n, k // qtype.block_size, qtype.block_bytes), dtype=torch.uint8, generator=gen)
+    scales = (torch.rand(n, k // qtype.block_size, 2, generator=gen) * 1e-3 + 1e-4).half().view(torch.uint8)
+    at = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[name]
+    for i, offset in enumerate(at):
+        blocks[..., offset : offset + 2] = scales[..., 2 * i : 2 * i + 2]
+    return QuantizedWeight(blocks.reshape(n, -1).contiguous(), qtype, (n, k))
+
+
+def reference(weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.double() @ weight.dequantize().double().T
+    return out if bias is None else out + bias.double()
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("name", TYPES)
+def test_the_kernel_dequantizes_every_type_as_the_gguf_package_does(isa, name):
+    weight = random_weight(name, 19, 512)
+    assert torch.equal(cpu_quant.dequantize(weight), weight.dequantize())
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("shape", [(1, 37, 256), (5, 16, 768), (33, 50, 512), (3, 21, 96)])
+def test_float_activations_give_the_float32_product_of_the_dequantized_weight(isa, name, shape):
+    m, n, k = shape
+    if k % BY_NAME[name].block_size:
+        pytest.skip("K is not whole blocks of this type")
+    weight = random_weight(name, n, k, seed=m)
+    x, bias = torch.randn(m, k), torch.randn(n)
+    got = QuantMatmul.build(weight, bias, int8=False)(x)
+    want = reference(weight, x, bias)
+    scale = x.abs().double() @ weight.dequantize().abs().double().T  # (float32 rounding is relative to this)
+    assert ((got.double() - want).abs() <= 1e-5 * scale + 1e-6).all()
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("shape", [(1, 37, 256), (5, 16, 768), (33, 50, 512), (3, 21, 96)])
+def test_int8_activations_give_the_product_within_the_activations_rounding(isa, name, shape):
+    """Each block of 32 of x is rounded to 127 levels of its largest magnitude: the error is within half a level
+    per value, times the weight's magnitude (and the product is computed exactly from there, up to float32)."""
+    m, n, k = shape
+    if k % BY_NAME[name].block_size:
+        pytest.skip("K is not whole blocks of this type")
+    weight = random_weight(name, n, k, seed=m)
+    x = torch.randn(m, k)
+    got = QuantMatmul.build(weight, None, int8=True)(x)
+    w = weight.dequantize().double()
+    level = x.view(m, -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(m, k).double() / 127
+    bound = (level / 2) @ w.abs().T + 1e-5 * (x.abs().double() @ w.abs().T) + 1e-6
+    assert ((got.double() - reference(weight, x, None)).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_int8_activations_match_an_int8_reference_bit_for_bit_up_to_float_sums(isa):
+    """The int8 path computes llama.cpp's Q8_0 x Q8_0 product: the exact integer dot of each block, scaled."""
+    weight = random_weight("Q8_0", 8, 128)
+    x = torch.randn(3, 128)
+    got = QuantMatmul.build(weight, None, int8=True)(x).double()
+    blocks = x.view(3, -1, 32)
+    d = blocks.abs().amax(-1) / 127
+    xq = torch.round(blocks * torch.where(d > 0, 1 / d, 0)[..., None])
+    raw = weight.data.view(8, -1, 34)
+    wd = raw[..., :2].contiguous().view(torch.float16).float().squeeze(-1)
+    wq = raw[..., 2:].contiguous().view(torch.int8).double()
+    dots = torch.einsum("mbi,nbi->mnb", xq.double(), wq)
+    want = (dots * d.double()[:, None, :] * wd.double()[None]).sum(-1)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_rows_leading_dims_and_bf16_rows_keep_their_shape_and_dtype(isa):
+    weight = random_weight("Q4_0", 24, 64)
+    kernel = QuantMatmul.build(weight, None, int8=False)
+    x = torch.randn(2, 3, 64)
+    assert kernel(x).shape == (2, 3, 24)
+    assert torch.allclose(kernel(x).view(6, 24), kernel(x.view(6, 64)))
+    assert kernel(x.bfloat16()).dtype == torch.bfloat16
+    assert kernel(torch.randn(0, 64)).shape == (0, 24)
+    strided = torch.randn(4, 128)[:, :64]
+    assert torch.allclose(kernel(strided), kernel(strided.contiguous()))
+
+
+def test_without_kernels_a_quantized_linear_runs_dequantized(monkeypatch):
+    monkeypatch.setenv("SLUICE_CPU_KERNELS", "0")
+    cpu_kernels.clear()
+    try:
+        weight = random_weight("Q8_0", 8, 64)
+        run = quant_linear(weight, None)
+        assert not isinstance(run, QuantMatmul)
+        x = torch.randn(3, 64)
+        assert torch.allclose(run(x), x @ weight.dequantize().T)
+    finally:
+        cpu_kernels.clear()
+
+
+def test_quantize_round_trips_within_half_a_step():
+    """Half a step of 127 per block, and the float16 rounding of the step (2^-11 of it, 127 times)."""
+    w = torch.randn(16, 64)
+    q = quantize(w, "Q8_0")
+    step = w.view(16, 2, 32).abs().amax(-1, keepdim=True) / 127
+    assert ((q.dequantize().view(16, 2, 32) - w.view(16, 2, 32)).abs() <= step * (0.5 + 127 * 2**-11)).all()
+    assert q.nbytes == 16 * 2 * 34
+    assert np.dtype(np.uint8) == q.data.numpy().dtype
+
+
+@pytest.mark.parametrize("choice, qtype", [("int8", "Q8_0"), ("q4", "Q4_0")])
+def test_quantization_at_load_quantizes_every_layer_linear_and_the_engine_runs_it(choice, qtype, tmp_path,
+                                                                                  monkeypatch):
+    """--quantization: each linear of the layers in the block format, the LM head and embedding left float;
+    the quantized model's logits of a prompt near the float model's (random weights amplify the rounding:
+    Q8_0 moves them by about a percent of their range here, Q4_0 by about ten)."""
+    from engine.layers import Linear
+    from engine.loader import load_model
+    from engine.quant import dequantized
+    from sluice.builtin_models import write_llama_family
+    from tests.engine.helpers import seq
+
+    monkeypatch.setenv("SLUICE_QUANT_ACTIVATIONS", "float")
+    cpu_kernels.clear()
+    path = write_llama_family(tmp_path / "m", architecture="Qwen3ForCausalLM", num_shards=1)
+    dense = load_model(path, torch.float32, torch.device("cpu"))
+    model = load_model(path, torch.float32, torch.device("cpu"), choice)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+    assert linears and all(m.quant[0].qtype.name == qtype and m.weight.numel() == 0 for m in linears.values())
+    weights = dict(dense.named_parameters())
+    for name, module in linears.items():
+        w = weights[f"{name}.weight"]
+        # (Q4_0's step is max / 8, its largest magnitude at -8: the other end's rounding may take a whole step)
+        step = w.view(w.shape[0], -1, 32).abs().amax(-1).max() / (127 if choice == "int8" else 8)
+        assert (dequantized(module.quant) - w).abs().max() <= step * (0.6 if choice == "int8" else 1.0)
+    assert model.model.embed_tokens.weight.shape == dense.model.embed_tokens.weight.shape
+    logits = []
+    for m in (dense, model):
+        runner, sched = _engine_of(m)
+        sched.add(seq("r", [5, 6, 7, 8, 9], max_tokens=1, temperature=0.0))
+        logits.append(runner.forward(sched.schedule())[0][0])
+    assert ((logits[1] - logits[0]).abs().max() / logits[0].abs().max()) < (0.03 if choice == "int8" else 0.3)
+    cpu_kernels.clear()
+
+
+def _engine_of(model):
+    from engine.block_manager import BlockManager
+    from engine.model_runner import ModelRunner
+    from engine.scheduler import Scheduler
+
+    runner = ModelRunner(model, 256, 16, torch.float32, torch.device("cpu"), 256)
+    return runner, Scheduler(BlockManager(256, 16), max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=4096)
