@@ -37,6 +37,13 @@ Metadata = Annotated[dict[Annotated[str, Meta(max_length=64)], Annotated[str, Me
                      Meta(max_length=16)]
 
 
+# The API's reasoning efforts. gpt-oss and the chat templates that read an effort know three levels: the others
+# are the nearest of those (none and minimal: low; xhigh and max: high).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+EFFORT_LEVEL: dict[str, Literal["low", "medium", "high"]] = {
+    "none": "low", "minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+
+
 class StreamOptions(msgspec.Struct, **_STRICT):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
@@ -194,7 +201,7 @@ class ChatCompletionRequest(_Sampling, **_STRICT):
     logprobs: bool | None = False
     top_logprobs: TopLogprobs | None = None
     prompt_token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
-    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     response_format: ResponseFormat | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import msgspec
 
 from ipc import sdk_fields
-from ipc.openai import Int64, Metadata, PositiveInt, Temperature, TopP
+from ipc.openai import Int64, Metadata, PositiveInt, ReasoningEffort, Temperature, TopP
 from ipc.responses_tools import ResponsesTool, check_names, left_out, left_out_message
 
 _STRICT = dict(forbid_unknown_fields=True, omit_defaults=True)
@@ -110,7 +110,7 @@ class TextConfig(msgspec.Struct, **_STRICT):
 
 
 class ReasoningConfig(msgspec.Struct, **_STRICT):
-    effort: Literal["low", "medium", "high"] | None = None
+    effort: ReasoningEffort | None = None  # (three levels where the model reads one: ipc.openai.EFFORT_LEVEL)
     # The reasoning item carries the whole reasoning text (content); there is no summarizer to run.
     summary: Literal["auto", "concise", "detailed"] | None = None
 

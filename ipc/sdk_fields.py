@@ -93,7 +93,8 @@ CHAT_COMPLETIONS: Table = {
     "logprobs": honoured(),
     "top_logprobs": honoured(),
     "parallel_tool_calls": honoured(),
-    "reasoning_effort": honoured("low, medium and high, where the model's extension takes an effort"),
+    "reasoning_effort": honoured("where the model's extension takes an effort: low, medium and high; none and "
+                                 "minimal as low, xhigh and max as high (gpt-oss knows three levels)"),
     "response_format": honoured(),
     "tool_choice": honoured("function tools"),
     "tools": honoured("function tools"),

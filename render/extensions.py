@@ -15,7 +15,7 @@ from typing import Any, Callable, Literal, Protocol, cast
 import msgspec
 
 from ipc.messages import ParserName
-from ipc.openai import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
+from ipc.openai import EFFORT_LEVEL, ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
 from render import tool_grammars
 from render.chat_template import ChatTemplateError, TemplateOutputTooLong, render_chat
 from render.errors import RequestError
@@ -170,7 +170,7 @@ def render_template(template: str, request: ChatCompletionRequest, bundle: Token
         **bundle.special_tokens,
         "tools": [msgspec.to_builtins(t) for t in tools] if tools else None,
         "add_generation_prompt": request.add_generation_prompt,
-        **({"reasoning_effort": request.reasoning_effort} if request.reasoning_effort else {}),
+        **({"reasoning_effort": EFFORT_LEVEL[request.reasoning_effort]} if request.reasoning_effort else {}),
         **(request.chat_template_kwargs or {}),  # over the defaults above, as in vLLM
         "messages": [_message_dict(m) for m in request.messages],
     }

@@ -12,7 +12,7 @@ from openai_harmony import (Author, Conversation, DeveloperContent, Message, Rea
                             SystemContent, ToolDescription)
 
 from ipc.messages import ParserName
-from ipc.openai import ChatCompletionRequest, Tool
+from ipc.openai import EFFORT_LEVEL, ChatCompletionRequest, Tool
 from render import tool_grammars
 from render.extensions import (ExtensionOptions, HfChatTemplateExtension, Rendered, Unsupported, common_unsupported,
                                forced_tool, holds_tools, message_text, register, render_template)
@@ -25,7 +25,8 @@ PARSER_ALIASES = {"gpt_oss", "openai_gptoss", "harmony", "auto"}
 
 
 def system_message(effort: str, today: str) -> Message:
-    content = SystemContent.new().with_reasoning_effort(_EFFORT[effort]).with_conversation_start_date(today)
+    content = SystemContent.new().with_reasoning_effort(_EFFORT[EFFORT_LEVEL[effort]]).with_conversation_start_date(
+        today)
     return Message.from_role_and_content(Role.SYSTEM, content)
 
 

@@ -129,7 +129,6 @@ def test_any_tool_choice_a_named_tool_and_strict_tools_hold_the_calls_to_their_s
     ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking_token_budget", "unsupported_feature",
      "thinking budget"),
     ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens", None, "budget_tokens"),
-    ({"output_config": {"effort": "max"}}, "output_config.effort", "unsupported_feature", "max"),
 ])
 def test_what_the_core_cannot_do_is_a_400_that_names_it(core, body, param, code, words):
     body = {"messages": [{"role": "user", "content": "Hi"}], **body}

@@ -80,6 +80,19 @@ def test_prompt_equals_openai_harmony_rendering(gpt_oss_dir):
     assert {200002, 200012} <= set(req.sampling.stop_token_ids)  # <|return|>, <|call|>
 
 
+def test_the_apis_other_efforts_are_the_nearest_of_gpt_osss_three(gpt_oss_dir):
+    """none and minimal render as low, xhigh and max as high (what Codex and today's SDKs may send; the
+    Responses API's reasoning.effort and Anthropic's output_config.effort become this field)."""
+    core = make_core(gpt_oss_dir)
+
+    def prompt(**fields) -> list[int]:
+        return bytes_to_ids(core.render(job(messages=CONVERSATION[:2], **fields)).prompt_token_ids).tolist()
+
+    for effort, level in (("none", "low"), ("minimal", "low"), ("xhigh", "high"), ("max", "high")):
+        assert prompt(reasoning_effort=effort) == prompt(reasoning_effort=level) != prompt(reasoning_effort="medium")
+    assert "Reasoning: high" in harmony_encoding().decode(prompt(reasoning_effort="xhigh"))
+
+
 def test_named_tool_choice_forces_the_call(gpt_oss_dir):
     core = make_core(gpt_oss_dir)
     req = core.render(job(messages=CONVERSATION[:2], tools=TOOLS,
