@@ -333,3 +333,4 @@ class PostprocSpec(msgspec.Struct, **_WIRE):
     perf_metrics: bool = False  # put each request's timings in its response
     stream_interval: int = 1  # a stream sends a frame every this many tokens (the first at once)
     store: bool = False  # the ingress stores the response: the last frame carries the whole body (Frame.stored)
+    service_tier: bool = False  # the request named a tier: the response says the one it was served on

@@ -337,6 +337,7 @@ class _Envelope(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_token_ids_b64: str | None = None
     prompt_token_ids: list[int] | None = None
     perf_metrics: PerfMetrics | None = None
+    service_tier: Literal["default"] | None = None  # where the request named a tier: the one it was served on
 
 
 class ChatCompletion(_Envelope, kw_only=True, omit_defaults=True):

@@ -117,8 +117,7 @@ CHAT_COMPLETIONS: Table = {
     "prompt_cache_options": hint(_CACHE),
     "prompt_cache_retention": hint(_CACHE),
     "safety_identifier": hint(f"an end-user id for abuse detection: {_NO_MODERATION}"),
-    # (not echoed yet: the real API's response says its tier, and the chat framer has no field for it)
-    "service_tier": hint(_ONE_TIER),
+    "service_tier": hint(f"{_ONE_TIER}; the response says 'default', the tier it was served on"),
 }
 
 COMPLETIONS: Table = {

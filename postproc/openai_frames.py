@@ -193,7 +193,7 @@ class OpenAIFramer(Framer):
         else:
             cls, kind = Completion, "text_completion"
         return cls(id=s.request_id, object=kind, created=s.created, model=s.model, choices=choices, usage=usage,
-                   perf_metrics=perf, **extra)
+                   perf_metrics=perf, service_tier="default" if s.service_tier else None, **extra)
 
 
 def _text(m: Assembly, kind: str) -> str:

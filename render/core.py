@@ -146,6 +146,7 @@ class ChatCore:
             reply_to=job.reply_to,
             stream=bool(request.stream),
             store=job.endpoint == "chat" and bool(getattr(request, "store", None)),
+            service_tier=getattr(request, "service_tier", None) is not None,
             include_usage=bool(request.stream_options and request.stream_options.include_usage),
             continuous_usage=bool(request.stream_options and request.stream_options.include_usage
                                   and request.stream_options.continuous_usage_stats),

@@ -82,10 +82,13 @@ def test_the_values_frameworks_send_by_default_are_taken_and_echoed(oc, ac):
         model=MODEL, messages=USER, max_completion_tokens=4, store=False, metadata={"app": "sluice-test"},
         service_tier="auto", prompt_cache_key="thread-1", prompt_cache_retention="24h", safety_identifier="u-1",
         prediction={"type": "content", "content": "Hello"}, modalities=["text"], verbosity="medium")
-    assert chat.choices[0].message.content
+    assert chat.choices[0].message.content and chat.service_tier == "default"  # (the tier it was served on)
     chunks = list(oc.chat.completions.create(model=MODEL, messages=USER, max_completion_tokens=4, stream=True,
                                              stream_options={"include_usage": True, "include_obfuscation": False}))
-    assert chunks[-1].usage.completion_tokens > 0
+    assert chunks[-1].usage.completion_tokens > 0 and all(c.service_tier is None for c in chunks)  # (none asked)
+    tiered = list(oc.chat.completions.create(model=MODEL, messages=USER, max_completion_tokens=4, stream=True,
+                                             service_tier="flex"))
+    assert {c.service_tier for c in tiered} == {"default"}
     response = oc.responses.create(
         model=MODEL, input="Hello", max_output_tokens=4, store=False, metadata={"app": "sluice-test"},
         service_tier="auto", prompt_cache_key="thread-1", safety_identifier="u-1", include=[],
