@@ -465,16 +465,19 @@ def _anthropic_state_error(body: dict) -> bool:
 
 
 def state_pulled_away(server: Server, state_dir: Path) -> dict:
-    """Stored objects made (a response, a background one, a batch), then the state database under the server's
-    open connections overwritten (no longer one): every batches and responses route must answer a 500 in its
-    dialect's shape naming --state-dir (never a plain-text 500, never a 200 that claims a save), while what
-    needs no state goes on. Each route's (method, path, status, JSON, in the dialect's shape, names it)."""
+    """Stored objects made (a response, a background one, a batch, a chat completion), then the state database
+    under the server's open connections overwritten (no longer one): every route of batches, responses and
+    stored chat completions must answer a 500 in its dialect's shape naming --state-dir (never a plain-text
+    500, never a 200 that claims a save), while what needs no state goes on. Each route's (method, path,
+    status, JSON, in the dialect's shape, names it)."""
     url, user = server.url, [{"role": "user", "content": "Hello"}]
     body = {"model": MODEL, "input": "Hello", "max_output_tokens": 4}
     stored = httpx.post(url + "/v1/responses", json=body, timeout=60).json()["id"]
     background = _finished_background(url)
     batch_body = {"requests": [{"custom_id": "b", "params": {"model": MODEL, "max_tokens": 4, "messages": user}}]}
     batch = httpx.post(url + "/v1/messages/batches", json=batch_body, timeout=60).json()["id"]
+    chat = {"model": MODEL, "messages": user, "max_tokens": 4, "store": True}
+    kept = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).json()["id"]
     for f in state_dir.iterdir():
         if f.is_file():
             f.write_bytes(b"\xff" * max(f.stat().st_size, 4096))
@@ -494,13 +497,21 @@ def state_pulled_away(server: Server, state_dir: Path) -> dict:
         (anthropic_shaped, "GET", f"/v1/messages/batches/{batch}", None),
         (anthropic_shaped, "POST", f"/v1/messages/batches/{batch}/cancel", None),
         (anthropic_shaped, "GET", f"/v1/messages/batches/{batch}/results", None),
-        (anthropic_shaped, "DELETE", f"/v1/messages/batches/{batch}", None)]
+        (anthropic_shaped, "DELETE", f"/v1/messages/batches/{batch}", None),
+        (openai_shaped, "POST", "/v1/chat/completions", chat),
+        (openai_shaped, "POST", "/v1/chat/completions", {**chat, "stream": True}),
+        (openai_shaped, "GET", "/v1/chat/completions", None),
+        (openai_shaped, "GET", f"/v1/chat/completions/{kept}", None),
+        (openai_shaped, "POST", f"/v1/chat/completions/{kept}", {"metadata": {"app": "x"}}),
+        (openai_shaped, "GET", f"/v1/chat/completions/{kept}/messages", None),
+        (openai_shaped, "DELETE", f"/v1/chat/completions/{kept}", None)]
     answers = []
     for shaped, method, path, json_body in routes:
         r = httpx.request(method, url + path, json=json_body, timeout=30)
         is_json = r.headers.get("content-type") == "application/json"
         answers.append((method, path, r.status_code, is_json, is_json and shaped(r.json()), "--state-dir" in r.text))
-    unstored = httpx.post(url + "/v1/responses", json={**body, "store": False}, timeout=60).status_code
+    unstored = [httpx.post(url + "/v1/responses", json={**body, "store": False}, timeout=60).status_code,
+                httpx.post(url + "/v1/chat/completions", json={**chat, "store": False}, timeout=60).status_code]
     return {"answers": answers, "store_false": unstored, "health": httpx.get(url + "/health", timeout=10).status_code}
 
 
