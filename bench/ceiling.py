@@ -85,7 +85,7 @@ def tree_cpu(pid: int) -> float:
 
 def harmony_recording(path: str, output_len: int) -> None:
     """A realistic gpt-oss output to replay: reasoning, then an answer, `output_len` tokens in all."""
-    from sluice.harmony_vocab import harmony_encoding
+    from sluice.base.harmony_vocab import harmony_encoding
 
     enc = harmony_encoding()
     words = enc.encode(" the river runs to the sea while the market opens and traders watch" * 40)

@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from sluice import envs
+from sluice.base import envs
 
 # Architectures as their configs give them (rotary, norms, tying); the weights are random.
 SHAPES: dict[str, dict] = {
@@ -44,9 +44,9 @@ _VERSION = "v2"
 def tiny_llama_o200k() -> Path:
     """A 2-layer Llama (hidden 128) with the real o200k vocabulary: the vocabulary-sized work dominates,
     as in ../shared/MEASUREMENTS.md."""
-    from sluice.builtin_models import write_llama_family
-    from sluice.harmony_vocab import ensure_vocab
-    from sluice.o200k_tokenizer import build_tokenizer
+    from sluice.app.builtin_models import write_llama_family
+    from sluice.base.harmony_vocab import ensure_vocab
+    from sluice.base.o200k_tokenizer import build_tokenizer
 
     path = envs.cache_dir() / "bench" / "tiny-llama-o200k"
     if not (path / "config.json").exists():
@@ -94,8 +94,8 @@ def o200k_prefix_tokenizer(vocab_size: int):
     special tokens after them."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    from sluice.harmony_vocab import FILE_NAME, ensure_vocab
-    from sluice.o200k_tokenizer import O200K_PATTERN, _byte_chars
+    from sluice.base.harmony_vocab import FILE_NAME, ensure_vocab
+    from sluice.base.o200k_tokenizer import O200K_PATTERN, _byte_chars
 
     keep = vocab_size - len(_SPECIALS)
     ranks: dict[bytes, int] = {}
@@ -136,7 +136,7 @@ def _write_shape(out: Path, *, architecture: str, num_layers: int, hidden_size: 
     model's mostly do."""
     import torch
 
-    from sluice.builtin_models import save_sharded, seeded_randn, write_hf_metadata
+    from sluice.app.builtin_models import save_sharded, seeded_randn, write_hf_metadata
 
     tok = o200k_prefix_tokenizer(vocab_size)
     tok.save(str(out / "tokenizer.json"))

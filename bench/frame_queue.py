@@ -16,7 +16,7 @@ from pathlib import Path
 
 import uvloop
 
-from ipc.messages import Frame
+from sluice.ipc.messages import Frame
 
 
 def frame_queue_class(tree: Path):

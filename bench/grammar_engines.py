@@ -20,13 +20,13 @@ import numpy as np
 import torch
 
 from bench.grammar_limits import wide_any_of
-from sluice.builtin_models import resolve_model
-from sluice.checkpoint import eos_token_ids, tokenizer_info
+from sluice.app.builtin_models import resolve_model
+from sluice.base.checkpoint import eos_token_ids, tokenizer_info
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # (in the stub only: a TypedDict)
 
-    from render.structured import Backend
+    from sluice.render.structured import Backend
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
            "required": ["city"], "additionalProperties": False}
@@ -222,11 +222,11 @@ def batch_cost(backend: Backend, temperature: float, dtype: torch.dtype, batch: 
     runner, scheduler and grammar path)."""
     from bench.checkpoints import tiny_llama_o200k
     from bench.step_parts import _engine
-    from engine.grammar import Grammars
-    from engine.loader import load_model
-    from engine.sequence import Sequence
-    from ipc.messages import SamplingParams
-    from render.structured import GrammarCompiler, json_schema
+    from sluice.engine.grammar import Grammars
+    from sluice.engine.loader import load_model
+    from sluice.engine.sequence import Sequence
+    from sluice.ipc.messages import SamplingParams
+    from sluice.render.structured import GrammarCompiler, json_schema
 
     path = tiny_llama_o200k()
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]

@@ -10,10 +10,10 @@ import argparse
 import json
 import time
 
-from ipc.openai import JsonSchemaFormat, ResponseFormat
-from render.errors import RequestError
-from render.structured import GrammarCompiler, GrammarLimits
-from sluice.builtin_models import resolve_model
+from sluice.app.builtin_models import resolve_model
+from sluice.render.errors import RequestError
+from sluice.render.structured import GrammarCompiler, GrammarLimits
+from sluice.schemas.openai import JsonSchemaFormat, ResponseFormat
 
 
 def wide_any_of(k: int, m: int) -> dict:

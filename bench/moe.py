@@ -26,9 +26,9 @@ import time
 
 import torch
 
-from engine.cpu.backend import CpuBackend
-from engine.layers import Linear
-from engine.moe import SparseMoE, route
+from sluice.engine.cpu.backend import CpuBackend
+from sluice.engine.layers import Linear
+from sluice.engine.moe import SparseMoE, route
 
 
 def build(experts: int, hidden: int, size: int, top_k: int, bf16_values: bool) -> SparseMoE:

@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 import msgspec
 
-from ingress.formats import msgpack_as_json
-from ipc.openai import ChatCompletionRequest, CompletionRequest
+from sluice.ingress.formats import msgpack_as_json
+from sluice.schemas.openai import ChatCompletionRequest, CompletionRequest
 
 CASES: dict[str, tuple[type, dict[str, Any]]] = {
     "chat, 1 KB": (ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hello " * 150}],

@@ -20,12 +20,12 @@ import torch
 
 from bench.checkpoints import CHECKPOINTS, checkpoint
 from bench.step_parts import _engine, _prompt
-from engine.cpu import kernels
-from engine.cpu.stack import F32LayerSpec, StepSpec
-from engine.cpu_kernels import cpu_flags
-from engine.loader import load_model
-from engine.sequence import Sequence
-from ipc.messages import SamplingParams
+from sluice.engine.cpu import kernels
+from sluice.engine.cpu.stack import F32LayerSpec, StepSpec
+from sluice.engine.cpu_kernels import cpu_flags
+from sluice.engine.loader import load_model
+from sluice.engine.sequence import Sequence
+from sluice.ipc.messages import SamplingParams
 
 
 def _base(path: str):

@@ -1,5 +1,5 @@
 """Many servers started side by side, none may lose its port: each `sluice serve --port 0` holds the port it
-picked from its first moment (sluice.ports) while it and its neighbours pick their own KV ports; the harness
+picked from its first moment (sluice.base.ports) while it and its neighbours pick their own KV ports; the harness
 reads the port back from the server's log.
 
     python -m bench.port_race [--servers 50] [--at-once 2] [--model builtin:tiny-chat]

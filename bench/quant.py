@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 from bench.checkpoints import SHAPES, checkpoint
-from engine.cpu.matmul import F32Matmul
-from engine.cpu.quant import QuantMatmul, library
-from engine.cpu_kernels import cpu_flags
-from engine.quant import quantize
-from sluice.gguf_writer import random_blocks
+from sluice.app.gguf_writer import random_blocks
+from sluice.engine.cpu.matmul import F32Matmul
+from sluice.engine.cpu.quant import QuantMatmul, library
+from sluice.engine.cpu_kernels import cpu_flags
+from sluice.engine.quant import quantize
 
 
 def layer_shapes(name: str) -> dict[str, tuple[int, int]]:
@@ -68,7 +68,7 @@ def _kernels(w: torch.Tensor) -> list:
             out += [None, None]
             continue
         if name.endswith("_K"):
-            from engine.quant import BY_NAME, QuantizedWeight
+            from sluice.engine.quant import BY_NAME, QuantizedWeight
 
             weight = QuantizedWeight(torch.from_numpy(random_blocks(name, n, k, 0.05)), BY_NAME[name], (n, k))
         else:
@@ -84,13 +84,13 @@ def _flags() -> set[str]:
 
 def decode(model: str, batches: list[int], new_tokens: int, prompt_len: int) -> None:
     from bench.static_batch import sluice_decode
-    from engine.loader import load_model
+    from sluice.engine.loader import load_model
 
     path = checkpoint(model)
     runs: list[tuple[str, Path, str]] = [("float32", path, "none"), ("--quantization int8", path, "int8"),
                                          ("--quantization q4", path, "q4")]
     if model == "llama-135m" and (gguf := _smollm2_gguf()) is not None:
-        from sluice.gguf_checkpoint import gguf_checkpoint
+        from sluice.base.gguf_checkpoint import gguf_checkpoint
 
         runs.append(("SmolLM2-135M Q4_1 GGUF", gguf_checkpoint(gguf), "none"))
     print(f"decode tok/s of {model} (prompt {prompt_len}, {new_tokens} new tokens); quantized kernels on "

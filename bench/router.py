@@ -14,7 +14,7 @@ class RouterProc:
         """`sluice router` flags in args (--workers URL..., or --context/--generation); `.url` once it answers
         on the port it picked and holds (`headers`: what its health route wants, with --protect-metrics)."""
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sluice-router-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "sluice.cli", "router", "--port", "0", "--health-interval", "0.25", *args]
+        cmd = [sys.executable, "-m", "sluice", "router", "--port", "0", "--health-interval", "0.25", *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         try:
             self.port = announced_port(self.proc, self.log.name, startup_timeout)

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from sluice import ports
+from sluice.base import ports
 
 _SERVING_ON = re.compile(r"on http://\S+:(\d+)")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,7 +62,7 @@ class Server:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sluice-e2e-", suffix=".log", delete=False)
         if "--kv-cache-memory" not in args:
             args = ("--num-kv-blocks", "2048", *args)
-        cmd = [*launcher, sys.executable, "-m", "sluice.cli", "serve", "--port", str(port), *args]
+        cmd = [*launcher, sys.executable, "-m", "sluice", "serve", "--port", str(port), *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
         try:

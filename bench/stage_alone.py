@@ -26,15 +26,15 @@ import msgspec
 from tokenizers import Tokenizer
 
 from bench.ceiling import MODEL, harmony_recording
-from engine.engine import Engine
-from engine.outputs import step_outputs
-from ipc.messages import (EngineRequest, Finished, PostprocSpec, RenderJob, SamplingParams, Started, StepOutputs,
-                          ids_to_bytes)
-from postproc.worker import Shard
-from render.worker import build_core
-from sluice.builtin_models import resolve_model
-from sluice.config import ServerConfig
-from sluice.harmony_vocab import harmony_encoding
+from sluice.app.builtin_models import resolve_model
+from sluice.base.config import ServerConfig
+from sluice.base.harmony_vocab import harmony_encoding
+from sluice.engine.engine import Engine
+from sluice.engine.outputs import step_outputs
+from sluice.ipc.messages import (EngineRequest, Finished, PostprocSpec, RenderJob, SamplingParams, Started, StepOutputs,
+                                 ids_to_bytes)
+from sluice.postproc.worker import Shard
+from sluice.render.worker import build_core
 
 _WORDS = ["time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "river", "market"]
 

@@ -14,6 +14,7 @@ from bench.faults import ingress_workers
 from bench.serve import add_load_args, serve
 from bench.server import Server
 
+
 def stage_pids(server: Server) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for role, pid in re.findall(r"(\w+)\[\d+\] ready \(pid (\d+)\)", server.output()):

@@ -17,14 +17,14 @@ import numpy as np
 import torch
 
 from bench.checkpoints import CHECKPOINTS, checkpoint
-from engine.block_manager import BlockManager
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.worker import keep_heap_memory
-from ipc.messages import SamplingParams
-from sluice.config import ServerConfig
+from sluice.base.config import ServerConfig
+from sluice.engine.block_manager import BlockManager
+from sluice.engine.loader import load_model
+from sluice.engine.model_runner import ModelRunner
+from sluice.engine.scheduler import Scheduler
+from sluice.engine.sequence import Sequence
+from sluice.engine.worker import keep_heap_memory
+from sluice.ipc.messages import SamplingParams
 
 
 def bandwidth_gbps(nbytes: int = 256 << 20) -> tuple[float, float]:

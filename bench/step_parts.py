@@ -29,20 +29,20 @@ import torch
 import torch.nn.functional as F
 
 from bench.checkpoints import CHECKPOINTS, checkpoint
-from engine.attention import _attention
-from engine.block_manager import BlockManager
-from engine.cpu import ops
-from engine.cpu.backend import CpuBackend
-from engine.cpu.lm_head import onednn_packed
-from engine.cpu.matmul import F32Matmul
-from engine.lm_head import lm_head
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
-from engine.sampler import SamplingBatch, argmax, exp_blocks, inverse_cdf, plain_greedy, sample
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.worker import keep_heap_memory
-from ipc.messages import SamplingParams
+from sluice.engine.attention import _attention
+from sluice.engine.block_manager import BlockManager
+from sluice.engine.cpu import ops
+from sluice.engine.cpu.backend import CpuBackend
+from sluice.engine.cpu.lm_head import onednn_packed
+from sluice.engine.cpu.matmul import F32Matmul
+from sluice.engine.lm_head import lm_head
+from sluice.engine.loader import load_model
+from sluice.engine.model_runner import ModelRunner
+from sluice.engine.sampler import SamplingBatch, argmax, exp_blocks, inverse_cdf, plain_greedy, sample
+from sluice.engine.scheduler import Scheduler
+from sluice.engine.sequence import Sequence
+from sluice.engine.worker import keep_heap_memory
+from sluice.ipc.messages import SamplingParams
 
 PARTS = ("schedule", "prepare", "backbone", "lm head", "sampling", "update")
 
@@ -275,8 +275,8 @@ def layer_parts(model, dtype, batch: int, prompt_len: int = 130, n: int = 20) ->
     (a step's backbone over its number of layers). Each op's inputs come from a real decode step; the ops
     alone run warm (one layer's weights stay cached: its linears run faster than in a step, whose weights
     come from memory)."""
-    from engine.attention import paged_attention, rope_and_store
-    from engine.backend import TORCH
+    from sluice.engine.attention import paged_attention, rope_and_store
+    from sluice.engine.backend import TORCH
 
     runner, sched, rng = _engine(model, dtype)
     for i in range(batch):

@@ -20,8 +20,8 @@ import time
 
 import zmq
 
-from ipc.messages import Frame, Frames, IngressInput
-from ipc.transport import PullChannel, PushChannel
+from sluice.ipc.messages import Frame, Frames, IngressInput
+from sluice.ipc.transport import PullChannel, PushChannel
 
 SIZES = [64, 256, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
 

@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_chat_dir() -> Path:
-    from sluice.builtin_models import ensure_builtin
+    from sluice.app.builtin_models import ensure_builtin
 
     return ensure_builtin("tiny-chat")
 

@@ -5,7 +5,7 @@ import json
 
 from openai_harmony import Message, Role
 
-from sluice.harmony_vocab import harmony_encoding
+from sluice.base.harmony_vocab import harmony_encoding
 
 
 def harmony_tokens(msgs) -> list[int]:

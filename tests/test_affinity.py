@@ -12,7 +12,7 @@ import time
 import pytest
 
 from bench.server import Server
-from sluice import affinity
+from sluice.base import affinity
 
 
 def test_parse_cpus():
@@ -88,6 +88,6 @@ def test_an_engine_computing_on_the_cpu_keeps_every_core(server):
 
 def test_a_cpu_the_server_may_not_use_is_refused_before_anything_starts():
     cpu = max(affinity.allowed_cpus()) + 1
-    done = subprocess.run([sys.executable, "-m", "sluice.cli", "serve", "--runner", "replay", "--cpu-affinity",
+    done = subprocess.run([sys.executable, "-m", "sluice", "serve", "--runner", "replay", "--cpu-affinity",
                            str(cpu), "--port", "1"], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and f"--cpu-affinity {cpu}: this process may run on CPUs" in done.stderr

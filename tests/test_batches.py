@@ -1,4 +1,4 @@
-"""Message Batches state (sluice.batches.BatchStore) and its runner, with a fake background owner."""
+"""Message Batches state (sluice.state.batches.BatchStore) and its runner, with a fake background owner."""
 from __future__ import annotations
 
 import asyncio
@@ -8,11 +8,11 @@ import tracemalloc
 
 import pytest
 
-from ipc.messages import Failure, Frame
-from sluice import batches
-from sluice.batches import BatchQueue, BatchStore
-from sluice.config import ServerConfig
-from sluice.state import Database, serve_queue
+from sluice.base.config import ServerConfig
+from sluice.ipc.messages import Failure, Frame
+from sluice.state import batches
+from sluice.state.batches import BatchQueue, BatchStore
+from sluice.state.database import Database, serve_queue
 
 PARAMS = json.dumps({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}).encode()
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.cli import config_from_args, parse_args
+from sluice.app.cli import config_from_args, parse_args
 
 
 def test_config_file_values_are_defaults_and_flags_win(tmp_path, tiny_chat_dir):
@@ -40,7 +40,7 @@ def test_the_docs_flag_table_is_the_options_own():
     """Each option is defined once (sluice/config.py); docs/flags.md's table is printed by `sluice flags`."""
     from pathlib import Path
 
-    from sluice.options import flag_table
+    from sluice.base.options import flag_table
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "flags.md").read_text()
     start = doc.index("<!-- flags: begin -->\n") + len("<!-- flags: begin -->\n")
@@ -72,7 +72,7 @@ def test_runtime_directory_is_private():
     import shutil
     import stat
 
-    from sluice.supervisor import make_runtime_dir
+    from sluice.app.supervisor import make_runtime_dir
 
     path = make_runtime_dir()
     try:
@@ -82,7 +82,7 @@ def test_runtime_directory_is_private():
 
 
 def test_front_stage_workers_default_to_the_core_count(monkeypatch):
-    from sluice.config import ServerConfig
+    from sluice.base.config import ServerConfig
 
     for cores, want in ((2, 1), (8, 1), (16, 2), (64, 2)):
         monkeypatch.setattr("os.sched_getaffinity", lambda pid, n=cores: set(range(n)))

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice import envs
+from sluice.base import envs
 
 
 def test_the_state_directory_is_sluice_state_dir_else_the_xdg_state_home_else_local_state(monkeypatch, tmp_path):

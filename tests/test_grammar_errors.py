@@ -2,7 +2,7 @@
 parser state or grammar."""
 from __future__ import annotations
 
-from sluice.grammar_errors import MAX_DETAIL, detail, nothing_allowed, unsatisfiable
+from sluice.base.grammar_errors import MAX_DETAIL, detail, nothing_allowed, unsatisfiable
 
 LLGUIDANCE_DUMP = ("NoExtensionBias\n<state>\nTokens: ⟦⟧\n0 tokens, 0 bytes; grm_prefix: \"\"\nParser: {\n"
                    + '  "lexer_cost": 1436,\n' * 300 + "}\n</state><grammar>\nstart: %json {}\n</grammar>")

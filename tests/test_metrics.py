@@ -1,6 +1,6 @@
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from sluice.metrics import Deferred, observe_many
+from sluice.base.metrics import Deferred, observe_many
 
 
 def test_observe_many_equals_observing_one_by_one():

@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from bench.server import ROOT
-from sluice import ports
+from sluice.base import ports
 
 
 def _listener(port: int) -> socket.socket:
@@ -67,7 +67,7 @@ def test_serve_on_a_port_taken_fails_at_once_naming_it(tiny_chat_dir):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        run = subprocess.run([sys.executable, "-m", "sluice.cli", "serve", "--port", str(port)], cwd=ROOT,
+        run = subprocess.run([sys.executable, "-m", "sluice", "serve", "--port", str(port)], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and f"cannot listen on 127.0.0.1:{port}" in run.stderr, run.stderr
     assert "engine" not in run.stderr  # refused before any stage started

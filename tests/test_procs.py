@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice import procs
+from sluice.base import procs
 from tests.e2e.procs import alive
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,20 +24,20 @@ def _python(*args: str) -> subprocess.Popen:
 
 @pytest.mark.skipif(not procs.titles_supported(), reason="setproctitle is not installed")
 def test_a_title_is_what_ps_shows():
-    code = "from sluice import procs; procs.set_title('sluice: test'); print(open('/proc/self/cmdline').read())"
+    code = "from sluice.base import procs; procs.set_title('sluice: test'); print(open('/proc/self/cmdline').read())"
     out, _ = _python("-c", code).communicate(timeout=30)
     assert out.replace("\0", " ").strip() == "sluice: test"
 
 
 def test_a_process_whose_parent_is_already_gone_kills_itself():
     """Its parent's death came before the request: os.getppid() names whoever adopted it, not its parent."""
-    child = _python("-c", "from sluice import procs; procs.die_with_parent(parent=1); print('still alive')")
+    child = _python("-c", "from sluice.base import procs; procs.die_with_parent(parent=1); print('still alive')")
     out, _ = child.communicate(timeout=30)
     assert child.returncode == -signal.SIGKILL and "still alive" not in out
 
 
 _PARENT = """import multiprocessing as mp, time
-from sluice import procs
+from sluice.base import procs
 
 def child():
     procs.die_with_parent()
@@ -72,9 +72,9 @@ def test_what_a_killed_server_left_in_shared_memory_is_swept_and_nothing_else():
     """A server's supervisor holds a lock on its shared-memory directory while it lives (sluice/supervisor.py
     claim): the next server removes the directories whose lock it can take (and their runtime directories),
     never a live server's, nor one without an owner file (one being made, or an older version's)."""
-    from ipc.shm import shm_base
-    from sluice import envs
-    from sluice.supervisor import sweep_orphans
+    from sluice.app.supervisor import sweep_orphans
+    from sluice.base import envs
+    from sluice.ipc.shm import shm_base
 
     made = {}
     for name in ("dead", "live", "ownerless"):
@@ -83,11 +83,11 @@ def test_what_a_killed_server_left_in_shared_memory_is_swept_and_nothing_else():
         (made[name] / "kv-0").write_bytes(b"\0" * 4096)
     runtime = Path(envs.runtime_base()) / made["dead"].name
     runtime.mkdir()
-    holder = _python("-c", f"from sluice.supervisor import claim; claim({str(made['live'])!r}); "
+    holder = _python("-c", f"from sluice.app.supervisor import claim; claim({str(made['live'])!r}); "
                      "print('ok', flush=True); import time; time.sleep(60)")
     try:
         assert holder.stdout.readline().strip() == "ok"
-        dead = _python("-c", f"from sluice.supervisor import claim; claim({str(made['dead'])!r})")
+        dead = _python("-c", f"from sluice.app.supervisor import claim; claim({str(made['dead'])!r})")
         assert dead.wait(30) == 0  # (its lock went with it)
         removed = sweep_orphans()
         assert str(made["dead"]) in removed and not made["dead"].exists() and not runtime.exists()

@@ -5,10 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from ipc.responses import CreateResponse, InputItem, new_response
-from sluice import responses_store
-from sluice.config import ServerConfig
-from sluice.responses_store import Store
+from sluice.base.config import ServerConfig
+from sluice.schemas.responses import CreateResponse, InputItem, new_response
+from sluice.state import responses as responses_store
+from sluice.state.responses import Store
 
 _json = msgspec.json.Encoder()
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from ipc.messages import Failure
-from ipc.responses import (CreateResponse, FunctionCallItem, InputItem, MessageItem, OutputText, ResponseEvent,
-                           event_head, new_response, sse)
-from sluice.config import ServerConfig
-from sluice.responses_store import NotFound, NotReady, Store
+from sluice.base.config import ServerConfig
+from sluice.ipc.messages import Failure
+from sluice.schemas.responses import (CreateResponse, FunctionCallItem, InputItem, MessageItem, OutputText,
+                                      ResponseEvent, event_head, new_response, sse)
+from sluice.state.responses import NotFound, NotReady, Store
 
 _json = msgspec.json.Encoder()
 

@@ -9,7 +9,7 @@ import stat
 
 import pytest
 
-from sluice import sealing
+from sluice.base import sealing
 
 TEXT = "I should call the tool first. ünïcode ✓"
 

@@ -10,8 +10,8 @@ import sqlite3
 import pytest
 
 from sluice import state
-from sluice.cli import main
-from sluice.config import ServerConfig
+from sluice.app.cli import main
+from sluice.base.config import ServerConfig
 
 
 def _cfg(path) -> ServerConfig:
@@ -56,7 +56,7 @@ def test_a_given_unusable_state_dir_fails_the_start_naming_it(tmp_path, tiny_cha
 
 def test_a_defaulted_unusable_state_dir_is_a_warning(tmp_path, caplog):
     (tmp_path / "file").write_text("")
-    with caplog.at_level(logging.WARNING, "sluice.state"):
+    with caplog.at_level(logging.WARNING, "sluice.state.database"):
         state.check_dir(_cfg(tmp_path / "file" / "state"), given=False)
     assert "cannot be used" in caplog.text and "set --state-dir" in caplog.text
     with pytest.raises(ValueError, match="cannot be used"):

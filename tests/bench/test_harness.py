@@ -10,7 +10,7 @@ import pytest
 
 from bench.serve import add_load_args, plot, serve
 from bench.server import ROOT
-from engine.cpu_kernels import cpu_flags
+from sluice.engine.cpu_kernels import cpu_flags
 from tests.e2e.conftest import MODEL
 
 
@@ -61,7 +61,7 @@ def test_datasets_and_sweep_plot(server, tmp_path):
 
 def test_the_cli(server, tmp_path):
     out = tmp_path / "r.json"
-    subprocess.run([sys.executable, "-m", "sluice.cli", "bench", "serve", "--base-url", server.url, "--model", MODEL,
+    subprocess.run([sys.executable, "-m", "sluice", "bench", "serve", "--base-url", server.url, "--model", MODEL,
                     "--num-prompts", "4", "--max-concurrency", "2", "--output-len", "3", "--ignore-eos",
                     "--no-progress", "--json", str(out)], cwd=ROOT, check=True, capture_output=True, timeout=120)
     assert json.loads(out.read_text())["output_tokens"] == 12

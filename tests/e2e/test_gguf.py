@@ -6,8 +6,8 @@ import httpx
 import pytest
 
 from bench.server import Server
-from sluice.builtin_models import write_llama_family
-from sluice.gguf_writer import write_gguf
+from sluice.app.builtin_models import write_llama_family
+from sluice.app.gguf_writer import write_gguf
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from bench.server import Server
-from engine import cpu_kernels
+from sluice.engine import cpu_kernels
 from tests.test_deploy import UNIT, _environment, _settings
 
 UNWRITABLE = "/proc/sluice-no-home"  # not even root can make a directory under /proc

@@ -8,8 +8,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 
 from bench.server import Server
-from ingress.openapi import openapi_document
-
+from sluice.ingress.openapi import openapi_document
 
 schema = schemathesis.openapi.from_dict(openapi_document())
 

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from bench.server import Server
-from sluice import procs
+from sluice.base import procs
 from tests.e2e.procs import descendants, environ, title
 
 pytestmark = pytest.mark.skipif(not procs.titles_supported(), reason="setproctitle is not installed")

@@ -239,7 +239,7 @@ def test_codex_on_a_chat_template_model_gets_sealed_reasoning_back_and_continues
 def recorded_tokens(text: str) -> list[int]:
     from tokenizers import Tokenizer
 
-    from sluice.builtin_models import ensure_builtin
+    from sluice.app.builtin_models import ensure_builtin
 
     return Tokenizer.from_file(str(ensure_builtin("tiny-chat") / "tokenizer.json")).encode(
         text, add_special_tokens=False).ids
@@ -372,7 +372,7 @@ def test_codex_on_gpt_oss_gets_sealed_reasoning_back_and_harmony_renders_it_as_t
     assert (call.name, call.namespace, json.loads(call.arguments)) == ("weather", "get_", {"city": "Paris"})
     sealed = _codex(client, GPT_OSS, _sent_back(ASK, calling.output, "sunny"))
     without = _codex(client, GPT_OSS, _sent_back(ASK, calling.output, "sunny", reasoning=False))
-    from sluice.harmony_vocab import harmony_encoding
+    from sluice.base.harmony_vocab import harmony_encoding
 
     analysis = harmony_encoding().encode("<|channel|>analysis<|message|>I need the tool.<|end|>",
                                          allowed_special="all")

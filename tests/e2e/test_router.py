@@ -20,8 +20,8 @@ import pytest
 from bench.faults import ppid
 from bench.router import RouterProc
 from bench.server import Server, free_port
-from ipc.shm import shm_base
-from sluice.supervisor import sweep_orphans
+from sluice.app.supervisor import sweep_orphans
+from sluice.ipc.shm import shm_base
 from tests.disagg.helpers import SECRET, comparable, kv_used
 
 MODEL = "builtin:tiny-chat"
@@ -322,7 +322,7 @@ def test_a_router_with_keys_serves_key_protected_workers_and_guards_its_own_rout
     clients for its own --api-key (its /metrics and health too with --protect-metrics), and routes by cache."""
     worker = Server("--api-key", "worker-key", "--protect-metrics", headers={"Authorization": "Bearer worker-key"})
     try:
-        refused = subprocess.run([sys.executable, "-m", "sluice.cli", "router", "--port", "0", "--workers", worker.url,
+        refused = subprocess.run([sys.executable, "-m", "sluice", "router", "--port", "0", "--workers", worker.url,
                                   "--model", MODEL], capture_output=True, text=True, timeout=60)
         assert refused.returncode != 0 and "--worker-api-key" in refused.stderr, refused.stderr
         router = RouterProc("--workers", worker.url, "--model", MODEL, "--worker-api-key", "worker-key",

@@ -21,7 +21,7 @@ from openai.resources.completions import Completions
 from openai.resources.responses import Responses
 
 import bench.faults
-from ipc import sdk_fields
+from sluice.schemas import sdk_fields
 from tests.e2e.test_batches import serve
 
 MODEL = "builtin:tiny-chat"

@@ -71,7 +71,7 @@ def test_strict_tools_hold_a_call_the_model_starts_on_its_own(hermes):
     call it makes must fit its tool's schema."""
     from tokenizers import Tokenizer
 
-    from sluice.builtin_models import resolve_model
+    from sluice.app.builtin_models import resolve_model
 
     tag = Tokenizer.from_file(str(resolve_model(MODEL) / "tokenizer.json")).token_to_id("<tool_call>")
     # (one call each: the bias would open calls until max_tokens cuts the last one short)

@@ -12,7 +12,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer
 
 from bench.server import Server
-from sluice.builtin_models import resolve_model
+from sluice.app.builtin_models import resolve_model
 from tests.e2e.conftest import MODEL
 from tests.e2e.test_tool_calling import ASK, NAMED, SCHEMAS, TOOLS, check_calls, client_of
 

@@ -5,8 +5,8 @@ import uuid
 import pytest
 import zmq
 
-from ipc.messages import IngressInput
-from ipc.transport import PullChannel
+from sluice.ipc.messages import IngressInput
+from sluice.ipc.transport import PullChannel
 from tests.engine.test_kv_handoff import make_engine
 
 

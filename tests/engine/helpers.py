@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from ipc.messages import SamplingParams
+from sluice.engine.block_manager import BlockManager
+from sluice.engine.loader import load_model
+from sluice.engine.model_runner import ModelRunner
+from sluice.engine.scheduler import Scheduler
+from sluice.engine.sequence import Sequence
+from sluice.ipc.messages import SamplingParams
 
 
 def make_engine(path, *, num_blocks=256, block_size=16, budget=2048, max_num_seqs=64, max_model_len=4096,

@@ -6,12 +6,12 @@ import pytest
 import torch
 import transformers
 
-from engine.cpu import kernels
-from engine.cpu.backend import decode_layer
-from engine.layers import GeGLU, OffsetRMSNorm
-from engine.models.registry import MODELS, model_class
-from engine.rope import Rotary
-from sluice.builtin_models import write_llama_family
+from sluice.app.builtin_models import write_llama_family
+from sluice.engine.cpu import kernels
+from sluice.engine.cpu.backend import decode_layer
+from sluice.engine.layers import GeGLU, OffsetRMSNorm
+from sluice.engine.models.registry import MODELS, model_class
+from sluice.engine.rope import Rotary
 from tests.engine.helpers import generate, make_engine, seq
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.attention import _attention
+from sluice.engine.attention import _attention
 
 
 def _inputs(seed, b, h, hkv, nq, k, d=8):

@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from engine import cpu_kernels
-from engine.cpu import kernels
-from engine.cpu.matmul import F32Matmul
-from engine.cpu.stack import DecoderStack
+from sluice.engine import cpu_kernels
+from sluice.engine.cpu import kernels
+from sluice.engine.cpu.matmul import F32Matmul
+from sluice.engine.cpu.stack import DecoderStack
 from tests.engine.helpers import seq
 from tests.engine.test_f32_kernels import PROMPTS, VARIANTS, _bf16_checkpoint, _close, _engines, decode_step_is_torchs
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_manager import BlockManager
+from sluice.engine.block_manager import BlockManager
 from tests.engine.helpers import seq
 
 NUM_BLOCKS, BLOCK_SIZE = 12, 4

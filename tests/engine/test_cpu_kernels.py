@@ -13,13 +13,13 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import cpu_kernels
-from engine.cpu import ops
-from engine.cpu.backend import CpuBackend
-from engine.cpu.matmul import Bf16Matmul, Int8Argmax
-from engine.layers import Linear
-from engine.lm_head import lm_head
-from engine.sampler import SamplingBatch, _draw_from_sums, _per_block, argmax, exp_blocks, inverse_cdf, sample
+from sluice.engine import cpu_kernels
+from sluice.engine.cpu import ops
+from sluice.engine.cpu.backend import CpuBackend
+from sluice.engine.cpu.matmul import Bf16Matmul, Int8Argmax
+from sluice.engine.layers import Linear
+from sluice.engine.lm_head import lm_head
+from sluice.engine.sampler import SamplingBatch, _draw_from_sums, _per_block, argmax, exp_blocks, inverse_cdf, sample
 from tests.engine.helpers import generate, make_engine, seq
 
 _ISA = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
@@ -365,7 +365,7 @@ def test_small_bf16_linears_run_on_the_kernel_with_f_linears_values(rows, out_fe
        dim=st.sampled_from([16, 32, 48, 64, 80, 128, 256]), keys=st.integers(1, 100), sinks=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_decode_attention_kernel_is_the_torch_path(batch, kv_heads, group, dim, keys, sinks, seed):
-    from engine.attention import _attention
+    from sluice.engine.attention import _attention
 
     g = torch.Generator().manual_seed(seed)
     heads, num_slots, t = kv_heads * group, 200, batch + 3
@@ -407,8 +407,8 @@ def test_rms_norm_kernel_is_float32_rms_norm_rounded_once(rows, dim, strided, se
 @given(tokens=st.integers(0, 40), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 3, 4]),
        dim=st.integers(1, 150).map(lambda n: 2 * n), seed=st.integers(0, 2**16))
 def test_rope_store_kernel_is_float32_rotary_rounded_once_and_the_cache_writes(tokens, kv_heads, group, dim, seed):
-    from engine.attention import rope_and_store
-    from engine.rope import Rotary
+    from sluice.engine.attention import rope_and_store
+    from sluice.engine.rope import Rotary
 
     g = torch.Generator().manual_seed(seed)
     heads, num_slots = kv_heads * group, 64
@@ -438,7 +438,7 @@ def test_rope_store_kernel_is_float32_rotary_rounded_once_and_the_cache_writes(t
 
 @needs_kernel
 def test_rope_store_kernel_refuses_positions_and_slots_out_of_range():
-    from engine.rope import Rotary
+    from sluice.engine.rope import Rotary
 
     rotary = Rotary(8, 10, 10000.0, {"rope_type": "default"})
     qkv = torch.randn(2, 3, 8).bfloat16()

@@ -10,9 +10,9 @@ from unittest import mock
 import pytest
 import torch
 
-from engine import cpu_kernels
-from engine.cpu.stack import DecoderStack
-from sluice.builtin_models import write_llama_family
+from sluice.app.builtin_models import write_llama_family
+from sluice.engine import cpu_kernels
+from sluice.engine.cpu.stack import DecoderStack
 from tests.engine.helpers import make_engine, seq
 
 _ISA = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}

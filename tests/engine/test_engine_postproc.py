@@ -13,12 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from engine.engine import Engine
-from engine.outputs import step_outputs
-from ipc.addresses import shard_of
-from ipc.messages import Abort, EndChoices, EngineRequest, Frame, PostprocSpec, SamplingParams, ids_to_bytes
-from postproc.worker import Shard
-from sluice.config import ServerConfig
+from sluice.base.config import ServerConfig
+from sluice.engine.engine import Engine
+from sluice.engine.outputs import step_outputs
+from sluice.ipc.addresses import shard_of
+from sluice.ipc.messages import Abort, EndChoices, EngineRequest, Frame, PostprocSpec, SamplingParams, ids_to_bytes
+from sluice.postproc.worker import Shard
 
 SHARDS = 2
 REPLY_TO = "ipc://ingress"
@@ -151,8 +151,8 @@ def test_an_abort_that_overtakes_its_request_drops_it(engine, tokenizer):
 def test_a_grammar_that_finishes_ends_the_output_despite_min_tokens_and_ignore_eos(engine, tokenizer, tiny_chat_dir):
     """{"const": 1} completes after one token or two: with min_tokens 20 the old engine asked the finished
     grammar for a mask and died; with ignore_eos (no stop ids) xgrammar refused to build the matcher."""
-    from ipc.openai import JsonSchemaFormat, ResponseFormat
-    from render.structured import GrammarCompiler
+    from sluice.render.structured import GrammarCompiler
+    from sluice.schemas.openai import JsonSchemaFormat, ResponseFormat
 
     grammar = GrammarCompiler(str(tiny_chat_dir), 704).compile(
         ResponseFormat("json_schema", JsonSchemaFormat(schema={"const": 1})))
@@ -250,8 +250,8 @@ SCHEMAS = [
 
 @pytest.fixture(scope="module")
 def grammars(tiny_chat_dir):
-    from ipc.openai import JsonSchemaFormat, ResponseFormat
-    from render.structured import GrammarCompiler
+    from sluice.render.structured import GrammarCompiler
+    from sluice.schemas.openai import JsonSchemaFormat, ResponseFormat
 
     compiler = GrammarCompiler(str(tiny_chat_dir), 704)
     return [compiler.compile(ResponseFormat("json_schema", JsonSchemaFormat(schema=s))) for s in SCHEMAS]

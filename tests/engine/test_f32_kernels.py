@@ -26,13 +26,13 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import cpu_kernels
-from engine.backend import TORCH
-from engine.cpu import kernels, ops
-from engine.cpu.matmul import F32Matmul, bf16_exact, narrowed
-from engine.cpu.stack import DecoderStack
-from engine.lm_head import lm_head
-from sluice.builtin_models import write_llama_family
+from sluice.app.builtin_models import write_llama_family
+from sluice.engine import cpu_kernels
+from sluice.engine.backend import TORCH
+from sluice.engine.cpu import kernels, ops
+from sluice.engine.cpu.matmul import F32Matmul, bf16_exact, narrowed
+from sluice.engine.cpu.stack import DecoderStack
+from sluice.engine.lm_head import lm_head
 from tests.engine.helpers import generate, make_engine, seq
 
 _ISA = {"avx512f", "avx512bw", "avx512vl"}
@@ -410,7 +410,7 @@ PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 57)), [300] * 3, list(range(100, 171,
 def _engines(path, **kw):
     """(Sluice's float32 kernels, torch's float32 path) over the same checkpoint."""
     fast = make_engine(path, **kw)
-    with mock.patch("engine.model_runner.select_backend", return_value=TORCH):
+    with mock.patch("sluice.engine.model_runner.select_backend", return_value=TORCH):
         plain = make_engine(path, **kw)
     return fast, plain
 
@@ -548,7 +548,7 @@ def test_float32_steps_with_prefill_chunks_in_one_call_are_torchs(tmp_path):
        dim=st.sampled_from([16, 32, 48, 64, 80, 128, 256]), keys=st.integers(1, 100), sinks=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_float32_decode_attention_is_the_torch_path(build, batch, kv_heads, group, dim, keys, sinks, seed):
-    from engine.attention import _attention
+    from sluice.engine.attention import _attention
 
     g = torch.Generator().manual_seed(seed)
     heads, num_slots, t = kv_heads * group, 200, batch + 3
@@ -592,7 +592,7 @@ def test_float32_causal_attention_is_the_masked_torch_path(chunks, kv_heads, gro
     padded to the longest, over its keys from position 0: torch's values for every real query within float32
     rounding, across the kernel's blocks of 64 keys and tiles of 16 queries, every grouping of query heads;
     whole prompts give SDPA's is_causal."""
-    from engine.attention import _attention
+    from sluice.engine.attention import _attention
 
     g = torch.Generator().manual_seed(seed)
     q, k, v, starts = _chunked_prompts(chunks, kv_heads, group, dim, g)
@@ -659,8 +659,8 @@ def test_float32_rms_norm_is_torchs(build, rows, dim, strided, seed):
 @given(tokens=st.integers(0, 40), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 3, 4]),
        dim=st.integers(1, 150).map(lambda n: 2 * n), seed=st.integers(0, 2**16))
 def test_float32_rope_store_is_torchs_rotary_and_the_cache_writes(build, tokens, kv_heads, group, dim, seed):
-    from engine.attention import rope_and_store
-    from engine.rope import Rotary
+    from sluice.engine.attention import rope_and_store
+    from sluice.engine.rope import Rotary
 
     g = torch.Generator().manual_seed(seed)
     heads, num_slots = kv_heads * group, 64

@@ -10,13 +10,13 @@ import torch
 import transformers
 from tokenizers import Tokenizer
 
-from engine import cpu_kernels
-from engine.cpu.quant import QuantMatmul
-from engine.loader import load_model
-from engine.quant import dequantized
-from sluice.builtin_models import resolve_model, write_llama_family
-from sluice.gguf_checkpoint import gguf_checkpoint, is_gguf_checkpoint
-from sluice.gguf_writer import write_gguf
+from sluice.app.builtin_models import resolve_model, write_llama_family
+from sluice.app.gguf_writer import write_gguf
+from sluice.base.gguf_checkpoint import gguf_checkpoint, is_gguf_checkpoint
+from sluice.engine import cpu_kernels
+from sluice.engine.cpu.quant import QuantMatmul
+from sluice.engine.loader import load_model
+from sluice.engine.quant import dequantized
 from tests.engine.helpers import generate, make_engine, seq
 
 # (transformers' GGUF reader takes Qwen3's head_dim from its config's default, 128)

@@ -5,8 +5,8 @@ import pytest
 import torch
 import transformers
 
-from engine.models.gpt_oss import dequantize_mxfp4
-from sluice.builtin_gpt_oss import write_gpt_oss
+from sluice.app.builtin_gpt_oss import write_gpt_oss
+from sluice.engine.models.gpt_oss import dequantize_mxfp4
 from tests.engine.helpers import assert_logits_match, generate, make_engine, seq
 
 PROMPTS = [[200006, 1428, 200008, 13225], list(range(1000, 1030)), list(range(5000, 5050, 2)), [300] * 11]

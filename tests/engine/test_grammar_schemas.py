@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from engine.grammar import Grammars
-from render.errors import RequestError
-from render.structured import GrammarCompiler, json_schema
+from sluice.engine.grammar import Grammars
+from sluice.render.errors import RequestError
+from sluice.render.structured import GrammarCompiler, json_schema
 
 VOCAB = 704
 EOS = 2

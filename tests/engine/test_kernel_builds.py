@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import cpu_kernels
+from sluice.engine import cpu_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 _TOY = "int sluice_toy(void) { return TOY; }\n"
@@ -140,7 +140,7 @@ def test_a_build_of_other_sources_leaves_the_earlier_build_in_place(toy, tmp_pat
 # ---- as the systemd unit runs it: an unprivileged user without a home ---------------------------------
 
 _UNPRIVILEGED = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
-_LOAD = ("import logging; logging.basicConfig(); from engine import cpu_kernels; "
+_LOAD = ("import logging; logging.basicConfig(); from sluice.engine import cpu_kernels; "
          "print(cpu_kernels.load('rms_norm', cpu_kernels._AVX512_BF16) is not None)")
 
 
@@ -153,7 +153,7 @@ def _as_nobody(code: str, **env: str) -> subprocess.CompletedProcess:
 def _skip_unless_nobody_runs_sluice() -> None:
     if os.geteuid() != 0 or not shutil.which("setpriv"):
         pytest.skip("needs root and setpriv to run as user nobody")
-    probe = _as_nobody("import engine.cpu_kernels")
+    probe = _as_nobody("import sluice.engine.cpu_kernels")
     if probe.returncode != 0:
         pytest.skip(f"user nobody cannot import Sluice with {sys.executable}: its install or this checkout is "
                     f"not readable by others (e.g. under /root, mode 700): {probe.stderr.strip().splitlines()[-1:]}")

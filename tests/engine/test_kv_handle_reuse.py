@@ -8,8 +8,8 @@ import logging
 
 import msgspec
 
-from engine.kv_handoff import IMPORTS
-from ipc.messages import KvExport, KvImport, ids_to_bytes
+from sluice.engine.kv_handoff import IMPORTS
+from sluice.ipc.messages import KvExport, KvImport, ids_to_bytes
 from tests.engine.test_kv_handoff import held, request, run
 
 PROMPT = [(7 * i) % 500 + 3 for i in range(21)]

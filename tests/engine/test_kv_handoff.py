@@ -12,11 +12,10 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.kv_handoff import IMPORTS
-from engine.engine import Engine
-from ipc.messages import (Abort, EngineRequest, KvExport, KvImport, PostprocSpec, SamplingParams,
-                          ids_to_bytes)
-from sluice.config import ServerConfig
+from sluice.base.config import ServerConfig
+from sluice.engine.engine import Engine
+from sluice.engine.kv_handoff import IMPORTS
+from sluice.ipc.messages import Abort, EngineRequest, KvExport, KvImport, PostprocSpec, SamplingParams, ids_to_bytes
 
 _ids = itertools.count()
 LEASE_S = 0.3

@@ -7,10 +7,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.backend import TORCH
-from engine.cpu.backend import BucketedLinear, CpuBackend, row_bucket
-from engine.layers import Linear, RMSNorm
-from engine.lm_head import lm_head
+from sluice.engine.backend import TORCH
+from sluice.engine.cpu.backend import BucketedLinear, CpuBackend, row_bucket
+from sluice.engine.layers import Linear, RMSNorm
+from sluice.engine.lm_head import lm_head
 
 
 @given(st.integers(1, 5000))

@@ -5,9 +5,8 @@ import pytest
 import torch
 import transformers
 
-from sluice.builtin_models import write_llama_family
+from sluice.app.builtin_models import write_llama_family
 from tests.engine.helpers import assert_logits_match, generate, make_engine, seq
-
 
 VARIANTS = {
     "qwen3-tied": dict(architecture="Qwen3ForCausalLM"),

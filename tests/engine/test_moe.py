@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cpu.backend import CpuBackend
-from engine.cpu.experts import F32Experts
-from engine.cpu.matmul import F32Matmul
-from engine.loader import load_model
-from engine.models.mixtures import MoeConfig
-from engine.moe import SparseMoE, mix, route
+from sluice.engine.cpu.backend import CpuBackend
+from sluice.engine.cpu.experts import F32Experts
+from sluice.engine.cpu.matmul import F32Matmul
+from sluice.engine.loader import load_model
+from sluice.engine.models.mixtures import MoeConfig
+from sluice.engine.moe import SparseMoE, mix, route
 from tests.engine.helpers import assert_logits_match, generate, make_engine, seq
 
 transformers = pytest.importorskip("transformers")

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine import cpu_kernels
-from engine.cpu import quant as cpu_quant
-from engine.cpu.quant import QuantMatmul, quant_linear
-from engine.quant import BY_NAME, QuantizedWeight, quantize
+from sluice.engine import cpu_kernels
+from sluice.engine.cpu import quant as cpu_quant
+from sluice.engine.cpu.quant import QuantMatmul, quant_linear
+from sluice.engine.quant import BY_NAME, QuantizedWeight, quantize
 
 VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_kernels.cpu_flags()
 AVX2 = {"avx2", "fma"} <= cpu_kernels.cpu_flags()
@@ -150,10 +150,10 @@ def test_quantization_at_load_quantizes_every_layer_linear_and_the_engine_runs_i
     """--quantization: each linear of the layers in the block format, the LM head and embedding left float;
     the quantized model's logits of a prompt near the float model's (random weights amplify the rounding:
     Q8_0 moves them by about a percent of their range here, Q4_0 by about ten)."""
-    from engine.layers import Linear
-    from engine.loader import load_model
-    from engine.quant import dequantized
-    from sluice.builtin_models import write_llama_family
+    from sluice.app.builtin_models import write_llama_family
+    from sluice.engine.layers import Linear
+    from sluice.engine.loader import load_model
+    from sluice.engine.quant import dequantized
     from tests.engine.helpers import seq
 
     monkeypatch.setenv("SLUICE_QUANT_ACTIVATIONS", "float")
@@ -180,9 +180,9 @@ def test_quantization_at_load_quantizes_every_layer_linear_and_the_engine_runs_i
 
 
 def _engine_of(model):
-    from engine.block_manager import BlockManager
-    from engine.model_runner import ModelRunner
-    from engine.scheduler import Scheduler
+    from sluice.engine.block_manager import BlockManager
+    from sluice.engine.model_runner import ModelRunner
+    from sluice.engine.scheduler import Scheduler
 
     runner = ModelRunner(model, 256, 16, torch.float32, torch.device("cpu"), 256)
     return runner, Scheduler(BlockManager(256, 16), max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=4096)

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.replay import ReplayRunner
-from engine.sampler import uniform_from
-from engine.scheduler import ScheduledBatch
+from sluice.engine.replay import ReplayRunner
+from sluice.engine.sampler import uniform_from
+from sluice.engine.scheduler import ScheduledBatch
 from tests.engine.helpers import seq
 
 

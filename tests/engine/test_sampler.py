@@ -6,10 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.cpu.backend import CpuBackend
-from engine.sampler import SamplingBatch, sample, uniform_from
-from ipc.messages import SamplingParams
-
+from sluice.engine.cpu.backend import CpuBackend
+from sluice.engine.sampler import SamplingBatch, sample, uniform_from
+from sluice.ipc.messages import SamplingParams
 
 EXP = CpuBackend(torch.float32).exp_kernels()  # (the CPU's kernels where this CPU runs them)
 
@@ -63,7 +62,7 @@ def test_uniforms_are_in_range_and_vary_with_seed_and_step():
 
 
 def _seq(output=(), prompt=(1, 2), **kw):
-    from engine.sequence import Sequence
+    from sluice.engine.sequence import Sequence
 
     s = Sequence("r", list(prompt), SamplingParams(100, **kw), seed=0)
     s.token_ids += list(output)
@@ -71,14 +70,14 @@ def _seq(output=(), prompt=(1, 2), **kw):
 
 
 def test_processors_leave_untouched_rows_alone():
-    from engine.sampler import process_logits
+    from sluice.engine.sampler import process_logits
 
     logits = torch.randn(2, 10)
     assert process_logits(logits, [_seq(), _seq()]) is logits
 
 
 def test_bias_bans_and_allowed_ids():
-    from engine.sampler import process_logits
+    from sluice.engine.sampler import process_logits
 
     logits = torch.zeros(4, 8)
     seqs = [
@@ -96,7 +95,7 @@ def test_bias_bans_and_allowed_ids():
 
 
 def test_penalties():
-    from engine.sampler import process_logits
+    from sluice.engine.sampler import process_logits
 
     logits = torch.tensor([[2.0, -2.0, 1.0, 1.0]]).repeat(3, 1)
     seqs = [
@@ -117,7 +116,7 @@ def test_penalties():
 def test_masks_go_in_place_and_leave_the_logits_as_they_came(kinds, temperature, seed, dtype):
     """Rows whose constraints only rule tokens out are masked on the model's logits, not on a float32 copy of
     the batch: the same tokens as that copy gives, and the logits (logprobs read them) come back unchanged."""
-    from engine.sampler import process_logits
+    from sluice.engine.sampler import process_logits
 
     vocab = 1500
     per_kind = {"free": {}, "allowed": {"allowed_token_ids": [3, 700, 1499]},
@@ -136,7 +135,7 @@ def test_masks_go_in_place_and_leave_the_logits_as_they_came(kinds, temperature,
 
 
 def test_logprobs_are_raw_with_ranks():
-    from engine.sampler import logprobs_of
+    from sluice.engine.sampler import logprobs_of
 
     logits = torch.tensor([[1.0, 3.0, 2.0]])
     (entry,) = logprobs_of(logits, torch.tensor([2]), k=2)
@@ -153,7 +152,7 @@ _WIDE = 1064
 @given(st.integers(1, 20), st.integers(1, 2 * _WIDE), st.integers(0, 2**32 - 1),
        st.sampled_from([torch.float32, torch.bfloat16]))
 def test_blocked_argmax_is_torch_argmax_ties_included(rows, vocab, seed, dtype):
-    from engine.sampler import argmax
+    from sluice.engine.sampler import argmax
 
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(-3, 4, (rows, vocab), generator=g).to(dtype)  # few values: many ties
@@ -166,7 +165,7 @@ def test_blocked_argmax_is_torch_argmax_ties_included(rows, vocab, seed, dtype):
 def test_inverse_cdf_is_the_full_running_sum_search(rows, vocab, seed, data):
     """Small integer masses and u = j/1024 keep every sum exact in float32: the two-level search must
     pick exactly the token a full cumsum and searchsorted picks, zero-mass tokens never."""
-    from engine.sampler import inverse_cdf
+    from sluice.engine.sampler import inverse_cdf
 
     g = torch.Generator().manual_seed(seed)
     probs = torch.randint(0, 4, (rows, vocab), generator=g).float()
@@ -183,7 +182,7 @@ def test_inverse_cdf_is_the_full_running_sum_search(rows, vocab, seed, data):
 def test_a_uniform_that_rounds_to_one_never_picks_a_token_without_mass(dtype):
     """u = 1 - 2^-53 is 1.0 in float32: the target is then the whole total. The old search fell past the
     last block with mass into a masked tail (a grammar's masked token, sampled)."""
-    from engine.sampler import inverse_cdf
+    from sluice.engine.sampler import inverse_cdf
 
     probs = torch.zeros(2, 3 * _WIDE)
     probs[0, 7] = probs[1, _WIDE + 2] = 1.0

@@ -6,8 +6,8 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler
+from sluice.engine.block_manager import BlockManager
+from sluice.engine.scheduler import Scheduler
 from tests.engine.helpers import seq
 
 

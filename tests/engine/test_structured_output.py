@@ -7,11 +7,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from engine.grammar import Grammars
-from ipc.openai import JsonSchemaFormat, ResponseFormat
-from render.structured import GrammarCompiler
-from sluice.builtin_models import ensure_builtin
-from sluice.harmony_vocab import harmony_encoding
+from sluice.app.builtin_models import ensure_builtin
+from sluice.base.harmony_vocab import harmony_encoding
+from sluice.engine.grammar import Grammars
+from sluice.render.structured import GrammarCompiler
+from sluice.schemas.openai import JsonSchemaFormat, ResponseFormat
 from tests.engine.helpers import generate, make_engine, seq
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "enum": [1, 2, 3]}},

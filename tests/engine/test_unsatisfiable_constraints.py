@@ -9,9 +9,9 @@ import llguidance
 import msgspec
 import pytest
 
-from ipc.messages import Frame
-from ipc.openai import JsonSchemaFormat, ResponseFormat
-from render.structured import NO_WHITESPACE, GrammarCompiler
+from sluice.ipc.messages import Frame
+from sluice.render.structured import NO_WHITESPACE, GrammarCompiler
+from sluice.schemas.openai import JsonSchemaFormat, ResponseFormat
 from tests.engine.test_engine_postproc import Pair, make_engine, request
 
 EOS = 2
@@ -85,7 +85,7 @@ def test_a_grammar_that_goes_no_further_in_the_engine_is_a_400_naming_its_field(
 
 def test_an_engine_failure_stays_a_500(engine, tokenizer, choice_grammar, monkeypatch):
     """Only the request's own constraints make a 400: a sampled token the grammar refuses is the engine's."""
-    from engine.grammar import _Guidance
+    from sluice.engine.grammar import _Guidance
 
     monkeypatch.setattr(_Guidance, "accept", lambda self, token: False)
     pair = Pair(engine, tokenizer)

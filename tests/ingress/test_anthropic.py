@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from ingress.anthropic import MESSAGES
-from ipc.errors import ANTHROPIC
-from ingress.dialects import OPENAI_CHAT
-from ipc.messages import Failure
+from sluice.ingress.anthropic import MESSAGES
+from sluice.ingress.dialects import OPENAI_CHAT
+from sluice.ipc.messages import Failure
+from sluice.schemas.errors import ANTHROPIC
 
 
 @pytest.mark.parametrize("status, kind", [

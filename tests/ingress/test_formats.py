@@ -6,10 +6,10 @@ import math
 import msgspec
 import pytest
 
-from ingress.formats import BadMsgpack, accepts_msgpack, msgpack_as_json, msgpack_responses, sends_msgpack
-from ingress.http import MAX_MESSAGE, MAX_PARAM, capped_failure, validation_error
-from ipc.messages import Failure
-from ipc.openai import ChatCompletionRequest
+from sluice.ingress.formats import BadMsgpack, accepts_msgpack, msgpack_as_json, msgpack_responses, sends_msgpack
+from sluice.ingress.http import MAX_MESSAGE, MAX_PARAM, capped_failure, validation_error
+from sluice.ipc.messages import Failure
+from sluice.schemas.openai import ChatCompletionRequest
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "héllo"}], "max_tokens": 3, "temperature": 0.5,
         "logit_bias": {"5": -1.5}, "stop": ["a", "b"], "stream": False, "seed": None}

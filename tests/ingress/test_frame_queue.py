@@ -6,8 +6,8 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ingress.pipeline import FrameQueue
-from ipc.messages import Frame
+from sluice.ingress.pipeline import FrameQueue
+from sluice.ipc.messages import Frame
 
 
 def test_the_queue_counts_the_frame_bytes_waiting_in_it():

@@ -6,9 +6,9 @@ import time
 import msgspec
 import pytest
 
-from ingress.http import BodyTimedOut, BodyTooLarge, read_body, validation_error
-from sluice.auth import authorized
-from ipc.openai import ChatCompletionRequest
+from sluice.base.auth import authorized
+from sluice.ingress.http import BodyTimedOut, BodyTooLarge, read_body, validation_error
+from sluice.schemas.openai import ChatCompletionRequest
 
 KEYS = [b"k1", b"k2"]
 

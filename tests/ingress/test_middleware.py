@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from ingress.middleware import checked, load, wrapped
+from sluice.ingress.middleware import checked, load, wrapped
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "deploy" / "middleware_example.py")
 seen: list[str] = []

@@ -1,9 +1,9 @@
 from __future__ import annotations
 
-import ingress.app  # noqa: F401  (every route registered, as the server has them)
-from ingress.dialects import DIALECTS
-from ingress.openapi import FIXED, openapi_document
-from ingress.routes import ROUTES
+import sluice.ingress.app  # noqa: F401  (every route registered, as the server has them)
+from sluice.ingress.dialects import DIALECTS
+from sluice.ingress.openapi import FIXED, openapi_document
+from sluice.ingress.routes import ROUTES
 
 
 def test_openapi_lists_every_route_served():

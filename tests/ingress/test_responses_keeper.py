@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import msgspec
 
-from ingress.http import JSON
-from ingress.responses import Keeper
-from ipc.responses import CreateResponse, ResponseEvent, TextEvent, new_response, sse
-from sluice.config import ServerConfig
-from sluice.responses_store import Store
+from sluice.base.config import ServerConfig
+from sluice.ingress.http import JSON
+from sluice.ingress.responses import Keeper
+from sluice.schemas.responses import CreateResponse, ResponseEvent, TextEvent, new_response, sse
+from sluice.state.responses import Store
 
 REQUEST = CreateResponse(model="m", input="hi")
 

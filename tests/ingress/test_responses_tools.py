@@ -6,9 +6,9 @@ import logging
 
 import msgspec
 
-from ingress import responses
-from ipc.responses import CreateResponse
-from sluice.config import ServerConfig
+from sluice.base.config import ServerConfig
+from sluice.ingress import responses
+from sluice.schemas.responses import CreateResponse
 
 TOOLS = [{"type": "function", "name": "shell"}, {"type": "web_search"},
          {"type": "namespace", "name": "ns", "description": "", "tools": [{"type": "custom", "name": "patch"}]}]

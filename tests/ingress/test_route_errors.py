@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from ingress.anthropic import MESSAGES
-from ingress.app import Ingress
-from ingress.routes import Request, Route
+from sluice.ingress.anthropic import MESSAGES
+from sluice.ingress.app import Ingress
+from sluice.ingress.routes import Request, Route
 
 
 def _run(handler, dialect=MESSAGES) -> list[dict]:

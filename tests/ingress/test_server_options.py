@@ -5,9 +5,9 @@ import resource
 import pytest
 from granian.cli import cli as granian_cli
 
-from ingress.server_options import granian_args, raise_open_files_limit
-from sluice.cli import config_from_args, parse_args
-from sluice.config import ServerConfig
+from sluice.app.cli import config_from_args, parse_args
+from sluice.base.config import ServerConfig
+from sluice.ingress.server_options import granian_args, raise_open_files_limit
 
 
 def config(**kw) -> ServerConfig:
@@ -43,7 +43,7 @@ def test_timeouts_out_of_range_are_refused(flags, tiny_chat_dir):
 
 def test_granian_accepts_the_options():
     args = granian_args(config(ingress_workers=2, max_connections=1001, header_timeout=2.5))
-    ctx = granian_cli.make_context("granian", [*args, "ingress.app:create_app"])
+    ctx = granian_cli.make_context("granian", [*args, "sluice.ingress.app:create_app"])
     assert (ctx.params["backpressure"], ctx.params["http1_header_read_timeout"]) == (501, 2500)
     assert ctx.params["http"].value == "1"  # auto mode reads the first bytes with no timeout at all
 

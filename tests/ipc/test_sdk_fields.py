@@ -24,11 +24,11 @@ from openai.types.responses.namespace_tool import Tool as NamespaceMember
 from openai.types.responses.response_includable import ResponseIncludable
 from openai.types.responses.tool import Tool as ResponsesToolUnion
 
-from ingress.http import validation_error
-from ipc import sdk_fields
-from ipc.anthropic import BatchCreateRequest, CountTokensRequest, MessagesRequest
-from ipc.openai import ChatCompletionRequest, CompletionRequest
-from ipc.responses import CreateResponse
+from sluice.ingress.http import validation_error
+from sluice.schemas import sdk_fields
+from sluice.schemas.anthropic import BatchCreateRequest, CountTokensRequest, MessagesRequest
+from sluice.schemas.openai import ChatCompletionRequest, CompletionRequest
+from sluice.schemas.responses import CreateResponse
 
 USER = [{"role": "user", "content": "x"}]
 
@@ -150,7 +150,7 @@ def test_hints_and_values_that_ask_for_what_this_server_does_are_taken(name):
 
 
 def test_a_refused_field_inside_a_batch_request_names_its_index():
-    from ingress.anthropic import _checked, _Refused
+    from sluice.ingress.anthropic import _checked, _Refused
 
     body = msgspec.json.decode(msgspec.json.encode({"requests": [
         {"custom_id": "a", "params": {"model": "m", "max_tokens": 4, "messages": USER}},

@@ -7,11 +7,11 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ipc.messages import (Abort, ControlInput, Drain, DrainTimedOut, EndChoices, EngineDied, EngineInput, EngineRequest,
-                          Failed, Finished, Frame, Frames, IngressInput, Logprobs, Rendered, SamplingParams, StageDied,
-                          Started, StepOutputs, bytes_to_ids, ids_to_bytes)
-from ipc.shm import ShmRingReader, ShmRingWriter
-from ipc.transport import PullChannel, PushChannel
+from sluice.ipc.messages import (Abort, ControlInput, Drain, DrainTimedOut, EndChoices, EngineDied, EngineInput,
+                                 EngineRequest, Failed, Finished, Frame, Frames, IngressInput, Logprobs, Rendered,
+                                 SamplingParams, StageDied, Started, StepOutputs, bytes_to_ids, ids_to_bytes)
+from sluice.ipc.shm import ShmRingReader, ShmRingWriter
+from sluice.ipc.transport import PullChannel, PushChannel
 
 ids = st.lists(st.integers(0, 2**31 - 1), max_size=300)
 sampling = st.builds(SamplingParams, max_tokens=st.integers(1, 10**6), temperature=st.floats(0, 2),

@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from ipc.anthropic import Framing
-from ipc.messages import PostprocSpec, Started
-from postproc.stop import StopStrings
-from postproc.worker import Shard
+from sluice.ipc.messages import PostprocSpec, Started
+from sluice.postproc.stop import StopStrings
+from sluice.postproc.worker import Shard
+from sluice.schemas.anthropic import Framing
 from tests.postproc.test_shard import feed
 
 TOOLS_OUTPUT = '<think>Plan: call the tool.</think>Sure.\n<tool_call>\n{"name": "get_weather", "arguments": ' \

@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ipc.openai import FunctionCallOut, ToolCallOut
-from postproc.assembly import Assembly, Events, Item
-from postproc.parsers import Piece
+from sluice.postproc.assembly import Assembly, Events, Item
+from sluice.postproc.parsers import Piece
+from sluice.schemas.openai import FunctionCallOut, ToolCallOut
 
 
 def _call(index: int, name: str, arguments: str = "{}") -> ToolCallOut:

@@ -1,5 +1,5 @@
 """The same tokens give the same message in every dialect: Anthropic's content blocks and the Responses
-API's output items are the same items (postproc.assembly), and an OpenAI chat message holds the same
+API's output items are the same items (sluice.postproc.assembly), and an OpenAI chat message holds the same
 reasoning and calls, its content the same text with the whitespace between items kept."""
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from postproc.worker import Shard
-
+from sluice.postproc.worker import Shard
 from tests.postproc import test_anthropic_frames as anthropic
 from tests.postproc import test_responses_frames as responses
 from tests.postproc.test_shard import feed, start

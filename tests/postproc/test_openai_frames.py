@@ -5,10 +5,10 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ipc.messages import PostprocSpec
-from ipc.openai import ChatCompletionChunk, ChunkChoice, Delta
-from postproc.openai_frames import OpenAIFramer
-from postproc.parsers import Piece
+from sluice.ipc.messages import PostprocSpec
+from sluice.postproc.openai_frames import OpenAIFramer
+from sluice.postproc.parsers import Piece
+from sluice.schemas.openai import ChatCompletionChunk, ChunkChoice, Delta
 
 
 @settings(max_examples=100, deadline=None)

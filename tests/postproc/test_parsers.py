@@ -10,13 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai_harmony import HarmonyError, Role, StreamableParser
 
-from ipc.messages import PostprocSpec, Started
-from postproc.harmony import HarmonyParser
-from postproc.assembly import Assembly
-from postproc.openai_frames import _message
-from postproc.parsers import HermesParser, Piece, ThinkParser
-from postproc.request import RequestOutput
-from sluice.harmony_vocab import harmony_encoding
+from sluice.base.harmony_vocab import harmony_encoding
+from sluice.ipc.messages import PostprocSpec, Started
+from sluice.postproc.assembly import Assembly
+from sluice.postproc.harmony import HarmonyParser
+from sluice.postproc.openai_frames import _message
+from sluice.postproc.parsers import HermesParser, Piece, ThinkParser
+from sluice.postproc.request import RequestOutput
 from tests.harmony_outputs import harmony_tokens
 
 words = st.text(st.sampled_from("ab <>/{}\"x\n"), max_size=12)
@@ -304,7 +304,7 @@ def test_lean_harmony_tokens_frame_as_every_other_token_does(head, soup, steps, 
     for at in lead_bytes:
         tokens.insert(at % len(tokens), 172)  # the byte 0xf0 alone
     spec = msgspec.structs.replace(_spec(True), stream_interval=interval)
-    with mock.patch("postproc.harmony.new_call_id", lambda: "call_x"):  # (the one thing drawn at random)
+    with mock.patch("sluice.postproc.harmony.new_call_id", lambda: "call_x"):  # (the one thing drawn at random)
         _frame_lean_and_whole(spec, tokens, steps, ends)
 
 

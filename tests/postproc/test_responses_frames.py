@@ -14,8 +14,8 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 from tokenizers import Tokenizer
 
-from ipc.responses import CreateResponse, FramerSpec, RenderBody, new_response
-from postproc.worker import Shard
+from sluice.postproc.worker import Shard
+from sluice.schemas.responses import CreateResponse, FramerSpec, RenderBody, new_response
 from tests.postproc.test_shard import feed, start
 
 TOOLS = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
@@ -154,8 +154,8 @@ def test_sealed_reasoning_and_a_namespace_call_as_codex_asks_for_them(shard, tmp
     """include reasoning.encrypted_content: each finished reasoning item carries its text sealed (not the item
     as added, which is not finished); a call to a namespace's function comes back under its own name with the
     namespace. The framing is the translation's, as the render worker makes it."""
-    from render.responses import translate
-    from sluice import sealing
+    from sluice.base import sealing
+    from sluice.render.responses import translate
 
     namespace = {"type": "namespace", "name": "weather", "description": "Weather", "tools": TOOLS}
     r = msgspec.convert({"model": "m", "input": "Hi", "tools": [namespace, {"type": "web_search"}], "store": False,

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from ipc.messages import Abort, EndChoices, Failed, Finished, PostprocSpec, Started, StepOutputs, ids_to_bytes
-from postproc.worker import Shard, parts
+from sluice.ipc.messages import Abort, EndChoices, Failed, Finished, PostprocSpec, Started, StepOutputs, ids_to_bytes
+from sluice.postproc.worker import Shard, parts
 
 
 @pytest.fixture
@@ -136,7 +136,7 @@ def test_a_request_that_fails_before_its_first_token_gets_an_error(shard):
 
 
 def test_a_failing_request_gets_an_error_and_the_others_go_on(shard, monkeypatch):
-    from postproc.request import RequestOutput
+    from sluice.postproc.request import RequestOutput
 
     shard.on_steps([StepOutputs([start(shard, "bad"), start(shard, "good")], [], b"", b"", [])])
     real = RequestOutput.feed

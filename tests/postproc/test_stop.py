@@ -4,7 +4,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from postproc.stop import StopStrings
+from sluice.postproc.stop import StopStrings
 
 alphabet = st.sampled_from("abc xy\n")
 

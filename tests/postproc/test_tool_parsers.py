@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from postproc.parsers import Piece, text_parser
-from sluice.tool_formats import DS_CALL_BEGIN as CALL
-from sluice.tool_formats import DS_CALL_END as END_CALL
-from sluice.tool_formats import DS_CALLS_BEGIN as BEGIN
-from sluice.tool_formats import DS_CALLS_END as END
-from sluice.tool_formats import DS_SEP as SEP
+from sluice.base.tool_formats import DS_CALL_BEGIN as CALL
+from sluice.base.tool_formats import DS_CALL_END as END_CALL
+from sluice.base.tool_formats import DS_CALLS_BEGIN as BEGIN
+from sluice.base.tool_formats import DS_CALLS_END as END
+from sluice.base.tool_formats import DS_SEP as SEP
+from sluice.postproc.parsers import Piece, text_parser
 
 WEATHER = {"city": "Paris", "days": 3}
 TIME = {"tz": "utc"}

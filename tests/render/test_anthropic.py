@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ipc.anthropic import Framing
-from ipc.messages import PostprocSpec, RenderJob, bytes_to_ids
-from render.anthropic import ERROR_PREFIX
-from render.errors import RequestError
-from render.worker import build_core
-from sluice.config import ServerConfig
+from sluice.base.config import ServerConfig
+from sluice.ipc.messages import PostprocSpec, RenderJob, bytes_to_ids
+from sluice.render.anthropic import ERROR_PREFIX
+from sluice.render.errors import RequestError
+from sluice.render.worker import build_core
+from sluice.schemas.anthropic import Framing
 from tests.render.test_core import CONVERSATION, TOOLS
 
 ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Weather for a city",

@@ -6,11 +6,11 @@ import shutil
 
 import pytest
 
-from ipc.messages import RenderJob, bytes_to_ids
-from render.tokenizer import chat_template, load_tokenizer
-from render.worker import build_core
-from sluice.cli import config_from_args, parse_args
-from sluice.config import ServerConfig
+from sluice.app.cli import config_from_args, parse_args
+from sluice.base.config import ServerConfig
+from sluice.ipc.messages import RenderJob, bytes_to_ids
+from sluice.render.tokenizer import chat_template, load_tokenizer
+from sluice.render.worker import build_core
 
 PLAIN = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
 

@@ -6,10 +6,10 @@ import json
 import msgspec
 import pytest
 
-from ipc.messages import PostprocSpec, RenderJob, bytes_to_ids
-from render.errors import RequestError
-from render.worker import build_core
-from sluice.config import ServerConfig
+from sluice.base.config import ServerConfig
+from sluice.ipc.messages import PostprocSpec, RenderJob, bytes_to_ids
+from sluice.render.errors import RequestError
+from sluice.render.worker import build_core
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},

@@ -11,10 +11,10 @@ from collections import deque
 import msgspec
 import pytest
 
-from ipc.messages import Abort, EngineRequest, Frame, RenderJob
-from render import deadline
-from render.worker import RenderWorker, build_core
-from sluice.config import ServerConfig
+from sluice.base.config import ServerConfig
+from sluice.ipc.messages import Abort, EngineRequest, Frame, RenderJob
+from sluice.render import deadline
+from sluice.render.worker import RenderWorker, build_core
 
 # A template that runs for hours (the chat template's own limit, 5 s, is not what stops it here).
 FOREVER = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"

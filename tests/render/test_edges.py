@@ -14,15 +14,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ingress.http import validation_error
-from ipc.messages import EngineInput, PostprocSpec, RenderJob, bytes_to_ids
-from ipc.openai import INT32_MAX, INT64_MAX, INT64_MIN, ChatCompletionRequest, CompletionRequest
-from render import chat_template
-from render.core import MAX_JSON_DEPTH
-from render.errors import RequestError
-from render.tokenizer import PromptBudget
-from render.worker import build_core
-from sluice.config import ServerConfig
+from sluice.base.config import ServerConfig
+from sluice.ingress.http import validation_error
+from sluice.ipc.messages import EngineInput, PostprocSpec, RenderJob, bytes_to_ids
+from sluice.render import chat_template
+from sluice.render.core import MAX_JSON_DEPTH
+from sluice.render.errors import RequestError
+from sluice.render.tokenizer import PromptBudget
+from sluice.render.worker import build_core
+from sluice.schemas.openai import INT32_MAX, INT64_MAX, INT64_MIN, ChatCompletionRequest, CompletionRequest
 from tests.render.edge_bodies import EDGES, FIELDS, body, names, request_integer_types
 
 REQUESTS = {"chat": ChatCompletionRequest, "completions": CompletionRequest}

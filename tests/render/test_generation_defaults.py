@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 
-from ipc.messages import RenderJob
-from render.worker import build_core
-from sluice.checkpoint import sampling_defaults
-from sluice.config import ServerConfig
+from sluice.base.checkpoint import sampling_defaults
+from sluice.base.config import ServerConfig
+from sluice.ipc.messages import RenderJob
+from sluice.render.worker import build_core
 
 QWEN3_STYLE = {"eos_token_id": [2], "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20,
                "min_p": 0.05, "repetition_penalty": 1.1}

@@ -11,16 +11,16 @@ from hypothesis import strategies as st
 from openai_harmony import (Author, Conversation, DeveloperContent, Message, ReasoningEffort, Role, SystemContent,
                             ToolDescription)
 
-from ipc.messages import RenderJob, bytes_to_ids
-from ipc.openai import ChatCompletionRequest
-from render.errors import RequestError
-from render.extensions import ExtensionOptions, check_parsers
-from render.harmony import (developer_instructions, developer_message, function_tools, harmony_prompt_ids,
-                            system_message, turn_messages)
-from render.worker import build_core
-from sluice.builtin_models import ensure_builtin
-from sluice.config import ServerConfig
-from sluice.harmony_vocab import harmony_encoding
+from sluice.app.builtin_models import ensure_builtin
+from sluice.base.config import ServerConfig
+from sluice.base.harmony_vocab import harmony_encoding
+from sluice.ipc.messages import RenderJob, bytes_to_ids
+from sluice.render.errors import RequestError
+from sluice.render.extensions import ExtensionOptions, check_parsers
+from sluice.render.harmony import (developer_instructions, developer_message, function_tools, harmony_prompt_ids,
+                                   system_message, turn_messages)
+from sluice.render.worker import build_core
+from sluice.schemas.openai import ChatCompletionRequest
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
                                            "parameters": {"type": "object",

@@ -8,11 +8,11 @@ import json
 import msgspec
 from tokenizers import Tokenizer
 
-from ipc.messages import PostprocSpec, RenderJob, Started, bytes_to_ids
-from postproc.worker import Shard
-from render.tokenizer import chat_template
-from render.worker import build_core
-from sluice.config import ServerConfig
+from sluice.base.config import ServerConfig
+from sluice.ipc.messages import PostprocSpec, RenderJob, Started, bytes_to_ids
+from sluice.postproc.worker import Shard
+from sluice.render.tokenizer import chat_template
+from sluice.render.worker import build_core
 from tests.postproc.test_shard import feed
 
 

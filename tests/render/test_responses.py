@@ -6,10 +6,10 @@ import re
 import msgspec
 import pytest
 
-from ipc.openai import NamedToolChoice
-from ipc.responses import CreateResponse, FramerSpec, InputItem, RenderBody
-from render.responses import to_messages, translate
-from render.truncation import without_oldest_turn
+from sluice.render.responses import to_messages, translate
+from sluice.render.truncation import without_oldest_turn
+from sluice.schemas.openai import NamedToolChoice
+from sluice.schemas.responses import CreateResponse, FramerSpec, InputItem, RenderBody
 
 TOOL = {"type": "function", "name": "get_weather", "description": "Weather", "parameters": {"type": "object"}}
 

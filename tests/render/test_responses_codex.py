@@ -7,14 +7,14 @@ import msgspec
 import pytest
 from tokenizers import Tokenizer
 
-from ipc.messages import RenderJob, bytes_to_ids
-from ipc.responses import CreateResponse, FramerSpec, InputItem, RenderBody
-from render.errors import RequestError
-from render.responses import translate
-from render.worker import build_core
-from sluice import sealing
-from sluice.builtin_models import ensure_builtin
-from sluice.config import ServerConfig
+from sluice.app.builtin_models import ensure_builtin
+from sluice.base import sealing
+from sluice.base.config import ServerConfig
+from sluice.ipc.messages import RenderJob, bytes_to_ids
+from sluice.render.errors import RequestError
+from sluice.render.responses import translate
+from sluice.render.worker import build_core
+from sluice.schemas.responses import CreateResponse, FramerSpec, InputItem, RenderBody
 
 REASONING = "The user wants the weather: call the tool."
 SHELL = {"type": "function", "name": "shell", "description": "Runs a command",

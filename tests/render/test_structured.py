@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from ipc.openai import FunctionDef, JsonSchemaFormat, ResponseFormat, Tool
-from render import tool_grammars
-from render.errors import RequestError
-from render.structured import Constraint, GrammarCompiler, GrammarLimits, json_schema
+from sluice.render import tool_grammars
+from sluice.render.errors import RequestError
+from sluice.render.structured import Constraint, GrammarCompiler, GrammarLimits, json_schema
+from sluice.schemas.openai import FunctionDef, JsonSchemaFormat, ResponseFormat, Tool
 
 
 def wide_any_of(k: int, m: int) -> ResponseFormat:

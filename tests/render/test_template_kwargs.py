@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from ipc.messages import RenderJob, bytes_to_ids
-from render.errors import RequestError
-from render.tokenizer import chat_template
-from render.worker import build_core
-from sluice.builtin_models import ensure_builtin
-from sluice.config import ServerConfig
+from sluice.app.builtin_models import ensure_builtin
+from sluice.base.config import ServerConfig
+from sluice.ipc.messages import RenderJob, bytes_to_ids
+from sluice.render.errors import RequestError
+from sluice.render.tokenizer import chat_template
+from sluice.render.worker import build_core
 
 OFF = {"enable_thinking": False}
 HI = [{"role": "user", "content": "Hi"}]

@@ -14,13 +14,13 @@ import msgspec
 import pytest
 from tokenizers import AddedToken, Tokenizer
 
-from ipc.messages import PostprocSpec, RenderJob, Started, bytes_to_ids
-from postproc.worker import Shard
-from render.errors import RequestError
-from render.worker import build_core
-from sluice.checkpoint import guidance_tokenizer
-from sluice.config import ServerConfig
-from sluice.tool_formats import tool_parser_of, reasoning_parser_of
+from sluice.base.checkpoint import guidance_tokenizer
+from sluice.base.config import ServerConfig
+from sluice.base.tool_formats import reasoning_parser_of, tool_parser_of
+from sluice.ipc.messages import PostprocSpec, RenderJob, Started, bytes_to_ids
+from sluice.postproc.worker import Shard
+from sluice.render.errors import RequestError
+from sluice.render.worker import build_core
 from tests.postproc.test_shard import feed, sse_events
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},

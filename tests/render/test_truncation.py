@@ -9,13 +9,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ipc.messages import RenderJob, bytes_to_ids
-from ipc.responses import CreateResponse, RenderBody
-from render import extensions
-from render.errors import RequestError
-from render.truncation import Turns, fewest_dropped, without_oldest_turn
-from render.worker import build_core
-from sluice.config import ServerConfig
+from sluice.base.config import ServerConfig
+from sluice.ipc.messages import RenderJob, bytes_to_ids
+from sluice.render import extensions
+from sluice.render.errors import RequestError
+from sluice.render.truncation import Turns, fewest_dropped, without_oldest_turn
+from sluice.render.worker import build_core
+from sluice.schemas.responses import CreateResponse, RenderBody
 
 SEARCH = settings(deadline=None, suppress_health_check=list(HealthCheck), max_examples=60)
 

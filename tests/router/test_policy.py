@@ -7,12 +7,12 @@ import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager
-from engine.kv_events import KvEventPublisher
-from engine.sequence import Sequence
-from ipc.kv import KvEvents, block_hashes
-from ipc.messages import SamplingParams
-from router.policy import KvIndex, Load, Policy
+from sluice.engine.block_manager import BlockManager
+from sluice.engine.kv_events import KvEventPublisher
+from sluice.engine.sequence import Sequence
+from sluice.ipc.kv import KvEvents, block_hashes
+from sluice.ipc.messages import SamplingParams
+from sluice.router.policy import KvIndex, Load, Policy
 
 
 @given(st.lists(st.integers(0, 1000), max_size=80), st.text(max_size=8), st.sampled_from([1, 4, 16]))

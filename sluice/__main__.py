@@ -1,0 +1,3 @@
+from sluice.app.cli import main
+
+main()

@@ -1,0 +1,224 @@
+"""The CPU backend: Sluice's C kernels where this CPU has their instructions, torch's path elsewhere.
+
+Which CPUs get which path (chosen at run time from /proc/cpuinfo, logged once a model):
+
+- float32 activations (the CPU default, `--dtype auto`), AVX-512F: every linear and the LM head on
+  csrc/f32_matmul.c. A weight whose values are bf16 (a bf16 checkpoint) is kept in bf16 and widened in
+  registers: float32 math on the same weights, half the bytes. Each decode step's layers run in one call
+  (csrc/f32_layers.c: RMSNorm, q/k norms, rotary and the KV store, paged attention, SwiGLU, residuals);
+  prompts' and prompt chunks' attention on csrc/causal_attention.c (flash-attention style, grouped-query
+  heads together, the step's rows and the cache's slots read where they lie), their SwiGLU in the gate-and-up
+  product's epilogue (the [T, 2I] product never written).
+- float32 activations, AVX2 and FMA without AVX-512F: the linears and the LM head on csrc/f32_matmul_avx2.c
+  (the same values, the same bf16 weights); each step's layers in one call on csrc/f32_layers.c built for
+  AVX2 (the same source on 8-lane vectors); prompts too long for that step take torch's attention.
+- bf16 activations, AVX512-BF16: the bf16 kernels (VDPBF16PS) for the LM head and small linears, a step
+  in one call where every linear is small (csrc/decoder_layers.c); with AVX512-VNNI, greedy rows of the
+  LM head screened in int8 (csrc/int8_argmax.c).
+- anything else (float32 without AVX2, bf16 without AVX512-BF16, float16, no C compiler,
+  SLUICE_CPU_KERNELS=0): torch, with the CPU-specific choices below (oneDNN for the LM head, half-precision
+  rows padded to few shapes).
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sluice.engine.backend import Backend, LMHead
+from sluice.engine.cpu import kernels, ops
+from sluice.engine.cpu.experts import F32Experts
+from sluice.engine.cpu.lm_head import CpuLMHead
+from sluice.engine.cpu.matmul import Bf16Matmul, F32Matmul, narrowed
+from sluice.engine.cpu.quant import quant_linear
+from sluice.engine.cpu.stack import DecodeLayer, DecoderStack
+from sluice.engine.sampler import ExpKernels
+
+log = logging.getLogger("sluice.engine")
+
+_FP32_MAX_ROWS = 16
+_SMALL_WEIGHT = 1 << 18
+
+
+def row_bucket(n: int) -> int:
+    """n rounded up to one of four sizes per power of two above 16 (at most 25% more)."""
+    if n <= 16:
+        return n
+    step = (1 << (n.bit_length() - 1)) // 4
+    return -(-n // step) * step
+
+
+class BucketedLinear:
+    """A half-precision linear through torch (oneDNN), its rows padded to `row_bucket` sizes: oneDNN compiles
+    a kernel for each new shape (0.5-5 ms here, against ~0.2 ms to run it) and keeps 1,024 of them, while a
+    server's steps come in every token count up to --max-num-batched-tokens. With a small weight, up to 16
+    rows run on a float32 copy of it instead (the same products, accumulated in float32 either way; oneDNN's
+    bf16 matmul costs ~17 us a call whatever its size)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+        small = weight.numel() <= _SMALL_WEIGHT
+        self.fp32 = (weight.detach().float(), None if bias is None else bias.detach().float()) if small else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            return F.linear(x, self.weight, self.bias)
+        if self.fp32 is not None and n <= _FP32_MAX_ROWS:
+            return F.linear(x.float(), *self.fp32).to(x.dtype)
+        if row_bucket(n) == n:
+            return F.linear(x, self.weight, self.bias)
+        return F.linear(F.pad(x, (0, 0, 0, row_bucket(n) - n)), self.weight, self.bias)[:n]
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype  # the activations'
+
+    def prepare(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        from sluice.engine.layers import Backbone  # (engine.layers imports the backends)
+
+        super().prepare(model, kv_caches)
+        self._narrow_embeddings(model)
+        backbones = [m for m in model.modules() if isinstance(m, Backbone)]
+        one_call = False
+        for backbone in backbones:
+            backbone.stack = self._stack(backbone, kv_caches)
+            one_call |= backbone.stack is not None
+        kinds = Counter(_kind(m.run) for m in model.modules() if hasattr(m, "run"))
+        log.info("CPU backend (%s activations): linears on %s; the layers of a step in %s", str(self.dtype)[6:],
+                 ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())), "one call" if one_call else "torch ops")
+        return one_call
+
+    def linear(self, layer: nn.Linear):
+        weight, bias = layer.weight, layer.bias
+        if getattr(layer, "quant", None) is not None:  # a weight kept in a block format (engine/quant.py)
+            return quant_linear(layer.quant, bias)
+        if weight.device.type != "cpu":
+            return None
+        if self.dtype == torch.float32:
+            kernel = F32Matmul.build(narrowed(weight), bias)
+            if kernel is not None:
+                layer.weight.data = kernel_weight(weight, kernel)
+                return kernel
+            return None
+        if self.dtype == torch.bfloat16 and weight.numel() <= _SMALL_WEIGHT:
+            small = Bf16Matmul.build(weight, bias)
+            if small is not None:
+                return small
+        return BucketedLinear(weight, bias)
+
+    def experts(self, experts: nn.Module):
+        return F32Experts.build(experts) if self.dtype == torch.float32 else None
+
+    def exp_kernels(self) -> ExpKernels | None:
+        blocks, block = kernels.exp_blocks(), kernels.exp_block()
+        return ExpKernels(blocks, block) if blocks is not None and block is not None else None
+
+    def lm_head(self, weight: torch.Tensor) -> LMHead:
+        head = CpuLMHead.build(weight, self.dtype)
+        log.info("LM head: %s", head.path)
+        return head
+
+    def swiglu(self, gate_up: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        kernel = gate_up.run
+        if isinstance(kernel, F32Matmul) and kernel.swiglu_ok and x.dtype == torch.float32 and x.device.type == "cpu":
+            return kernel.swiglu(x)
+        return super().swiglu(gate_up, x)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        out = ops.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps) if out is None else out
+
+    def rope_and_store(self, qk, v, heads, rotary, positions, k_cache, v_cache, slots) -> torch.Tensor:
+        # (the kernels rotate every dimension, rotate-half: a partial or interleaved rotary is torch's)
+        q = ops.rope_store(qk, v, heads, positions, rotary.cos, rotary.sin, slots, k_cache,
+                           v_cache) if rotary.plain else None
+        return super().rope_and_store(qk, v, heads, rotary, positions, k_cache, v_cache, slots) if q is None else q
+
+    def decode_attention(self, q, k_cache, v_cache, rows, slots, mask, scale, sinks, out) -> bool:
+        return ops.decode_attention(q, k_cache, v_cache, rows, slots, mask, scale, sinks, out)
+
+    def causal_attention(self, q, k_cache, v_cache, q_index, kv_slots, out_index, scale, starts, out) -> bool:
+        return ops.paged_causal_attention(q, k_cache, v_cache, q_index, kv_slots, out_index, scale, starts, out)
+
+    def _narrow_embeddings(self, model: nn.Module) -> None:
+        """Float32 embedding tables whose values are bf16 kept in bf16 (the rows read are widened: exact),
+        where the float32 kernels run (the LM head tied to one then packs the bf16 values)."""
+        if self.dtype != torch.float32 or F32Matmul.build(torch.zeros(1, 2)) is None:
+            return
+        for module in model.modules():
+            if isinstance(module, nn.Embedding) and module.weight.device.type == "cpu":
+                module.weight.data = narrowed(module.weight)
+
+    def _stack(self, backbone: nn.Module, kv_caches: list) -> "StepInOneCall | None":
+        """The backbone's layers as one kernel call, or None where a layer is not one the kernels run."""
+        layers = [decode_layer(layer, kv) for layer, kv in zip(backbone.layers, kv_caches)]
+        windows = {layer.self_attn.window for layer in backbone.layers}
+        if None in layers or len(windows) != 1:
+            return None
+        stack = DecoderStack.build(layers)  # type: ignore[arg-type]
+        return None if stack is None else StepInOneCall(stack, windows.pop())
+
+
+def _kind(run) -> str:
+    """What runs a linear, for the log: F.linear, or the kernel's class (the float32 one's instructions too)."""
+    if run is None:
+        return "F.linear"
+    return f"{type(run).__name__} ({run.isa})" if hasattr(run, "isa") else type(run).__name__
+
+
+def kernel_weight(weight: torch.Tensor, kernel: F32Matmul) -> torch.Tensor:
+    """The layer's weight as the kernel reads it: bf16 where the kernel widens bf16 (the same values; the
+    float32 copy is not kept), else as it was."""
+    return weight.detach().bfloat16() if kernel.bf16 and weight.dtype != torch.bfloat16 else weight.data
+
+
+class StepInOneCall:
+    """A backbone's layers over a step in one call, each row attending as one decode (`meta.row_group`)."""
+
+    def __init__(self, stack: DecoderStack, window: int | None) -> None:
+        self.stack, self.window = stack, window
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta) -> bool:
+        """Runs the step in place on x; False where it does not apply (no row group, not the stack's dtype)."""
+        g, w = meta.row_group, self.window
+        return g is not None and self.stack(x, positions, meta.slot_mapping[w], g.q_index.view(-1), g.kv_slots[w],
+                                            g.masks[w])
+
+
+def decode_layer(layer: nn.Module, kv: tuple[torch.Tensor, torch.Tensor]) -> DecodeLayer | None:
+    """A pre-norm Llama-family layer (sluice.engine.layers' DecoderLayer of an Attention and a GatedMLP) as the stack
+    runs it, or None where it is another kind of layer or its linears do not run on one kernel. Exactly those
+    classes, with only the options the kernels compute: a subclass or option (sandwich norms, GeGLU, (1 + w)
+    norms, soft-capping, whole-projection q/k norms, a partial rotary) runs op by op."""
+    from sluice.engine.layers import Attention, DecoderLayer, GatedMLP, RMSNorm
+
+    if type(layer) is not DecoderLayer:
+        return None
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(attn) is not Attention or type(mlp) is not GatedMLP:
+        return None
+    norms = [layer.input_layernorm, layer.post_attention_layernorm, *([attn.q_norm, attn.k_norm] if attn.qk_norm
+                                                                       else [])]
+    if (any(type(n) is not RMSNorm for n in norms) or attn.softcap is not None or not attn.qk_norm_per_head
+            or not attn.rotary.plain):
+        return None
+    eps = layer.input_layernorm.eps
+    qk_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    if layer.post_attention_layernorm.eps != eps or any(n is not None and n.eps != eps for n in qk_norm):
+        return None
+    linears = [k for k in (attn.qkv_proj.run, attn.o_proj.run, mlp.gate_up_proj.run, mlp.down_proj.run)
+               if isinstance(k, (Bf16Matmul, F32Matmul))]
+    if len(linears) < 4:
+        return None
+    return DecodeLayer(input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
+                       eps=eps, qkv=linears[0], o=linears[1], gate_up=linears[2], down=linears[3], heads=attn.heads,
+                       scale=attn.scale, cos=attn.rotary.cos, sin=attn.rotary.sin, k_cache=kv[0], v_cache=kv[1],
+                       sinks=attn.sinks, q_norm=None if qk_norm[0] is None else qk_norm[0].weight,
+                       k_norm=None if qk_norm[1] is None else qk_norm[1].weight)

@@ -1,0 +1,239 @@
+"""The engine: its model runner (or the replay runner), scheduler, grammars and KV hand-off, and what it
+does with each input (a request, an abort) and each step. The process around it is engine/worker.py."""
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections import OrderedDict
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import zmq
+
+from sluice.base.config import ServerConfig
+from sluice.base.disagg import endpoint
+from sluice.engine.block_manager import BlockManager
+from sluice.engine.grammar import Grammars, Unsatisfiable
+from sluice.engine.kv_budget import num_kv_blocks
+from sluice.engine.kv_events import KvEventPublisher
+from sluice.engine.kv_handoff import KvHandOff, exporter_for, importer_for
+from sluice.engine.loader import load_model
+from sluice.engine.model_runner import ModelRunner, StepSamples
+from sluice.engine.outputs import Ended
+from sluice.engine.replay import ReplayRunner, load_recordings
+from sluice.engine.scheduler import Scheduler, StepResult
+from sluice.engine.sequence import Sequence
+from sluice.ipc.messages import Abort, EndChoices, EngineInput, EngineRequest, Failed, Ready, bytes_to_ids
+
+log = logging.getLogger("sluice.engine")
+_MAX_EARLY_ABORTS = 10_000
+_MAX_FAILED_STEPS = 3  # steps failing in a row: the engine itself is broken, not one request
+_REPLAY_KV_BLOCKS = 1 << 16  # nothing is stored: blocks are only accounted
+_CHOICE_SEED_STRIDE = 0x9E3779B97F4A7C15  # choice i of a seeded request samples with its own stream
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def pick_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32
+    declared = hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"
+    return torch.float16 if declared == "float16" else torch.bfloat16
+
+
+class Engine:
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        hf = cfg.hf_config()
+        device = pick_device(cfg.device)
+        self.cpu_compute = cfg.runner != "replay" and device.type == "cpu"  # its kernels use every core
+        dtype = pick_dtype(cfg.dtype, hf, device)
+        exporter = exporter_for(cfg, dtype, device)  # a context worker's cache where its KV transport reads it
+        self.runner: ModelRunner | ReplayRunner
+        if cfg.runner == "replay":
+            blocks, window_blocks = cfg.num_kv_blocks or _REPLAY_KV_BLOCKS, 0
+            recordings = load_recordings(cfg.replay_file) if cfg.replay_file else None
+            self.runner = ReplayRunner(hf["vocab_size"], recordings, cfg.replay_step_ms / 1000)
+        else:
+            model = load_model(Path(cfg.model_path), dtype, device, cfg.quantization)
+            blocks, window_blocks = num_kv_blocks(cfg, model, dtype, device)
+            runner = self.runner = ModelRunner(model, blocks, cfg.block_size, dtype, device, window_blocks,
+                                               getattr(exporter, "alloc", None))
+            log.info("engine: the LM head runs on %s", runner.lm_head.path)
+            warm = runner.warm_up(max(cfg.max_num_batched_tokens, 1), cfg.max_num_seqs, cfg.max_model_len)
+            log.info("engine: warmed up in %.2f s", warm)
+        if blocks * cfg.block_size < cfg.max_model_len:
+            raise SystemExit(f"the KV cache holds {blocks * cfg.block_size} tokens, less than max_model_len "
+                             f"{cfg.max_model_len}: raise --kv-cache-memory / --num-kv-blocks or lower --max-model-len")
+        hybrid = getattr(self.runner, "hybrid", False)
+        window = self.runner.sliding_window or 0
+        if hybrid and window_blocks * cfg.block_size < window - 1 + cfg.max_num_batched_tokens + cfg.block_size:
+            raise SystemExit(f"the sliding-window layers' pool ({window_blocks} blocks) cannot hold one window "
+                             f"({window}) and a step ({cfg.max_num_batched_tokens} tokens): raise the KV budget "
+                             "or lower --max-num-batched-tokens")
+        self.scheduler = Scheduler(BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching),
+                                   max_num_seqs=cfg.max_num_seqs,
+                                   max_num_batched_tokens=max(cfg.max_num_batched_tokens, 1),
+                                   max_model_len=cfg.max_model_len, sliding_window=self.runner.sliding_window,
+                                   window_pool=BlockManager(window_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                                            "window_table")
+                                   if hybrid else None)
+        self.grammars = Grammars(cfg.model_path, hf["vocab_size"], cfg.grammar_backend)
+        self.kv = KvHandOff(cfg, self.scheduler, self.runner, exporter, importer_for(cfg, self.runner),
+                            lambda seq, message: self._ended.failed.append((seq, Failed(seq.request_id, message))))
+        self.kv_events = KvEventPublisher(zmq.Context.instance(), endpoint(cfg, cfg.kv_events_port, bind=True),
+                                          self.scheduler.bm) if cfg.kv_events else None
+        # Constrained requests, in arrival order, while their grammar loads.
+        self._held: list[tuple[EngineRequest, Future]] = []
+        # Aborts that overtook their request (a client gone while it was rendering).
+        self._early_aborts: OrderedDict[str, None] = OrderedDict()
+        self._ended = Ended()
+        self._failed_steps = 0
+        log.info("engine: %s %s, %d KV blocks of %d tokens (+%d for sliding-window layers)", device, dtype, blocks,
+                 cfg.block_size, window_blocks)
+
+    def ready(self) -> Ready:
+        """What the engine tells the supervisor once it can take requests."""
+        return Ready("engine", 0, os.getpid(), self.cpu_compute, kv_transfer_port=self.kv.port,
+                     kv_events_port=self.kv_events.port if self.kv_events else 0)
+
+    def accept(self, msg: EngineInput) -> None:
+        """Adds a request, or ends requests (Abort) or single choices (EndChoices)."""
+        if isinstance(msg, EngineRequest):
+            self._add(msg)
+        elif isinstance(msg, Abort):
+            self._abort(msg.request_ids)
+        elif isinstance(msg, EndChoices):  # choices their shard has finished already: nobody needs to hear of it
+            for rid, index in msg.choices:
+                self.scheduler.abort(rid, index)
+
+    def _add(self, msg: EngineRequest) -> None:
+        if self._early_aborts.pop(msg.request_id, 0) is None:
+            return
+        if msg.grammar:
+            self._held.append((msg, self.grammars.load(msg.grammar)))  # admitted by admit_held()
+            return
+        self._start(msg)
+
+    def _start(self, msg: EngineRequest, grammar: Future | None = None) -> None:
+        seed = msg.sampling.seed if msg.sampling.seed is not None else random.getrandbits(63)
+        prompt = bytes_to_ids(msg.prompt_token_ids).tolist()
+        seqs: list[Sequence] = []
+        for index in range(msg.n):
+            seq = Sequence(msg.request_id, prompt, msg.sampling, seed=(seed + index * _CHOICE_SEED_STRIDE) % 2**63,
+                           shard=msg.shard, postproc_spec=msg.postproc_spec, arrival_time=msg.arrival_time,
+                           priority=msg.priority, cache_salt=msg.cache_salt, index=index,
+                           leader=seqs[0] if seqs else None)
+            seq.render_done_time = msg.render_done_time
+            seqs.append(seq)
+        if grammar is not None:
+            try:
+                compiled = grammar.result()
+                for seq in seqs:
+                    seq.grammar = self.grammars.state(compiled, msg.grammar_trigger, msg.sampling.stop_token_ids,
+                                                      msg.grammar_param or "structured output")
+            except Exception as e:  # xgrammar raises several types
+                log.exception("structured output could not start for %s", msg.request_id)
+                self._ended.failed.append((seqs[0], Failed(msg.request_id, f"structured output could not start: {e}")))
+                return
+        if msg.kv is not None:
+            return self.kv.start(msg, seqs)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        ids = set(request_ids)
+        held = [m.request_id for m, _ in self._held if m.request_id in ids]
+        self._held = [(m, f) for m, f in self._held if m.request_id not in ids]
+        for rid in ids.difference(held):
+            self.kv.forget(rid)
+            seqs = self.scheduler.abort(rid)
+            if seqs:
+                self._ended.aborted += seqs
+            else:
+                self._early_aborts[rid] = None
+                if len(self._early_aborts) > _MAX_EARLY_ABORTS:
+                    self._early_aborts.popitem(last=False)
+
+    def fail(self, request_id: str, message: str) -> None:
+        """Ends every choice of a request that cannot go on; its client gets an error, the others go on."""
+        self.kv.forget(request_id)
+        seqs = self.scheduler.abort(request_id)
+        if seqs:
+            self._ended.failed.append((seqs[0], Failed(request_id, message)))
+
+    def take_ended(self) -> Ended:
+        ended, self._ended = self._ended, Ended()
+        return ended
+
+    @property
+    def held(self) -> bool:
+        return bool(self._held)
+
+    def admit_held(self) -> None:
+        """Starts the held requests whose grammar has loaded (or failed to)."""
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        for msg, grammar in held:
+            if grammar.done():
+                self._start(msg, grammar)
+            else:
+                self._held.append((msg, grammar))
+
+    def step(self) -> tuple[StepResult, StepSamples | None]:
+        """One step, with disaggregated serving's part: imported requests start (their first tokens go out
+        before the step's own), exported ones park under a lease; and the prefix cache's events go out."""
+        imported = self.kv.admit()
+        result, samples = self._run_step()
+        self.kv.park(result.exported)
+        if self.kv_events is not None:
+            self.kv_events.publish()
+        return self.kv.merged(imported, result, samples)
+
+    def _run_step(self) -> tuple[StepResult, StepSamples | None]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return StepResult(), None
+        try:
+            samples = self.runner.run(batch)
+        except Exception:
+            # One request's bad state must not take every request down with the engine; a step that keeps
+            # failing means the engine itself is broken, and it exits (the server restarts).
+            self._failed_steps += 1
+            if self._failed_steps >= _MAX_FAILED_STEPS:
+                raise
+            log.exception("engine: a step failed: failing its requests")
+            for rid in dict.fromkeys(seq.request_id for seq in batch.seqs):
+                self.fail(rid, "internal error in the engine while running this request")
+            return StepResult(), None
+        self._failed_steps = 0
+        result = self.scheduler.update(batch, samples.tokens)
+        self._fail_grammars(batch.seqs, result)
+        return result, samples
+
+    def _fail_grammars(self, seqs: list[Sequence], result: StepResult) -> None:
+        """Fails the requests whose grammar cannot go on. The step's token for such a choice is none the
+        grammar chose (it may even be a stop id that ended it): the request fails, with nothing of the step."""
+        failed = {s.request_id: (s, error) for s in seqs if s.grammar is not None and (error := s.grammar.error)}
+        if not failed:
+            return
+        result.new_tokens = [(s, t) for s, t in result.new_tokens if s.request_id not in failed]
+        result.finished = [(s, r) for s, r in result.finished if s.request_id not in failed]
+        for rid, (seq, error) in failed.items():
+            self.kv.forget(rid)
+            self.scheduler.abort(rid)
+            if isinstance(error, Unsatisfiable):
+                log.info("request %s ends: its constraints leave no way on (%s)", rid, error.message)
+                self._ended.failed.append((seq, Failed(rid, error.message, 400, error.param)))
+            else:
+                log.error("structured output failed for %s: %s", rid, error)
+                self._ended.failed.append((seq, Failed(rid, str(error))))

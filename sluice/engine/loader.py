@@ -1,0 +1,96 @@
+"""The one weight loader: safetensors shards (with or without an index) into a model."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from sluice.base.gguf_checkpoint import is_gguf_checkpoint
+from sluice.engine.layers import stacked_parts
+from sluice.engine.models.registry import model_class
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def empty_model(hf_config: dict, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The model of an HF config, its parameters allocated (not filled) and its buffers built."""
+    cls = model_class(hf_config)
+    with torch.device("meta"):
+        model = cls(cls.config_class.from_hf(hf_config))
+    # to_empty's empty_like on meta tensors imports sympy (0.4 s of every start): plain contiguous empties instead
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device)).to(dtype)
+    for module in model.modules():  # buffers built on meta hold no values yet
+        if hasattr(module, "reset_buffers"):
+            with torch.device(device):
+                module.reset_buffers()
+    return model
+
+
+def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantization: str = "none") -> torch.nn.Module:
+    """The checkpoint's model, its linears quantized at load where `quantization` asks (engine/quant.py)."""
+    if is_gguf_checkpoint(path):  # one GGUF file's weights, kept in their block formats (engine/gguf.py)
+        from sluice.engine.gguf import load_gguf_model
+
+        model = load_gguf_model(path, dtype, device)
+    else:
+        model = _load_safetensors(path, dtype, device)
+    if quantization != "none":
+        from sluice.engine.quant import quantize_linears
+
+        quantize_linears(model, quantization)
+    return model
+
+
+def _load_safetensors(path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    model = empty_model(json.loads((path / "config.json").read_text()), dtype, device)
+    params = dict(model.named_parameters())
+    files = {name: file for file in checkpoint_files(path) for name in _tensor_names(file)}
+    handles: dict[Path, Any] = {}
+
+    def fetch(name: str) -> torch.Tensor:
+        file = files[name]  # KeyError: the checkpoint has no such tensor
+        if file not in handles:
+            handles[file] = safe_open(str(file), framework="pt")
+        return handles[file].get_tensor(name)
+
+    consumed = {n for n in files if n.endswith(_IGNORED_SUFFIXES)}
+    for name, target in params.items():
+        if name in files:
+            tensor, used = fetch(name), [name]
+        elif (parts := stacked_parts(name)) and all(p in files for p in parts):
+            tensor, used = torch.cat([fetch(p) for p in parts]), parts
+        elif hasattr(model, "load_param"):  # a model-specific encoding (e.g. MXFP4 experts)
+            try:
+                tensor, used = model.load_param(name, fetch, dtype)
+            except KeyError:
+                raise ValueError(f"checkpoint {path} lacks {name!r}") from None
+        else:
+            raise ValueError(f"checkpoint {path} lacks {name!r}")
+        if tensor.shape != target.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor.to(dtype))
+        consumed.update(used)
+    unexpected = sorted(set(files) - consumed)
+    if unexpected:
+        raise ValueError(f"checkpoint {path} has tensors the model does not use: {unexpected[:5]}")
+    return model.eval()
+
+
+def _tensor_names(file: Path) -> list[str]:
+    with safe_open(str(file), framework="pt") as f:
+        return list(f.keys())

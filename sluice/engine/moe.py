@@ -1,0 +1,94 @@
+"""A mixture of experts: a router scores every expert for each token, the top k run, and their outputs are
+summed, weighted by the router's probabilities. Only the chosen experts compute, each once, on the rows
+routed to it: a step's cost grows with the experts its tokens choose, not with the experts the layer holds.
+
+Qwen2-MoE, Qwen3-MoE and Mixtral are `SparseMoE` under different configurations (engine/models/mixtures.py);
+gpt-oss keeps its own experts and routing (engine/models/gpt_oss.py) and shares `mix`.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sluice.engine.layers import GatedMLP, Linear
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top-k experts of router logits [T, E] by softmax probability, as (weights [T, k] float32,
+    experts [T, k] int64); `renormalize` rescales the k weights to sum to 1 (a softmax over the chosen
+    experts' logits alone)."""
+    probs = logits.float().softmax(dim=-1)
+    weights, chosen = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, chosen
+
+
+def mix(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+        expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """sum_j weights[t, j] * expert(chosen[t, j], x[t]) for rows x [T, D], chosen experts [T, k] and their
+    weights [T, k]: the rows are grouped by expert so that each chosen expert runs once, on its own rows
+    (`expert(e, rows [n, D]) -> [n, D]`), and an expert no token chose does not run. Each token's k outputs
+    are summed in its own order: a row's value does not depend on the rows beside it."""
+    t, k = chosen.shape
+    flat = chosen.reshape(-1)  # [T * k]
+    order = flat.argsort(stable=True)  # the (token, slot) pairs grouped by expert
+    experts, counts = flat[order].unique_consecutive(return_counts=True)
+    rows = x[order // k]  # [T * k, D], each expert's rows contiguous
+    outputs = torch.empty_like(rows)
+    start = 0
+    for e, n in zip(experts.tolist(), counts.tolist()):
+        outputs[start:start + n] = expert(e, rows[start:start + n])
+        start += n
+    per_slot = torch.empty_like(outputs)
+    per_slot[order] = outputs  # back to (token, slot) order
+    return torch.bmm(weights.to(x.dtype).unsqueeze(1), per_slot.view(t, k, -1)).squeeze(1)  # [T, D]
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as stacked weights in the linears' [out, in] layout: gate_up_proj [E, 2I, D] (each
+    expert's gate rows, then its up rows), down_proj [E, D, I]."""
+
+    # What runs one expert where the backend has kernels for it (set once by `Backend.prepare`); torch's
+    # F.linear on the expert's slice of the stacked weights otherwise.
+    run_expert: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        """Expert e on its rows [n, D]: [n, D]."""
+        if self.run_expert is not None:
+            return self.run_expert(e, rows)
+        gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate).mul_(up), self.down_proj[e])
+
+
+class SparseMoE(nn.Module):
+    """A decoder layer's MLP as a mixture of experts: the router (`gate`), top-k routing, and optionally a
+    shared expert every token runs, scaled by a sigmoid gate of its own (Qwen2-MoE). Names follow the
+    Qwen checkpoints."""
+
+    def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int, top_k: int, renormalize: bool,
+                 shared_intermediate_size: int = 0) -> None:
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = Linear(hidden_size, num_experts, bias=False)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        self.shared = shared_intermediate_size > 0
+        if self.shared:
+            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, bias=False)
+            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, D]
+        weights, chosen = route(self.gate(x), self.top_k, self.renormalize)  # [T, k] each
+        out = mix(x, chosen, weights, self.experts.expert)
+        if self.shared:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

@@ -1,0 +1,108 @@
+"""Weights kept in GGUF's block formats: what a quantized linear holds, whatever backend runs it.
+
+A `QuantizedWeight` is the bytes of a weight [N, K] as GGUF stores them (row n: K / block_size blocks of
+`block_bytes`), held as they are (a memory map of the file, or the result of `quantize`); a backend's kernel
+multiplies rows by it (engine/cpu/quant.py), and `dequantize` gives its float32 values (the reference, and
+the path of a backend without a kernel).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class QuantType:
+    name: str
+    ggml: int  # GGMLQuantizationType's value
+    block_size: int
+    block_bytes: int
+
+
+QUANT_TYPES = {t.ggml: t for t in (
+    QuantType("Q4_0", 2, 32, 18),
+    QuantType("Q4_1", 3, 32, 20),
+    QuantType("Q8_0", 8, 32, 34),
+    QuantType("Q4_K", 12, 256, 144),
+    QuantType("Q5_K", 13, 256, 176),
+    QuantType("Q6_K", 14, 256, 210),
+)}
+BY_NAME = {t.name: t for t in QUANT_TYPES.values()}
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    data: torch.Tensor  # uint8 [N, K / block_size * block_bytes]
+    qtype: QuantType
+    shape: tuple[int, int]  # (N, K)
+
+    def __post_init__(self) -> None:
+        n, k = self.shape
+        if k % self.qtype.block_size:
+            raise ValueError(f"{self.qtype.name}: K = {k} is not a multiple of {self.qtype.block_size}")
+        if tuple(self.data.shape) != (n, k // self.qtype.block_size * self.qtype.block_bytes):
+            raise ValueError(f"{self.qtype.name} bytes {tuple(self.data.shape)} do not hold a [{n}, {k}] weight")
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 values [N, K] (through the gguf package: llama.cpp's definitions)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        values = dequantize(self.data.numpy(), GGMLQuantizationType(self.qtype.ggml))
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape)
+
+
+def quantize(weight: torch.Tensor, name: str) -> QuantizedWeight:
+    """A float weight [N, K] in one of the block formats the gguf package quantizes to (Q8_0, Q4_0, Q4_1: not
+    the K-quants), as llama.cpp's reference quantization rounds it."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    qtype = BY_NAME[name]
+    values = weight.detach().float().contiguous().numpy()
+    data = gguf_quantize(values, GGMLQuantizationType(qtype.ggml))
+    return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(data)), qtype, tuple(weight.shape))
+
+
+def set_quantized(layer: nn.Linear, parts: tuple[QuantizedWeight, ...]) -> None:
+    """Makes `layer` hold quantized weights in place of its float one: `parts` stacked on the output dimension
+    (a stacked projection's parts may have different types, as Q4_K_M files' attn_v and attn_q do). The
+    backend's `linear` then runs them (see `Linear.quant`); the float weight becomes an empty placeholder."""
+    n, k = tuple(layer.weight.shape)
+    if sum(p.shape[0] for p in parts) != n or any(p.shape[1] != k for p in parts):
+        raise ValueError(f"quantized parts {[p.shape for p in parts]} for a {(n, k)} linear")
+    layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
+    layer.quant = tuple(parts)
+
+
+def dequantized(parts: tuple[QuantizedWeight, ...]) -> torch.Tensor:
+    """Stacked parts' float32 values [N, K]."""
+    return torch.cat([p.dequantize() for p in parts])
+
+
+# --quantization's choices -> the block format each quantizes a linear to
+AT_LOAD = {"int8": "Q8_0", "q4": "Q4_0"}
+
+
+def quantize_linears(model: nn.Module, choice: str) -> int:
+    """Quantizes every float linear of the model's layers (sluice.engine.layers.Linear: not the LM head, not the
+    embedding) whose K is whole blocks to `AT_LOAD[choice]`; returns how many. `none` changes nothing."""
+    from sluice.engine.layers import Linear
+
+    if choice == "none":
+        return 0
+    name, done = AT_LOAD[choice], 0
+    for module in model.modules():
+        weight = module.weight if isinstance(module, Linear) else None
+        if weight is None or module.quant is not None or weight.device.type != "cpu" or weight.shape[1] % 32:
+            continue
+        set_quantized(module, (quantize(weight, name),))
+        done += 1
+    return done
