@@ -57,7 +57,8 @@ class AnthropicFramer(ItemFramer):
                  text_of: Callable[[int], str]) -> None:
         super().__init__()
         self.spec = spec
-        self.omit_thinking = (_framing.decode(spec.dialect) if spec.dialect else Framing()).omit_thinking
+        self.framing = _framing.decode(spec.dialect) if spec.dialect else Framing()
+        self.omit_thinking = self.framing.omit_thinking
         self.content: list[OutputBlock] = []  # the assembly's items as blocks
         self.input_tokens = num_prompt_tokens - num_cached_tokens  # Anthropic's: those not read from a cache
         self.cached_tokens = num_cached_tokens
@@ -84,7 +85,8 @@ class AnthropicFramer(ItemFramer):
         reason = self.stop_reason if done else None
         return Message(id=self.spec.request_id, content=content, model=self.spec.model, stop_reason=reason,
                        stop_sequence=self.stop_sequence if reason == "stop_sequence" else None,
-                       usage=self.usage(output_tokens))
+                       usage=self.usage(output_tokens), diagnostics=self.framing.diagnostics,
+                       context_management=self.framing.context_management if done else None)
 
     # ---- streaming (the pieces come token by token through `add`) -------------------------------------
 
@@ -102,6 +104,8 @@ class AnthropicFramer(ItemFramer):
         delta = {"type": "message_delta", "usage": self.usage(completion_tokens),
                  "delta": {"stop_reason": reason, "stop_sequence": self.stop_sequence
                            if reason == "stop_sequence" else None}}
+        if self.framing.context_management is not None:  # (what the request's edits cleared: said at the end)
+            delta["context_management"] = self.framing.context_management
         return self._take() + event("message_delta", delta) + MESSAGE_STOP
 
     def _take(self) -> bytes:

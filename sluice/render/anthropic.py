@@ -33,8 +33,38 @@ _CHOICES: dict[str, ToolChoiceOut] = {"auto": "auto", "any": "required", "none":
 @translator("messages")
 def translate(body: bytes) -> Translation:
     request = _decoder.decode(body)
-    framing = Framing(omit_thinking=request.thinking is not None and request.thinking.display == "omitted")
-    return Translation(to_chat(request), _framing.encode(framing))
+    if request.context_management is not None or request.diagnostics is not None:
+        return Translation(to_chat(request), finish=lambda finish: _finished(request, finish))
+    return Translation(to_chat(request), _framing.encode(_framing_of(request)))
+
+
+def _framing_of(r: MessagesRequest) -> Framing:
+    return Framing(omit_thinking=r.thinking is not None and r.thinking.display == "omitted")
+
+
+def _finished(r: MessagesRequest, finish: Finish) -> Translation:
+    """The translation of a request whose context edits and diagnostics need the model's token counts."""
+    framing = _framing_of(r)
+    if r.context_management is not None:
+        edited = context_edits.apply(r, finish.count)
+        r = msgspec.structs.replace(r, messages=edited.messages)
+        framing.context_management = edited.applied
+    if r.diagnostics is not None and finish.fingerprints is not None:
+        framing.diagnostics = finish.fingerprints.compare_and_keep(
+            finish.request_id, r.diagnostics.previous_message_id, fingerprint(r, finish.count))
+    return Translation(to_chat(r), _framing.encode(framing))
+
+
+def fingerprint(r: MessagesRequest, count: Counter) -> Fingerprint:
+    """The prompt's parts as Anthropic lays them out (tools, system, messages), for diagnostics."""
+    tools = [msgspec.to_builtins(t) for t in r.tools or []]
+    tools_text = json.dumps(tools, ensure_ascii=False) if tools else ""
+    system = "\n".join(p.text or "" for p in _system_parts(r))
+    messages = [Part(digest(msgspec.to_builtins(m)), sum(count(t) for t in context_edits.message_texts(m) if t))
+                for m in r.messages if m.role != "system"]
+    other = digest(msgspec.to_builtins([r.thinking, r.tool_choice, r.output_config]))
+    return Fingerprint(r.model, Part(digest(tools), count(tools_text) if tools_text else 0),
+                       Part(digest(system), count(system) if system else 0), messages, other)
 
 
 def to_chat(r: MessagesRequest) -> ChatCompletionRequest:

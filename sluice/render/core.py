@@ -15,6 +15,7 @@ from sluice.ipc.messages import EngineRequest, KvExport, KvImport, PostprocSpec,
 from sluice.render import deadline, dialects
 from sluice.render.constraints import check_tool_choice, requested
 from sluice.render.errors import RequestError
+from render.diagnostics import Fingerprints
 from sluice.render.extensions import ServingExtension, message_text, tool_param_types
 from sluice.render.structured import Constraint, GrammarCompiler, response_format
 from sluice.render.tokenizer import PromptBudget, TokenizerBundle, context_length_error
@@ -37,8 +38,10 @@ class ChatCore:
     def __init__(self, extension: ServingExtension, bundle: TokenizerBundle, *, max_model_len: int,
                  model_vocab_size: int, num_shards: int, grammars: GrammarCompiler | None = None,
                  perf_metrics: bool = False, stream_interval: int = 1,
-                 sampling_defaults: dict[str, float] | None = None) -> None:
-        """`sampling_defaults`: a request's sampling values where it sets none (--generation-config)."""
+                 sampling_defaults: dict[str, float] | None = None, fingerprints: Fingerprints | None = None) -> None:
+        """`sampling_defaults`: a request's sampling values where it sets none (--generation-config);
+        `fingerprints`: where the prompts that ask for diagnostics are kept."""
+        self.fingerprints = fingerprints
         self.ext = extension
         self.defaults = sampling_defaults or {}
         self.perf_metrics = perf_metrics
@@ -110,6 +113,8 @@ class ChatCore:
         try:
             if (translate := self.translators.get(job.endpoint)) is not None:
                 translation = translate(job.body)
+                if translation.finish is not None:
+                    translation = translation.finish(dialects.Finish(job.request_id, self._tokens, self.fingerprints))
                 return translation.request, translation.dialect, translation.truncate
             return _DECODERS[job.endpoint].decode(job.body), b"", False
         except RecursionError:

@@ -18,6 +18,18 @@ class Translation:
     # A prompt that does not fit may lose its oldest turns (the Responses API's truncation 'auto'), the
     # fewest that make it fit (render/truncation.py).
     truncate: bool = False
+    # A translation that needs more than the body (token counts, what earlier requests left): the core
+    # calls it with them, and takes the translation it returns instead.
+    finish: Callable[[Finish], Translation] | None = None
+
+
+@dataclass(frozen=True)
+class Finish:
+    """What a translation's `finish` is given."""
+
+    request_id: str
+    count: Callable[[str], int]  # a text's tokens, by the model's tokenizer
+    fingerprints: Fingerprints | None = None  # prompts kept for Anthropic's diagnostics
 
 
 Translator = Callable[[bytes], Translation]  # the request body (JSON, validated by the ingress) -> the core's

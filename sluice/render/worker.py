@@ -17,6 +17,7 @@ from sluice.base.checkpoint import sampling_defaults
 from sluice.base.config import ServerConfig
 from sluice.ipc.messages import (EngineInput, EngineRequest, Failure, Frame, Frames, IngressInput, Ready, Rendered,
                                  RenderInput, RenderJob, SupervisorInput)
+from render.diagnostics import Fingerprints
 from sluice.ipc.stats import BEAT_S, StageClocks
 from sluice.ipc.transport import PullChannel, PushChannel, PushPool
 from sluice.render import deadline
@@ -38,7 +39,8 @@ def build_core(cfg: ServerConfig) -> ChatCore:
                     grammars=GrammarCompiler(cfg.model_path, hf["vocab_size"], grammar_limits(cfg),
                                              cfg.grammar_backend),
                     perf_metrics=cfg.perf_metrics, stream_interval=cfg.stream_interval,
-                    sampling_defaults=sampling_defaults(cfg.model_path, cfg.generation_config))
+                    sampling_defaults=sampling_defaults(cfg.model_path, cfg.generation_config),
+                    fingerprints=Fingerprints(cfg))
 
 
 def grammar_limits(cfg: ServerConfig) -> GrammarLimits:

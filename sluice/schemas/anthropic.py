@@ -123,6 +123,74 @@ class OutputConfig(msgspec.Struct, **_STRICT):
     format: JsonOutputFormat | None = None
 
 
+# ---- context management (the context-management-2025-06-27 beta): edits of earlier turns before render ----
+
+Count = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+
+
+class InputTokens(msgspec.Struct, tag="input_tokens", tag_field="type", **_STRICT):
+    value: Count
+
+
+class ToolUses(msgspec.Struct, tag="tool_uses", tag_field="type", **_STRICT):
+    value: Count
+
+
+class ThinkingTurns(msgspec.Struct, tag="thinking_turns", tag_field="type", **_STRICT):
+    value: Count
+
+
+class AllThinkingTurns(msgspec.Struct, tag="all", tag_field="type", **_STRICT):
+    pass
+
+
+class ClearThinking(msgspec.Struct, tag="clear_thinking_20251015", tag_field="type", **_STRICT):
+    """Thinking blocks of all but the last `keep` assistant turns are dropped (None: the last turn's kept)."""
+
+    keep: Literal["all"] | AllThinkingTurns | ThinkingTurns | None = None
+
+
+class ClearToolUses(msgspec.Struct, tag="clear_tool_uses_20250919", tag_field="type", **_STRICT):
+    """Once the prompt passes `trigger` (None: 100,000 input tokens), the results of all but the last `keep`
+    tool uses (None: 3) are replaced by a placeholder, and their inputs emptied where `clear_tool_inputs` says;
+    only if that clears at least `clear_at_least` tokens."""
+
+    trigger: InputTokens | ToolUses | None = None
+    keep: ToolUses | None = None
+    clear_at_least: InputTokens | None = None
+    exclude_tools: list[str] | None = None
+    clear_tool_inputs: bool | list[str] | None = None
+
+
+class Compact(msgspec.Struct, tag="compact_20260112", tag_field="type", **_STRICT):
+    instructions: str | None = None
+    pause_after_compaction: bool | None = None
+    trigger: InputTokens | None = None
+
+    def __post_init__(self) -> None:
+        raise ValueError("compact_20260112: server-side compaction (a summary written by the model) is not run "
+                         "here; clear_thinking_20251015 and clear_tool_uses_20250919 are")
+
+
+ContextEdit = ClearThinking | ClearToolUses | Compact
+
+
+class ContextManagement(msgspec.Struct, **_STRICT):
+    edits: list[ContextEdit] | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [type(e) for e in self.edits or []]
+        if ClearThinking in kinds and kinds[0] is not ClearThinking:
+            raise ValueError("clear_thinking_20251015 must be the first of the edits when others are sent")
+
+
+class DiagnosticsParam(msgspec.Struct, forbid_unknown_fields=True):
+    """Asks why the prompt cache could not reuse the prefix of the request that answered previous_message_id
+    (null: this request's prompt is kept to compare the next one with)."""
+
+    previous_message_id: str | None = None
+
+
 _COUNT_REFUSALS = sdk_fields.refused_fields(sdk_fields.COUNT_TOKENS)
 _MESSAGES_REFUSALS = sdk_fields.refused_fields(sdk_fields.MESSAGES)
 
@@ -142,7 +210,7 @@ class CountTokensRequest(msgspec.Struct, kw_only=True, **_STRICT):
     cache_control: CacheControl | None = None
     speed: str | None = None
     billing_policy: Any = None
-    context_management: dict[str, Any] | None = None
+    context_management: ContextManagement | None = None
     compaction: Any = None
     mcp_servers: list[Any] | None = None
 
@@ -163,7 +231,7 @@ class MessagesRequest(CountTokensRequest, kw_only=True, **_STRICT):
     service_tier: Literal["auto", "standard_only"] | None = None  # (one tier here: either is honoured)
     container: Any = None
     thread: Any = None
-    diagnostics: Any = None
+    diagnostics: DiagnosticsParam | None = None
     inference_geo: str | None = None
     fallbacks: Any = None
     fallback_credit_token: Any = None
@@ -209,9 +277,38 @@ class Framing(msgspec.Struct, omit_defaults=True):
     """What the postproc framer needs beyond PostprocSpec (its `dialect` bytes)."""
 
     omit_thinking: bool = False  # thinking.display "omitted": thinking blocks carry their signature only
+    context_management: ContextManagementResponse | None = None  # what the request's edits cleared
+    diagnostics: Diagnostics | None = None  # why the prefix cache missed (asked for with `diagnostics`)
 
 
 # ---- responses -----------------------------------------------------------------------------------------------
+
+class ClearedThinking(msgspec.Struct, tag="clear_thinking_20251015", tag_field="type"):
+    cleared_thinking_turns: int
+    cleared_input_tokens: int
+
+
+class ClearedToolUses(msgspec.Struct, tag="clear_tool_uses_20250919", tag_field="type"):
+    cleared_tool_uses: int
+    cleared_input_tokens: int
+
+
+class ContextManagementResponse(msgspec.Struct):
+    applied_edits: list[ClearedThinking | ClearedToolUses]
+
+
+class CacheMiss(msgspec.Struct, omit_defaults=True):
+    """Why the prompt cache could not reuse the previous request's prefix: model_changed, system_changed,
+    tools_changed or messages_changed (with the tokens it would have read), previous_message_not_found, or
+    unavailable."""
+
+    type: str
+    cache_missed_input_tokens: int | None = None
+
+
+class Diagnostics(msgspec.Struct):
+    cache_miss_reason: CacheMiss | None
+
 
 class Usage(msgspec.Struct):
     input_tokens: int  # those not read from the prefix cache
@@ -230,6 +327,8 @@ class Message(msgspec.Struct, kw_only=True):
     stop_reason: str | None
     stop_sequence: str | None
     usage: Usage
+    context_management: ContextManagementResponse | None = None
+    diagnostics: Diagnostics | None = None
 
 
 class ErrorObject(msgspec.Struct):

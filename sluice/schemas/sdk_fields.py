@@ -204,14 +204,6 @@ RESPONSES_TOOLS: dict[str, str | None] = {
 }
 
 
-def _keeps_all_thinking(value: Any) -> bool:
-    """context_management edits that change nothing: Claude Code sends clear_thinking keeping all of it."""
-    edits = value.get("edits") if isinstance(value, dict) else None
-    return value == {} or (isinstance(edits, list) and all(
-        isinstance(e, dict) and str(e.get("type")).startswith("clear_thinking_") and e.get("keep") == "all"
-        for e in edits))
-
-
 _PROMPT: Table = {
     **_SDK_OPTIONS, **_ANTHROPIC_HEADERS,
     "model": honoured(),
@@ -224,9 +216,11 @@ _PROMPT: Table = {
     "cache_control": hint(_CACHE),
     "speed": hint("one speed here"),
     "billing_policy": hint("nobody is billed here"),
-    "context_management": refused("only edits that keep every block are taken (clear_thinking with keep: 'all'): "
-                                  "earlier turns' thinking and tool uses are not cleared here",
-                                  accepts=_keeps_all_thinking),
+    "context_management": honoured("clear_thinking_20251015 and clear_tool_uses_20250919 drop the named blocks of "
+                                   "earlier turns before render (render/context_edits.py), and the response's "
+                                   "context_management.applied_edits says what each cleared (its token counts by the "
+                                   "model's tokenizer, of the cleared text); compact_20260112 and any other edit type "
+                                   "is a 400 naming it"),
     "compaction": refused("compaction is not run here: send the conversation"),
     "mcp_servers": refused("MCP servers are not called here: send their tools as custom tools"),
 }
@@ -245,7 +239,11 @@ MESSAGES: Table = {
     "service_tier": honoured(f"{_ONE_TIER}; usage.service_tier says 'standard'"),
     "container": refused("code execution containers are not run here"),
     "thread": refused("conversation threads are not kept here: send the whole conversation"),
-    "diagnostics": hint("no diagnostics come back (the response has none): /metrics counts prefix-cache hits"),
+    "diagnostics": honoured("previous_message_id: the response's diagnostics.cache_miss_reason says why the prompt "
+                            "could not reuse that request's prefix, as the SDK's CacheMissReason types say it "
+                            "(model, system, tools or an earlier message changed, with the tokens it would have "
+                            "read; the previous message not kept; or unavailable), null where it could; each "
+                            "request that sends diagnostics is kept to compare the next with (render/diagnostics.py)"),
     "inference_geo": hint("one location here: the server's"),
     "fallbacks": hint("one model here: a request runs on it alone, as on a model without fallbacks"),
     "fallback_credit_token": hint("one model here: there are no fallbacks to credit"),

@@ -270,3 +270,72 @@ def test_recorded_harmony_outputs_through_the_sdk(harmony):
     assert answer.stop_reason == "end_turn" and answer.content[0].thinking == "The user wants weather."
     counted = c.messages.count_tokens(**{k: v for k, v in dict(kw, messages=turns).items() if k != "max_tokens"})
     assert counted.input_tokens == answer.usage.input_tokens + answer.usage.cache_read_input_tokens
+
+
+# ---- context editing and diagnostics (betas of the SDK's create call) --------------------------------------
+
+def _history() -> list[dict]:
+    """Two answered prompts: the first with a tool loop (thinking, a call, its long result, an answer)."""
+    return ASK + [
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "Plan: call the tool for Paris.", "signature": "s"},
+            {"type": "tool_use", "id": "c1", "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "sunny and warm " * 30}]},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "The tool said sunny.", "signature": "s"},
+                                          {"type": "text", "text": "Sunny."}]},
+        {"role": "user", "content": "And Rome?"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "Rome: I know it.", "signature": "s"},
+                                          {"type": "text", "text": "Rainy."}]},
+        {"role": "user", "content": "Thanks. Tomorrow?"}]
+
+
+EDITS = {"edits": [{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 1}},
+                   {"type": "clear_tool_uses_20250919", "trigger": {"type": "tool_uses", "value": 0},
+                    "keep": {"type": "tool_uses", "value": 0}}]}
+
+
+def test_context_edits_clear_earlier_turns_and_say_so_in_the_body_and_the_stream(chat):
+    c = client(chat).beta.messages
+    kw = dict(model=MODEL, max_tokens=200, tools=TOOLS, messages=_history(), betas=["context-management-2025-06-27"])
+    plain = c.create(**kw)
+    edited = c.create(context_management=EDITS, **kw)
+    assert plain.context_management is None
+    thinking, tools = edited.context_management.applied_edits
+    assert (thinking.type, thinking.cleared_thinking_turns) == ("clear_thinking_20251015", 1)
+    assert (tools.type, tools.cleared_tool_uses) == ("clear_tool_uses_20250919", 1)
+    assert tools.cleared_input_tokens > 30 and thinking.cleared_input_tokens > 0
+
+    def prompt(m) -> int:
+        return m.usage.input_tokens + m.usage.cache_read_input_tokens
+
+    # the prompt the engine saw lost the thinking, and the result less its placeholder
+    assert prompt(plain) - prompt(edited) > thinking.cleared_input_tokens
+    with c.stream(context_management=EDITS, **kw) as stream:
+        streamed = stream.get_final_message()  # (its context_management: the message_delta's)
+    assert streamed.context_management == edited.context_management and prompt(streamed) == prompt(edited)
+    kept = c.create(context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}, **kw)
+    assert kept.context_management.applied_edits == [] and prompt(kept) == prompt(plain)
+
+
+@pytest.mark.parametrize("edit, words", [({"type": "clear_everything_20990101"}, "'clear_everything_20990101'"),
+                                         ({"type": "compact_20260112"}, "compact_20260112: server-side compaction")])
+def test_an_edit_this_server_does_not_run_is_a_400_naming_it(chat, edit, words):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client(chat).beta.messages.create(model=MODEL, max_tokens=20, messages=ASK,
+                                          context_management={"edits": [edit]})
+    assert words in e.value.message and "context_management.edits[0]" in e.value.message
+
+
+def test_diagnostics_say_why_the_prefix_cache_could_not_be_reused(chat):
+    c = client(chat).messages
+    kw = dict(model=MODEL, max_tokens=200, system="Be brief.")
+    first = c.create(messages=ASK, diagnostics={"previous_message_id": None}, **kw)
+    assert first.diagnostics is None
+    turns = ASK + [{"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "And Rome?"}]
+    appended = c.create(messages=turns, diagnostics={"previous_message_id": first.id}, **kw)
+    assert appended.diagnostics is None
+    changed = c.create(messages=turns, diagnostics={"previous_message_id": appended.id}, **dict(kw, system="Be long."))
+    reason = changed.diagnostics.cache_miss_reason
+    assert reason.type == "system_changed" and reason.cache_missed_input_tokens > 0
+    unknown = c.create(messages=ASK, diagnostics={"previous_message_id": "msg_never"}, **kw)
+    assert unknown.diagnostics.cache_miss_reason.type == "previous_message_not_found"

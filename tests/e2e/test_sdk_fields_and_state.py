@@ -112,7 +112,7 @@ def test_what_this_server_cannot_honour_is_a_400_naming_the_field(oc, ac):
         assert e.value.param == param and sdk_fields.CHAT_COMPLETIONS[param].note in e.value.message
     with pytest.raises(anthropic.BadRequestError) as e:
         ac.beta.messages.create(model=MODEL, messages=USER, max_tokens=4, context_management={
-            "edits": [{"type": "clear_tool_uses_20250919", "keep": {"type": "tool_uses", "value": 3}}]})
+            "edits": [{"type": "compact_20260112"}]})
     assert "context_management" in e.value.message and e.value.body["error"]["type"] == "invalid_request_error"
 
 

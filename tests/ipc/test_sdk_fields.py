@@ -65,8 +65,7 @@ REFUSED_SAMPLES: dict[str, dict[str, Any]] = {
     "responses": {"conversation": "conv_1",
                   "prompt": {"id": "pmpt_1"}, "context_management": [{"type": "compaction"}],
                   "max_tool_calls": 2, "top_logprobs": 3, "moderation": {"model": "omni-moderation-latest"}},
-    "count_tokens": {"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]},
-                     "compaction": {"type": "summarize"},
+    "count_tokens": {"compaction": {"type": "summarize"},
                      "mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}]},
     "messages": {"container": "container_1", "thread": {"type": "create"}},
 }
