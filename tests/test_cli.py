@@ -89,3 +89,14 @@ def test_front_stage_workers_default_to_the_core_count(monkeypatch):
         cfg = ServerConfig()
         assert (cfg.ingress_workers, cfg.render_workers, cfg.postproc_workers) == (want, want, want)
         assert ServerConfig(ingress_workers=3, postproc_workers=1).ingress_workers == 3
+
+
+def test_a_max_model_len_past_the_rotary_table_is_refused_at_start(tiny_chat_dir):
+    """A context longer than the checkpoint's max_position_embeddings reads past its rotary table: refused at
+    start naming both, not a 500 (or a dead engine) on the first long prompt. The replay runner has no table."""
+    with pytest.raises(ValueError, match="--max-model-len 8192 is beyond the model's max_position_embeddings"):
+        config_from_args(parse_args(["serve", "--model", str(tiny_chat_dir), "--max-model-len", "8192"]))
+    assert config_from_args(parse_args(["serve", "--model", str(tiny_chat_dir), "--max-model-len", "4096"])) \
+        .max_model_len == 4096
+    replay = parse_args(["serve", "--model", str(tiny_chat_dir), "--max-model-len", "8192", "--runner", "replay"])
+    assert config_from_args(replay).max_model_len == 8192

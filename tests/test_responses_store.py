@@ -6,9 +6,9 @@ import msgspec
 import pytest
 
 from sluice.base.config import ServerConfig
-from sluice.ipc.messages import Failure
+from sluice.ipc.messages import Failure, Frame
 from sluice.schemas.responses import (CreateResponse, FunctionCallItem, InputItem, MessageItem, OutputText,
-                                      ResponseEvent, event_head, new_response, sse)
+                                      ResponseEvent, new_response, sse)
 from sluice.state.responses import NotFound, NotReady, Store
 
 _json = msgspec.json.Encoder()
@@ -36,6 +36,22 @@ def _event(rid: str, seq: int, kind: str, status="in_progress") -> bytes:
     return sse(ResponseEvent(type=f"response.{kind}", sequence_number=seq, response=_response(rid, status)))
 
 
+def _frame(rid: str, seq: int, kind: str, status="in_progress") -> Frame:
+    """The postproc's frame of one event (numbered `seq`); the last one carries the finished response."""
+    done = kind in ("completed", "incomplete", "failed")
+    return Frame(rid, _event(rid, seq, kind, status), done, sequence=seq + 1,
+                 stored=_json.encode(_response(rid, status)) if done else b"")
+
+
+class _Head(msgspec.Struct):
+    type: str
+    sequence_number: int
+
+
+def event_head(event: bytes) -> _Head:
+    return msgspec.json.decode(event[event.index(b"data: ") + 6:], type=_Head)
+
+
 def test_a_conversation_is_every_earlier_turn_oldest_first(store):
     store.save(_json.encode(_response("r1", output=[MessageItem(id="m1", status="completed",
                                                                 content=[OutputText(text="A1")])])), _items("Q1"))
@@ -57,29 +73,30 @@ def test_a_background_response_runs_from_queued_to_its_last_event(store):
     assert store.queued(4, []) == [("b1", b"job")] and store.queued(4, ["b1"]) == []
     with pytest.raises(NotReady):
         store.conversation("b1")
-    assert store.append("b1", _event("b1", 1, "in_progress"))
+    assert store.append("b1", _frame("b1", 1, "in_progress"))
     assert store.get("b1")["status"] == "in_progress" and store.queued(4, []) == []
+    assert msgspec.json.decode(store.get("b1")["response"])["status"] == "in_progress"
     assert store.events_after("b1", 0) == ([(1, _event("b1", 1, "in_progress"))], False)
-    assert store.append("b1", _event("b1", 2, "completed", "completed"))
+    assert store.append("b1", _frame("b1", 2, "completed", "completed"))
     row = store.get("b1")
     assert row["status"] == "completed" and row["job"] is None and msgspec.json.decode(row["response"])["status"] == \
         "completed"
     events, last = store.events_after("b1", -1)
     assert [s for s, _ in events] == [0, 1, 2] and last
-    assert not store.append("b1", _event("b1", 3, "in_progress"))  # (ended: nothing more is kept)
+    assert not store.append("b1", _frame("b1", 3, "in_progress"))  # (ended: nothing more is kept)
 
 
 def test_a_cancel_ends_the_stream_and_stops_the_writer_and_is_idempotent(store):
     store.save(_json.encode(_response("b1", "queued", background=True)), _items("Q"), b"job",
                _event("b1", 0, "created", "queued"))
-    assert store.append("b1", _event("b1", 1, "in_progress"))
+    assert store.append("b1", _frame("b1", 1, "in_progress"))
     assert store.settled(["b1"]) == set()
     assert store.cancel("b1")["status"] == "cancelled" and store.settled(["b1"]) == {"b1"}
     assert store.cancel("b1")["status"] == "cancelled"
     events, last = store.events_after("b1", 1)
     head = event_head(events[0][1])
     assert last and len(events) == 1 and (head.type, head.sequence_number) == ("error", 2)
-    assert not store.append("b1", _event("b1", 2, "completed", "completed"))
+    assert not store.append("b1", _frame("b1", 2, "completed", "completed"))
     store.save(_json.encode(_response("f1")), _items("Q"))
     assert store.cancel("f1")["status"] == "completed"  # not a background one: as it was
 
@@ -88,7 +105,7 @@ def test_a_restart_fails_what_was_running_and_keeps_what_was_queued(store):
     for rid in ("b1", "b2"):
         store.save(_json.encode(_response(rid, "queued", background=True)), _items("Q"), b"job",
                    _event(rid, 0, "created", "queued"))
-    store.append("b1", _event("b1", 1, "in_progress"))
+    store.append("b1", _frame("b1", 1, "in_progress"))
     assert store.interrupted() == ["b1"]
     response = msgspec.json.decode(store.get("b1")["response"])
     assert response["status"] == "failed" and response["error"]["code"] == "server_restarted"

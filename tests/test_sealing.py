@@ -82,3 +82,31 @@ def test_processes_that_race_to_make_the_key_all_seal_with_the_one_that_won(tmp_
     opener = sealing.sealer(state_dir)  # (this process read the key only now)
     assert [opener.open(b) for b in blobs] == [f"{TEXT} {i}" for i in range(12)]
     assert [p.name for p in (tmp_path / "state").iterdir()] == [sealing.KEY_FILE]
+
+
+def test_a_shared_key_seals_and_opens_on_every_server_that_holds_it(tmp_path, monkeypatch):
+    key = b"k" * 32
+    (tmp_path / "raw.key").write_bytes(key)
+    (tmp_path / "b64.key").write_text(base64.b64encode(key).decode() + "\n")
+    blob = sealing.Sealer(key).seal(TEXT)
+    for name in ("raw.key", "b64.key"):
+        monkeypatch.setenv("SLUICE_SEALING_KEY_FILE", str(tmp_path / name))
+        sealing.sealer.cache_clear()
+        assert sealing.sealer(str(tmp_path / f"state-{name}")).open(blob) == TEXT
+        assert not (tmp_path / f"state-{name}").exists()  # (no key of its own made)
+    monkeypatch.delenv("SLUICE_SEALING_KEY_FILE")
+    monkeypatch.setenv("SLUICE_SEALING_KEY", base64.b64encode(key).decode())
+    sealing.sealer.cache_clear()
+    assert sealing.sealer(str(tmp_path / "state")).open(blob) == TEXT
+    monkeypatch.delenv("SLUICE_SEALING_KEY")
+    sealing.sealer.cache_clear()
+    with pytest.raises(sealing.Unsealable):  # (a server with a key of its own)
+        sealing.sealer(str(tmp_path / "state")).open(blob)
+
+
+@pytest.mark.parametrize("content", [b"short", b"k" * 31, base64.b64encode(b"k" * 16), b"not base64 at all!"])
+def test_a_shared_key_that_is_not_256_bits_is_refused(tmp_path, monkeypatch, content):
+    (tmp_path / "bad.key").write_bytes(content)
+    with pytest.raises(OSError, match="not a 256-bit key"):
+        sealing.share(str(tmp_path / "bad.key"))
+    monkeypatch.delenv("SLUICE_SEALING_KEY_FILE")

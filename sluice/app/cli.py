@@ -13,12 +13,14 @@ import msgspec
 from sluice import state
 from sluice.app.builtin_models import resolve_model
 from sluice.app.supervisor import Supervisor, make_runtime_dir
-from sluice.base import envs, ports
+from sluice.base import envs, hooks, ports, sealing, tracing
 from sluice.base.checkpoint import sampling_defaults
 from sluice.base.config import ServerConfig
 from sluice.base.disagg import check_role
 from sluice.base.logs import setup_logging
 from sluice.base.options import add_flags, config_file_values, flag_table, validated
+from sluice.engine import gptq_config
+from sluice.ingress import grpc as grpc_door
 from sluice.ingress import middleware
 from sluice.render.extensions import ExtensionOptions, check_parsers
 from sluice.render.tokenizer import chat_template
@@ -80,6 +82,10 @@ def config_from_args(args: dict) -> ServerConfig:
     cfg = validated(values)
     path = resolve_model(cfg.model)
     hf = json.loads((path / "config.json").read_text())
+    if cfg.runner == "model":  # a quantization_config it cannot read: refused (naming the field) before any process
+        gptq_config.scheme(hf)
+    if cfg.grpc_port is not None:
+        grpc_door.check_options(cfg.tool_parser, cfg.reasoning_parser)
     check_parsers(hf, ExtensionOptions(cfg.tool_parser, cfg.reasoning_parser, cfg.harmony,
                                        cfg.trust_request_chat_template))
     cfg = msgspec.structs.replace(
@@ -91,6 +97,8 @@ def config_from_args(args: dict) -> ServerConfig:
         kv_timing_output=str(Path(cfg.kv_timing_output).resolve()) if cfg.kv_timing_output else None,
         state_dir=str(Path(cfg.state_dir or envs.state_dir()).resolve()),
         middleware=[middleware.checked(spec) for spec in cfg.middleware],
+        request_hook=hooks.checked(cfg.request_hook, "--request-hook") if cfg.request_hook else None,
+        post_processor_hook=checked_post_processor_hook(cfg, hf),
     )
     if cfg.chat_template is not None:  # (checked now; a file is read by each render worker, as it is then)
         chat_template(path, cfg.chat_template)
@@ -99,10 +107,30 @@ def config_from_args(args: dict) -> ServerConfig:
     if defaults := sampling_defaults(cfg.model_path, cfg.generation_config):
         log.info("sampling defaults (--generation-config %s; a request's own values win): %s", cfg.generation_config,
                  ", ".join(f"{k} {v:g}" for k, v in defaults.items()))
+    positions = hf.get("max_position_embeddings")
+    if cfg.runner == "model" and positions and cfg.max_model_len > positions:
+        raise ValueError(f"--max-model-len {cfg.max_model_len} is beyond the model's max_position_embeddings "
+                         f"({positions}): its rotary table ends there; give at most {positions}")
     if cfg.connection_limit <= cfg.max_pending:
         raise ValueError(f"--max-connections ({cfg.connection_limit}) must exceed --max-pending ({cfg.max_pending}): "
                          f"each pending request holds a connection, and a full server needs more to answer 503")
     return msgspec.structs.replace(cfg, runtime_dir=make_runtime_dir())
+
+
+def checked_post_processor_hook(cfg: ServerConfig, hf: dict) -> str | None:
+    """--post-processor-hook once it loads, where it can apply; and --otlp-traces-endpoint checked with it."""
+    if cfg.otlp_traces_endpoint:
+        tracing.traces_url(cfg.otlp_traces_endpoint)
+        if not tracing.available():
+            raise ValueError("--otlp-traces-endpoint needs OpenTelemetry's SDK and its OTLP/HTTP exporter: pip "
+                             "install 'sluice[tracing]'")
+    if not cfg.post_processor_hook:
+        return None
+    if hf.get("model_type") == "gpt_oss" and cfg.harmony:
+        raise ValueError("--post-processor-hook cannot apply to a gpt-oss model served through harmony: its output "
+                         "is parsed from the token ids, so a hook on the text would be bypassed; drop the hook, or "
+                         "serve the model as text with --no-harmony")
+    return hooks.checked(cfg.post_processor_hook, "--post-processor-hook")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -127,10 +155,17 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"sluice: {e}")
     try:
+        if cfg.sealing_key_file:
+            sealing.share(cfg.sealing_key_file)
+    except OSError as e:
+        sys.exit(f"sluice: --sealing-key-file: {e}")
+    try:
         state.check_dir(cfg, given="state_dir" in args)
         check_role(cfg)
         http = ports.hold(cfg.host, cfg.port)
         cfg = msgspec.structs.replace(cfg, port=http.getsockname()[1])
+        if (door := grpc_door.hold_port(cfg.host, cfg.grpc_port)) is not None:  # (held as long as `http` is)
+            cfg = msgspec.structs.replace(cfg, grpc_port=door.getsockname()[1])
     except (OSError, ValueError) as e:
         shutil.rmtree(cfg.runtime_dir, ignore_errors=True)
         sys.exit(f"sluice: cannot listen on {cfg.host}:{cfg.port}: {e.strerror}" if isinstance(e, OSError)

@@ -2,6 +2,11 @@
 llama.cpp's converter lays it out, its linears in chosen block formats: for tests and benchmarks of the GGUF
 path (sluice/gguf_checkpoint.py, engine/gguf.py).
 
+A `llama3` rope_scaling is written as llama.cpp's converter writes it: only a `rope_freqs.weight` tensor of
+per-frequency factors (no rope.scaling.* keys). A checkpoint with a SentencePiece `tokenizer.model` has it
+written as tokenizer.ggml.model `llama` (pieces, scores, token types, as llama.cpp writes it), else its
+tokenizer.json's byte-level BPE as `gpt2`.
+
 Q8_0, Q4_0 and Q4_1 are the checkpoint's weights quantized by the gguf package. The gguf package cannot
 quantize to the K-quants, so a Q4_K / Q5_K / Q6_K tensor holds random blocks of about the weight's
 magnitude instead (the file is then its own model: a reference reads the file, not the checkpoint).
@@ -14,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sluice.base.gguf_checkpoint import ROPE_FREQS, llama3_factors
 from sluice.engine.quant import BY_NAME, quantize
 
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
@@ -72,7 +78,18 @@ def write_gguf(checkpoint: Path, out: Path, types: dict[str, str], default: str 
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_vocab_size(config["vocab_size"])
-    _write_tokenizer(writer, Tokenizer.from_file(str(checkpoint / "tokenizer.json")), checkpoint, config["vocab_size"])
+    if (checkpoint / "tokenizer.model").exists():
+        _write_sentencepiece(writer, checkpoint, config["vocab_size"])
+    else:
+        _write_tokenizer(writer, Tokenizer.from_file(str(checkpoint / "tokenizer.json")), checkpoint,
+                         config["vocab_size"])
+    if (scaling := config.get("rope_scaling")) and scaling.get("rope_type", scaling.get("type")) == "llama3":
+        writer.add_tensor(ROPE_FREQS, np.array(llama3_factors(
+            config["rope_theta"], config["head_dim"], scaling["factor"], scaling.get("low_freq_factor", 1.0),
+            scaling.get("high_freq_factor", 4.0), scaling.get("original_max_position_embeddings", 8192)),
+            dtype=np.float32))
+    elif scaling:
+        raise ValueError(f"rope scaling {scaling} is not written here (only llama3)")
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(checkpoint.glob("*.safetensors")):
         tensors.update(load_file(str(file)))
@@ -119,5 +136,35 @@ def _write_tokenizer(writer, tok, checkpoint: Path, vocab_size: int) -> None:
     writer.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
     writer.add_pad_token_id(tok.token_to_id("<|endoftext|>"))
     writer.add_add_bos_token(False)
+    if (template := checkpoint / "chat_template.jinja").exists():
+        writer.add_chat_template(template.read_text())
+
+
+def _write_sentencepiece(writer, checkpoint: Path, vocab_size: int) -> None:
+    """The checkpoint's SentencePiece model as tokenizer.ggml.* (tokenizer.ggml.model `llama`): each piece, its
+    score and its type (SentencePiece's own numbering, as llama.cpp's converter writes it), padded to the
+    model's vocabulary with unused pieces; its special ids, stop ids and chat template."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()  # type: ignore[attr-defined]
+    proto.ParseFromString((checkpoint / "tokenizer.model").read_bytes())
+    pieces = [(p.piece, p.score, p.type) for p in proto.pieces]
+    pieces += [(f"[PAD{i}]", -1000.0, 5) for i in range(len(pieces), vocab_size)]
+    spec, normalizer = proto.trainer_spec, proto.normalizer_spec
+    generation = json.loads((checkpoint / "generation_config.json").read_text())
+    eos = generation["eos_token_id"]
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([p for p, _, _ in pieces])
+    writer.add_token_scores([s for _, s, _ in pieces])
+    writer.add_token_types([t for _, _, t in pieces])
+    writer.add_add_space_prefix(normalizer.add_dummy_prefix)
+    writer.add_remove_extra_whitespaces(normalizer.remove_extra_whitespaces)
+    writer.add_unk_token_id(spec.unk_id)
+    if spec.bos_id >= 0:
+        writer.add_bos_token_id(spec.bos_id)
+    writer.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
     if (template := checkpoint / "chat_template.jinja").exists():
         writer.add_chat_template(template.read_text())

@@ -69,6 +69,9 @@ def stage_main(role: str, index: int, config_path: str) -> None:
     elif role == "background":
         from sluice.app.background import run_background
         run_background(cfg)
+    elif role == "grpc":
+        from sluice.ingress.grpc.server import run_grpc
+        run_grpc(cfg)
     else:
         raise ValueError(role)
 
@@ -154,7 +157,8 @@ class Supervisor:
 
     def start_stages(self) -> None:
         roles = [("engine", 0)] + [("render", i) for i in range(self.cfg.render_workers)] + \
-                [("postproc", k) for k in range(self.cfg.postproc_workers)] + [("background", 0)]
+                [("postproc", k) for k in range(self.cfg.postproc_workers)] + [("background", 0)] + \
+                ([("grpc", 0)] if self.cfg.grpc_port is not None else [])
         for role, index in roles:
             self._spawn(role, index)
         waiting = set(roles)
@@ -347,7 +351,7 @@ class Supervisor:
                 except subprocess.TimeoutExpired:
                     self.granian.kill()
             _kill_group(self.granian.pid)  # workers granian left behind (SO_REUSEPORT: they would share the port)
-        for role in ("background", "render", "engine", "postproc"):
+        for role in ("grpc", "background", "render", "engine", "postproc"):
             for p in (p for (r, _), p in self.stages.items() if r == role):
                 if p.is_alive():
                     p.terminate()

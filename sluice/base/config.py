@@ -64,6 +64,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_num_batched_tokens: Annotated[int, option(
         "tokens per step (decodes first, then prefill chunks; a prompt's last chunk of up to an eighth of this "
         "joins the chunk before it)", ge=1)] = 2048
+    prediction_draft_tokens: Annotated[int, option(
+        "the most tokens of a request's predicted output (chat's `prediction`) a decoding choice verifies in a step, "
+        "beside its next token (0: predictions are not drafted)", ge=0, le=64)] = 8
     block_size: Annotated[int, option("tokens per KV block", ge=1)] = 16
     enable_prefix_caching: Annotated[bool, option("do not reuse the KV blocks of earlier prompts",
                                                   flag="--no-prefix-caching")] = True
@@ -114,6 +117,14 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         "wrap the HTTP app in an ASGI middleware: module:factory or path/to/file.py:factory, the factory called "
         "with the app and returning the app around it (repeatable: the first given is the outermost; "
         "deploy/middleware_example.py)", default_text="none")] = []
+    request_hook: Annotated[str | None, option(
+        "a hook (module:name or path/to/file.py:name; a class is made once per render worker) that sees each "
+        "rendered request before the engine, and may change its sampling parameters or refuse it with a 400 "
+        "(docs/operations.md#hooks; deploy/hooks_example.py)")] = None
+    post_processor_hook: Annotated[str | None, option(
+        "a hook (module:name or path/to/file.py:name; a class is made once per postproc worker) that sees each "
+        "choice's new text before the reasoning and tool-call parsers, and emits it (changed or not), suppresses "
+        "it or ends the choice; not with gpt-oss through harmony (docs/operations.md#hooks)")] = None
     max_request_bytes: Annotated[int, option("larger request bodies get 413", unit="bytes", ge=1)] = 32 << 20
     request_timeout: Annotated[float, option("per-request deadline (504, or an error event in a stream; 0: none)",
                                              unit="s", ge=0)] = 0.0
@@ -143,6 +154,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         "list such as 3 or 2-3,6", pattern=r"^(auto|off|\d+(-\d+)?(,\d+(-\d+)?)*)$")] = "auto"
     kv_timing_output: Annotated[str | None, option("append one JSON line of timings per finished request to this "
                                                    "file")] = None
+    otlp_traces_endpoint: Annotated[str | None, option(
+        "send each finished request's spans (request; render, queue, prefill, decode, postproc), under the caller's "
+        "traceparent, to this OTLP/HTTP collector, e.g. http://127.0.0.1:4318 (needs OpenTelemetry's SDK: pip "
+        "install 'sluice[tracing]')")] = None
     log_format: Annotated[Literal["text", "json"], option("log line format")] = "text"
     max_connections: Annotated[int, option(
         "open connections across the ingress workers; past it a new connection waits, unanswered, in the "
@@ -169,6 +184,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     state_dir: Annotated[str, option(
         "where what users submit is kept (batches, stored responses: an SQLite database)",
         default_text="$SLUICE_STATE_DIR, else ~/.local/state/sluice")] = ""
+    sealing_key_file: Annotated[str | None, option(
+        "a file holding the key that seals reasoning (32 bytes, or their base64): servers behind one router that "
+        "share it open each other's sealed reasoning (also SLUICE_SEALING_KEY: the key itself, in base64)",
+        default_text="a key made under --state-dir")] = None
     background_concurrency: Annotated[int, option(
         "requests the background owner (batches, background responses) runs at once, behind interactive ones",
         ge=1)] = 32
@@ -176,9 +195,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         "disaggregated serving: context (computes prompts' KV and hands it over), generation (takes it over and "
         "decodes), both (neither hand-off); every role serves ordinary requests too")] = "both"
     disagg_secret: Annotated[str | None, option(
-        "the orchestrator's shared secret: disaggregated_params are taken only with it in the "
-        "x-sluice-disagg-secret header (required with a context or generation --role; also "
-        "SLUICE_DISAGG_SECRET, which keeps it out of the process list)")] = None
+        "the orchestrator's shared secret: disaggregated_params and kv_hints are taken only with it in the "
+        "x-sluice-disagg-secret header, or with TensorRT-LLM's orchestrator's x-trtllm-disagg-auth signature made "
+        "with it (required with a context or generation --role; also SLUICE_DISAGG_SECRET, which keeps it out of "
+        "the process list)")] = None
     kv_transfer: Annotated[Literal["shm", "mooncake"], option(
         "how a generation worker reads a context worker's KV blocks: shm (one host), mooncake (Mooncake's "
         "transfer engine over TCP: across hosts); the same on every worker")] = "shm"
@@ -195,6 +215,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
                                       flag="--no-kv-events")] = True
     kv_events_port: Annotated[int, option("port of the prefix cache's block events (ZeroMQ PUB)", ge=0,
                                           le=65535, default_text="a free port")] = 0
+    grpc_port: Annotated[Annotated[int, Meta(ge=0, le=65535)] | None, option(
+        "also serve the SGLang model gateway's gRPC worker protocol on this port (sglang-router --worker-urls "
+        "grpc://HOST:PORT): token ids in and out, the router renders and detokenizes (docs/grpc.md); 0: a free "
+        "port, said in the log", flag="--grpc", default_text="off")] = None
     advertise_host: Annotated[str | None, option(
         "the address other hosts reach this server's KV ports at", default_text="--host")] = None
 

@@ -3,8 +3,12 @@ shared secret), which role takes which request type, and the ports a context or 
 advertises. The KV hand-off itself is the engine's (engine/kv_transfer.py)."""
 from __future__ import annotations
 
+import hashlib
 import hmac
+import json
+import logging
 import socket
+from typing import Any
 
 import msgspec
 import zmq
@@ -13,19 +17,38 @@ from sluice.base.config import ServerConfig
 from sluice.ipc.messages import Failure
 from sluice.schemas.openai import DisaggregatedParams
 
+log = logging.getLogger("sluice.disagg")
 SECRET_HEADER = b"x-sluice-disagg-secret"
+# TensorRT-LLM's orchestrator's proof (tensorrt_llm/serve/disagg_auth.py): "sha256=" and the hex HMAC-SHA256, under
+# the shared secret, of the compact sorted JSON of the request's ctx_info_endpoint and encoded_opaque_state
+TRTLLM_AUTH_HEADER = b"x-trtllm-disagg-auth"
 # disaggregated_params for a dialect whose body has no such field (Anthropic messages): JSON, same shape
 PARAMS_HEADER = b"x-sluice-disaggregated-params"
 ACCEPTS = {"context": "context_only", "generation": "generation_only"}  # role -> the request type it takes
+_KNOWN = frozenset(DisaggregatedParams.__struct_fields__)
 _params = msgspec.json.Decoder(DisaggregatedParams)
+_any = msgspec.json.Decoder()
 
 
-def accepted(request, headers: list[tuple[bytes, bytes]], cfg: ServerConfig) -> DisaggregatedParams | None | Failure:
-    """The request's disaggregated_params if this server takes them (None: it has none), or why not."""
+class _Envelope(msgspec.Struct):
+    disaggregated_params: dict[str, Any] | None = None
+
+
+_envelope = msgspec.json.Decoder(_Envelope)
+
+
+def accepted(request, headers: list[tuple[bytes, bytes]], cfg: ServerConfig,
+             body: bytes = b"") -> DisaggregatedParams | None | Failure:
+    """The request's disaggregated_params if this server takes them (None: it has none, or it is served whole
+    here), or why not. `body`: the JSON body, where fields this worker does not know are looked for (ignored,
+    with a log line: a newer orchestrator must not get a 400 from an older worker)."""
+    if getattr(request, "kv_hints", None) is not None and not _from_orchestrator(None, headers, cfg):
+        return Failure(403, "kv_hints are accepted only from this server's orchestrator", "forbidden", "kv_hints")
     params = params_of(request, headers)
     if params is None or isinstance(params, Failure):
         return params
-    return refusal(params, headers, cfg) or params
+    _log_unknown(request, headers, body)
+    return refusal(params, headers, cfg) or (None if params.request_type == "context_and_generation" else params)
 
 
 def params_of(request, headers: list[tuple[bytes, bytes]]) -> DisaggregatedParams | None | Failure:
@@ -34,7 +57,7 @@ def params_of(request, headers: list[tuple[bytes, bytes]]) -> DisaggregatedParam
     params = getattr(request, "disaggregated_params", None)
     if params is not None:
         return params
-    raw = next((v for k, v in headers if k.lower() == PARAMS_HEADER), None)
+    raw = _header(headers, PARAMS_HEADER)
     if raw is None:
         return None
     try:
@@ -45,18 +68,61 @@ def params_of(request, headers: list[tuple[bytes, bytes]]) -> DisaggregatedParam
 
 def refusal(params: DisaggregatedParams, headers: list[tuple[bytes, bytes]], cfg: ServerConfig) -> Failure | None:
     """Why this server does not take the disaggregated request, if it does not."""
-    given = next((v for k, v in headers if k.lower() == SECRET_HEADER), b"")
-    if not cfg.disagg_secret or not hmac.compare_digest(given, cfg.disagg_secret.encode()):
+    if not _from_orchestrator(params, headers, cfg):
         return Failure(403, "disaggregated_params are accepted only from this server's orchestrator",
                        "forbidden", "disaggregated_params")
+    if params.request_type == "context_and_generation":  # (the whole request, here: any role serves it)
+        return None
     if ACCEPTS.get(cfg.role) != params.request_type:
         return Failure(400, f"this server's role is {cfg.role}: it does not take {params.request_type} requests",
                        param="disaggregated_params.request_type")
     if params.request_type == "generation_only" and (
-            params.opaque_state is None or not params.first_gen_tokens or params.prompt_token_ids_b64 is None):
-        return Failure(400, "a generation_only request needs opaque_state, first_gen_tokens and "
-                       "prompt_token_ids_b64 (a context worker's answer)", param="disaggregated_params")
+            params.encoded_opaque_state is None or not params.first_gen_tokens):
+        return Failure(400, "a generation_only request needs encoded_opaque_state and first_gen_tokens (a context "
+                       "worker's answer)", param="disaggregated_params")
+    if params.schedule_style not in (None, 0):
+        return Failure(400, "only the context-first schedule style is served",
+                       param="disaggregated_params.schedule_style")
     return None
+
+
+def trtllm_signature(secret: str, params: DisaggregatedParams | None) -> bytes:
+    """TensorRT-LLM's x-trtllm-disagg-auth value for a request with these disaggregated_params."""
+    endpoint = params.ctx_info_endpoint if params is not None else None
+    if isinstance(endpoint, list):  # (TensorRT-LLM signs the first of a list)
+        endpoint = endpoint[0] if endpoint else None
+    state = params.encoded_opaque_state if params is not None else None
+    payload = json.dumps({"ctx_info_endpoint": endpoint, "encoded_opaque_state": state}, sort_keys=True,
+                         separators=(",", ":")).encode()
+    return b"sha256=" + hmac.new(secret.encode(), payload, hashlib.sha256).hexdigest().encode()
+
+
+def _from_orchestrator(params: DisaggregatedParams | None, headers: list[tuple[bytes, bytes]],
+                       cfg: ServerConfig) -> bool:
+    """Whether the request proves the orchestrator's secret: Sluice's header, or TensorRT-LLM's signature."""
+    if not cfg.disagg_secret:
+        return False
+    given = _header(headers, SECRET_HEADER)
+    if given is not None and hmac.compare_digest(given, cfg.disagg_secret.encode()):
+        return True
+    signed = _header(headers, TRTLLM_AUTH_HEADER)
+    return signed is not None and hmac.compare_digest(signed, trtllm_signature(cfg.disagg_secret, params))
+
+
+def _log_unknown(request, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    """Logs the disaggregated_params fields this worker ignores (it does not know them)."""
+    try:
+        raw = (_envelope.decode(body).disaggregated_params if getattr(request, "disaggregated_params", None)
+               is not None else _any.decode(_header(headers, PARAMS_HEADER) or b"{}"))
+    except msgspec.MsgspecError:
+        return
+    unknown = sorted(set(raw or {}) - _KNOWN) if isinstance(raw, dict) else []
+    if unknown:
+        log.info("disaggregated_params: ignoring the fields this worker does not know: %s", ", ".join(unknown))
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    return next((v for k, v in headers if k.lower() == name), None)
 
 
 def check_role(cfg: ServerConfig) -> None:

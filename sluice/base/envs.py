@@ -37,6 +37,17 @@ def disagg_secret() -> str | None:
     return os.environ.get("SLUICE_DISAGG_SECRET") or None
 
 
+def sealing_key() -> str | None:
+    """The key that seals reasoning (SLUICE_SEALING_KEY: base64 of 32 bytes), shared by servers behind a router."""
+    return os.environ.get("SLUICE_SEALING_KEY") or None
+
+
+def sealing_key_file() -> str | None:
+    """A file holding that key (SLUICE_SEALING_KEY_FILE; `sluice serve --sealing-key-file` sets it for its
+    processes)."""
+    return os.environ.get("SLUICE_SEALING_KEY_FILE") or None
+
+
 def api_keys() -> list[str]:
     raw = os.environ.get("SLUICE_API_KEY", "")
     return [k for k in raw.split(",") if k]

@@ -4,8 +4,9 @@ the text encrypted and authenticated (AES-256-GCM) with this server's key, so th
 
 The key is made once, with 0600 permissions, under the state directory (--state-dir): every process of the
 server (the ingress workers that check it, the render workers that open blobs, the postproc workers that seal
-them) and every restart on that directory use the same one. A blob is `v1.` then URL-safe base64 of the nonce
-and the ciphertext with its tag.
+them) and every restart on that directory use the same one. Servers behind one router share a key instead
+(--sealing-key-file, or SLUICE_SEALING_KEY), so that each opens what another sealed. A blob is `v1.` then
+URL-safe base64 of the nonce and the ciphertext with its tag.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from pathlib import Path
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from sluice.base import envs
 
 KEY_FILE = "reasoning.key"
 _PREFIX = "v1."
@@ -50,9 +53,41 @@ class Sealer:
 
 @lru_cache(maxsize=4)
 def sealer(state_dir: str) -> Sealer:
-    """The sealer of the key under `state_dir`, made there if there is none yet (raises OSError where the
-    directory cannot hold it)."""
-    return Sealer(_key(Path(state_dir)))
+    """The sealer of the shared key where one is given (--sealing-key-file, SLUICE_SEALING_KEY), else of the key
+    under `state_dir`, made there if there is none yet (raises OSError where the directory cannot hold it, or
+    the given key is not one)."""
+    return Sealer(shared_key() or _key(Path(state_dir)))
+
+
+def share(key_file: str) -> None:
+    """Makes `key_file` the key of this process and of the processes it starts (OSError where it is not one)."""
+    os.environ["SLUICE_SEALING_KEY_FILE"] = str(Path(key_file).resolve())
+    sealer.cache_clear()
+    shared_key()
+
+
+def shared_key() -> bytes | None:
+    """The key given to every server behind a router (OSError where it is not a 256-bit key): SLUICE_SEALING_KEY
+    (base64), else the file SLUICE_SEALING_KEY_FILE names (32 bytes, or their base64 on one line)."""
+    if (text := envs.sealing_key()) is not None:
+        return _checked(_unbase64(text.encode()), "SLUICE_SEALING_KEY")
+    if (path := envs.sealing_key_file()) is not None:
+        raw = Path(path).read_bytes()
+        return _checked(raw if len(raw) == 32 else _unbase64(raw.strip()), path)
+    return None
+
+
+def _unbase64(text: bytes) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        return b""
+
+
+def _checked(key: bytes, where: str) -> bytes:
+    if len(key) != 32:
+        raise OSError(f"{where} is not a 256-bit key (32 bytes, or their base64)")
+    return key
 
 
 def _key(state_dir: Path) -> bytes:

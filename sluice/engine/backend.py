@@ -22,6 +22,7 @@ from torch import nn
 
 from sluice.engine import attention
 from sluice.engine.attention import AttentionMetadata
+from sluice.engine.quant import QuantizedWeight
 from sluice.engine.rope import Rotary
 from sluice.engine.sampler import ExpKernels, argmax
 
@@ -73,8 +74,14 @@ class Backend:
         [n, D] ((e, rows) -> [n, D]), or None for torch's path."""
         return None
 
-    def lm_head(self, weight: torch.Tensor) -> LMHead:
-        return LMHead(weight)
+    def lm_head(self, weight: torch.Tensor | QuantizedWeight) -> LMHead:
+        """The LM head of a table [V, D] (a quantized one dequantized here: a backend with a kernel for it
+        multiplies by it as it lies)."""
+        return LMHead(weight.dequantize() if isinstance(weight, QuantizedWeight) else weight)
+
+    def dequantize(self, weight: QuantizedWeight) -> torch.Tensor:
+        """A quantized weight's float32 values [N, K] (the rows an embedding looks up)."""
+        return weight.dequantize()
 
     def exp_kernels(self) -> ExpKernels | None:
         """The sampler's exp pass, where this backend has kernels for it (None: torch's softmax)."""

@@ -22,6 +22,7 @@ from sluice.engine.kv_handoff import KvHandOff, exporter_for, importer_for
 from sluice.engine.loader import load_model
 from sluice.engine.model_runner import ModelRunner, StepSamples
 from sluice.engine.outputs import Ended
+from sluice.engine.prediction import Prediction, can_draft
 from sluice.engine.replay import ReplayRunner, load_recordings
 from sluice.engine.scheduler import Scheduler, StepResult
 from sluice.engine.sequence import Sequence
@@ -85,7 +86,9 @@ class Engine:
                                    max_model_len=cfg.max_model_len, sliding_window=self.runner.sliding_window,
                                    window_pool=BlockManager(window_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                                             "window_table")
-                                   if hybrid else None)
+                                   if hybrid else None,
+                                   # (the replay runner samples no draft's rows)
+                                   max_draft_tokens=0 if cfg.runner == "replay" else cfg.prediction_draft_tokens)
         self.grammars = Grammars(cfg.model_path, hf["vocab_size"], cfg.grammar_backend)
         self.kv = KvHandOff(cfg, self.scheduler, self.runner, exporter, importer_for(cfg, self.runner),
                             lambda seq, message: self._ended.failed.append((seq, Failed(seq.request_id, message))))
@@ -144,6 +147,10 @@ class Engine:
                 log.exception("structured output could not start for %s", msg.request_id)
                 self._ended.failed.append((seqs[0], Failed(msg.request_id, f"structured output could not start: {e}")))
                 return
+        if msg.prediction and not msg.grammar and can_draft(msg.sampling):  # (a grammar's output: not drafted)
+            predicted = bytes_to_ids(msg.prediction).tolist()
+            for seq in seqs:
+                seq.prediction = Prediction(predicted)
         if msg.kv is not None:
             return self.kv.start(msg, seqs)
         for seq in seqs:
@@ -194,7 +201,7 @@ class Engine:
         before the step's own), exported ones park under a lease; and the prefix cache's events go out."""
         imported = self.kv.admit()
         result, samples = self._run_step()
-        self.kv.park(result.exported)
+        self.kv.park(result, samples)
         if self.kv_events is not None:
             self.kv_events.publish()
         return self.kv.merged(imported, result, samples)

@@ -1,9 +1,10 @@
 """A GGUF file's weights into a model (the loader's branch for sluice/gguf_checkpoint.py's directories).
 
-The file is memory-mapped (gguf.GGUFReader); each linear whose GGUF tensor has a block format the kernels
-read (engine/quant.py) keeps those bytes where they lie in the map, so the model's resident memory is about
-the file's own. Other tensors (norms, the embedding, the LM head, linears of other types) are dequantized to
-the model's dtype. On a device other than the CPU every tensor is dequantized.
+The file is memory-mapped (gguf.GGUFReader); each linear, the token embedding and the LM head whose GGUF
+tensor has a block format the kernels read (engine/quant.py) keep those bytes where they lie in the map, so
+the model's resident memory is about the file's own (the embedding dequantizes the rows it looks up, the LM
+head multiplies by the table as it lies). Other tensors (norms, tables of other types) are dequantized to the
+model's dtype. On a device other than the CPU every tensor is dequantized.
 
 llama.cpp's converter permutes the rows of a Llama model's q and k projections (its rotary pairs
 interleaved); they are put back in Hugging Face's order here, as transformers' GGUF loader does.
@@ -20,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sluice.base.gguf_checkpoint import gguf_file
-from sluice.engine.layers import Linear, stacked_parts
+from sluice.base.gguf_checkpoint import ROPE_FREQS, gguf_file
+from sluice.engine.layers import Embedding, Linear, stacked_parts
 from sluice.engine.loader import empty_model
 from sluice.engine.quant import QUANT_TYPES, QuantizedWeight, dequantized, set_quantized
 
@@ -54,6 +55,8 @@ def load_gguf_model(path: Path, dtype: torch.dtype, device: torch.device) -> tor
     reader = GGUFReader(str(file), "r")
     tensors = {}
     for t in reader.tensors:
+        if t.name == ROPE_FREQS:  # (read into config.json's rope_scaling: sluice/base/gguf_checkpoint.py)
+            continue
         name = hf_name(t.name)
         if name is None:
             raise ValueError(f"{file}: tensor {t.name!r} is not one this model reads")
@@ -69,8 +72,8 @@ def load_gguf_model(path: Path, dtype: torch.dtype, device: torch.device) -> tor
         consumed.update(used)
         parts = [_quantized(tensors[p], permute.get(p)) for p in used]
         module = modules[name.rpartition(".")[0]]
-        if (device.type == "cpu" and isinstance(module, Linear) and name.endswith(".weight")
-                and all(q is not None for q in parts)):
+        if (device.type == "cpu" and (isinstance(module, (Linear, Embedding)) or name == "lm_head.weight")
+                and name.endswith(".weight") and all(q is not None for q in parts)):
             set_quantized(module, tuple(parts))  # type: ignore[arg-type]
             kinds.update(q.qtype.name for q in parts)  # type: ignore[union-attr]
             continue
@@ -126,5 +129,5 @@ def _float(t, heads: int | None) -> torch.Tensor:
     if (q := _quantized(t, None)) is not None:
         values = dequantized((q,))
     else:
-        values = torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        values = _tensor(np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32))  # (read only)
     return _unpermute(values.reshape(shape), heads)

@@ -35,7 +35,7 @@ from sluice.engine.model_runner import StepSamples
 from sluice.engine.sampler import TokenLogprobs
 from sluice.engine.scheduler import Scheduler, StepResult
 from sluice.engine.sequence import Sequence, Status
-from sluice.ipc.kv import ContextAnswer, KvHandle, KvRelease
+from sluice.ipc.kv import ContextAnswer, ContextChoice, ContextMessage, ContextState, ContextUsage, KvHandle, KvRelease
 from sluice.ipc.messages import (EngineRequest, FinishReason, Frame, Frames, IngressInput, KvExport, KvImport,
                                  bytes_to_ids, ids_to_bytes)
 from sluice.ipc.transport import PushPool
@@ -62,6 +62,7 @@ class _Export:
     msg: EngineRequest
     seqs: list[Sequence]
     first: dict[int, int] = field(default_factory=dict)  # choice -> its first token
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # choice -> its first token's, when asked
 
 
 @dataclass
@@ -124,6 +125,7 @@ class KvHandOff:
         self._exports: dict[str, _Export] = {}
         self._leases: dict[str, _Lease] = {}  # transfer id -> lease
         self._imports: list[_Import] = []
+        self._first_logprobs: list[TokenLogprobs | None] = []  # of the first tokens admit() emits, in order
         self._replies: PushPool[IngressInput] = PushPool(self._ctx)
         self._peers: OrderedDict[str, zmq.Socket] = OrderedDict()
         self._taken: OrderedDict[str, str] = OrderedDict()  # transfer id -> the request that took the handle
@@ -197,14 +199,24 @@ class KvHandOff:
 
     # ---- context side -----------------------------------------------------------------------------------------
 
-    def park(self, exported: list[tuple[Sequence, int]]) -> None:
-        """Choices that sampled their first token and left the batch with their blocks."""
-        for seq, token in exported:
+    def park(self, result: StepResult, samples: StepSamples | None) -> None:
+        """Choices that sampled their first token and left the batch with their blocks (their samples leave the
+        step's, which stay aligned with its new tokens)."""
+        logprobs = samples.logprobs if samples is not None and samples.logprobs else []
+        firsts = [logprobs[row] if logprobs else None for row in result.exported_rows]
+        if samples is not None:
+            for row in sorted(result.exported_rows, reverse=True):
+                del samples.tokens[row]
+                if samples.logprobs:
+                    del samples.logprobs[row]
+        for (seq, token), lp in zip(result.exported, firsts):
             export = self._exports.get(seq.request_id)
             if export is None:  # (aborted in the same step)
                 self.scheduler.release(seq)
                 continue
             export.first[seq.index] = token
+            if lp is not None:
+                export.logprobs[seq.index] = lp
             if len(export.first) == len(export.seqs):
                 del self._exports[seq.request_id]
                 self._lease(export)
@@ -225,13 +237,24 @@ class KvHandOff:
                           if any(s.window_table for s in seqs) else [], slot, tag, [s.seed for s in seqs],
                           self.exporter.location(), expires)
         prompt = seqs[0].token_ids[:seqs[0].num_prompt_tokens]
+        prompt_i32 = np.asarray(prompt, dtype="<i4").tobytes()
+        cached = seqs[0].num_cached_tokens or 0
+        state = ContextState(handle, prompt_i32, kv.output_prefix_len, cached)
+        # TensorRT-LLM's orchestrator asks that its disagg_request_id be the pair's id, and reads it back
+        ctx_id = kv.disagg_request_id if kv.disagg_request_id is not None else secrets.randbits(63)
         params = DisaggregatedParams(
-            request_type="context_only", opaque_state=handle.encode(),
-            first_gen_tokens=[export.first[s.index] for s in seqs], ctx_request_id=msg.request_id,
-            prompt_token_ids_b64=base64.b64encode(np.asarray(prompt, dtype="<i4").tobytes()).decode(),
-            output_prefix_len=kv.output_prefix_len, num_cached_tokens=seqs[0].num_cached_tokens or 0)
-        body = _json.encode(ContextAnswer(id=msg.request_id, disaggregated_params=params))
-        self._replies.get(kv.reply_to).put(Frames([Frame(msg.request_id, body, done=True)]))
+            request_type="context_only", first_gen_tokens=[export.first[s.index] for s in seqs],
+            first_gen_log_probs=[_wire_logprobs(export.first[s.index], export.logprobs[s.index]) for s in seqs]
+            if len(export.logprobs) == len(seqs) else None,
+            ctx_request_id=ctx_id, encoded_opaque_state=state.encode(), disagg_request_id=ctx_id)
+        choice = ContextChoice(params, text="") if kv.completion else ContextChoice(params, message=ContextMessage())
+        answer = ContextAnswer(
+            id=msg.request_id, object="text_completion" if kv.completion else "chat.completion",
+            created=int(time.time()), model=kv.model, choices=[choice],
+            usage=ContextUsage(len(prompt), len(seqs), len(prompt) + len(seqs), {"cached_tokens": cached}),
+            prompt_token_ids=prompt,
+            prompt_token_ids_b64=base64.b64encode(prompt_i32).decode() if kv.prompt_b64 else msgspec.UNSET)
+        self._replies.get(kv.reply_to).put(Frames([Frame(msg.request_id, _json.encode(answer), done=True)]))
 
     def _end_lease(self, tid: str, how: str) -> None:
         lease = self._leases.pop(tid, None)
@@ -267,6 +290,7 @@ class KvHandOff:
         """Starts the imports that fit now: the first tokens (and the choices they end) to emit this step."""
         self.poll()
         out = StepResult()
+        self._first_logprobs = []
         for job in list(self._imports):
             if self._admit(job, out):
                 self._imports.remove(job)
@@ -340,11 +364,15 @@ class KvHandOff:
         return copies
 
     def _emit(self, job: _Import, out: StepResult) -> bool:
-        """The job's first tokens go out; the choices that end on them end."""
+        """The job's first tokens go out (with their logprobs, where the context worker sent them); the choices
+        that end on them end."""
         now = time.time()
         assert isinstance(job.msg.kv, KvImport)
+        first_logprobs = job.msg.kv.first_logprobs
         for seq in job.seqs:
             out.new_tokens.append((seq, seq.token_ids[-1]))
+            self._first_logprobs.append(_token_logprobs(first_logprobs[seq.index])
+                                        if seq.index < len(first_logprobs) else None)
         for seq, reason in job.ended:
             seq.first_scheduled_time = seq.first_token_time = seq.last_token_time = now
             seq.num_cached_tokens = job.msg.kv.num_cached_tokens
@@ -389,20 +417,30 @@ class KvHandOff:
 
     # ---- the step -----------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def merged(first: StepResult, result: StepResult, samples: StepSamples | None
+    def merged(self, first: StepResult, result: StepResult, samples: StepSamples | None
                ) -> tuple[StepResult, StepSamples | None]:
-        """The step's outputs with imported requests' first tokens before its own."""
+        """The step's outputs with imported requests' first tokens (and their logprobs) before its own."""
         if not first.new_tokens and not first.finished:
             return result, samples
         tokens = [t for _, t in first.new_tokens]
         if samples is None:
             samples = StepSamples([])
+        if samples.logprobs or any(lp is not None for lp in self._first_logprobs):
+            own: list[TokenLogprobs | None] = list(samples.logprobs) or [None] * len(samples.tokens)
+            samples.logprobs = list(self._first_logprobs) + own
         samples.tokens = tokens + samples.tokens
-        if samples.logprobs:
-            none: list[TokenLogprobs | None] = [None] * len(tokens)
-            samples.logprobs = none + samples.logprobs
         result.new_tokens = first.new_tokens + result.new_tokens
         result.finished = first.finished + result.finished
         return result, samples
 
+
+def _wire_logprobs(token: int, lp: TokenLogprobs) -> list[dict]:
+    """A first token's logprobs as TensorRT-LLM's first_gen_log_probs holds one position's: {token_id, logprob,
+    rank} of the sampled token, then of each of the most likely ones."""
+    return [{"token_id": token, "logprob": lp.logprob, "rank": lp.rank}] + [
+        {"token_id": t, "logprob": p, "rank": i + 1} for i, (t, p) in enumerate(zip(lp.top_ids, lp.top_logprobs))]
+
+
+def _token_logprobs(entries: list[tuple[int, float, int]]) -> TokenLogprobs:
+    (_, logprob, rank), top = entries[0], entries[1:]
+    return TokenLogprobs(logprob, rank, [t for t, _, _ in top], [p for _, p, _ in top])

@@ -10,6 +10,7 @@ from torch import nn
 
 from sluice.engine.attention import AttentionMetadata
 from sluice.engine.backend import TORCH, Backend
+from sluice.engine.quant import QuantizedWeight
 from sluice.engine.rope import Rotary, rope_params
 
 
@@ -59,6 +60,19 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias) if self.run is None else self.run(x)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding whose table may be kept in a GGUF block format (`quant`, set by engine.quant.set_quantized):
+    then only the rows looked up are dequantized (by the backend's kernel where it has one), never the table."""
+
+    backend: Backend = TORCH
+    quant = None  # (an engine.quant.QuantizedWeight,) in place of `weight`
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is None:
+            return super().forward(ids)
+        return self.backend.dequantize(self.quant[0].rows(ids.reshape(-1))).view(*ids.shape, -1)  # float32
 
 
 class RMSNorm(nn.Module):
@@ -221,7 +235,7 @@ class Backbone(nn.Module):
                  norm: type[RMSNorm] = RMSNorm, embed_scale: float = 1.0) -> None:
         super().__init__()
         # (no random init: the checkpoint fills it; normal_ on the meta device imports torch's compiler, 1 s)
-        self.embed_tokens = nn.Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))
+        self.embed_tokens = Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))
         self.layers = nn.ModuleList(layers)
         self.norm = norm(hidden_size, eps)
         self.embed_scale = embed_scale  # the embeddings' multiplier (Gemma: sqrt(hidden); Granite's own)
@@ -251,7 +265,7 @@ class CausalLM(nn.Module):
                  rotary: Rotary | None = None) -> None:
         super().__init__()
         self.config = c
-        rotary = rotary or Rotary(c.head_dim, c.max_positions, c.rope_theta, c.rope_scaling)
+        self.rotary = rotary = rotary or Rotary(c.head_dim, c.max_positions, c.rope_theta, c.rope_scaling)
         layer = layer or (lambda c, attn, mlp: DecoderLayer(c.hidden_size, c.rms_norm_eps, attn, mlp))
         self.model = Backbone(c.vocab_size, c.hidden_size, c.rms_norm_eps, [
             layer(c, attention(c, rotary, w), mlp(c)) for w in c.layer_windows], norm, embed_scale)
@@ -269,15 +283,24 @@ class CausalLM(nn.Module):
         """Each layer's attention window (None: full attention)."""
         return self.config.layer_windows
 
+    # Whether each layer's cache is one tensor that serves as both its keys and its values (multi-head latent
+    # attention's latent), rather than a pair: the runner then allocates it once.
+    latent_kv = False
+
     @property
     def kv_shape(self) -> tuple[int, int, int]:
         """(layers, kv heads, head dim) of the paged cache."""
         c = self.config
         return c.num_layers, c.num_kv_heads, c.head_dim
 
-    def lm_weight(self) -> torch.Tensor:
-        return self.lm_head.weight if hasattr(self, "lm_head") else self.model.embed_tokens.weight
+    def lm_weight(self) -> torch.Tensor | QuantizedWeight:
+        """The LM head's table [V, D]: its own or the embedding's, kept quantized where it is (the backend's
+        `lm_head` multiplies by it as it lies)."""
+        head = self.lm_head if hasattr(self, "lm_head") else self.model.embed_tokens
+        quant = getattr(head, "quant", None)
+        return head.weight if quant is None else quant[0]
 
     def forward(self, input_ids, positions, kv_caches: list, meta: AttentionMetadata, logits_index) -> torch.Tensor:
         """The normed hidden states [B, D] of the rows in `logits_index`."""
-        return self.model(input_ids, positions, kv_caches, meta, logits_index)
+        # (the layers see each token's rotary table row: its position, but for LongRoPE's long factors)
+        return self.model(input_ids, self.rotary.rows(positions, meta), kv_caches, meta, logits_index)

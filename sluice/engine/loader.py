@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from sluice.base.gguf_checkpoint import is_gguf_checkpoint
+from sluice.engine import gptq, gptq_config
 from sluice.engine.layers import stacked_parts
 from sluice.engine.models.registry import model_class
 
@@ -56,7 +57,10 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
 
 
 def _load_safetensors(path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    model = empty_model(json.loads((path / "config.json").read_text()), dtype, device)
+    hf_config = json.loads((path / "config.json").read_text())
+    packed = gptq_config.scheme(hf_config)  # GPTQ / AWQ int4 linears (engine/gptq.py); refuses what it cannot read
+    reader = None if packed is None else gptq.Reader(packed, device)
+    model = empty_model(hf_config, dtype, device)
     params = dict(model.named_parameters())
     files = {name: file for file in checkpoint_files(path) for name in _tensor_names(file)}
     handles: dict[Path, Any] = {}
@@ -69,7 +73,12 @@ def _load_safetensors(path: Path, dtype: torch.dtype, device: torch.device) -> t
 
     consumed = {n for n in files if n.endswith(_IGNORED_SUFFIXES)}
     for name, target in params.items():
-        if name in files:
+        if reader is not None and (found := reader.linear(model, name, files.__contains__, fetch)) is not None:
+            tensor, used = found
+            if tensor is None:  # the layer holds its weight in a block format now
+                consumed.update(used)
+                continue
+        elif name in files:
             tensor, used = fetch(name), [name]
         elif (parts := stacked_parts(name)) and all(p in files for p in parts):
             tensor, used = torch.cat([fetch(p) for p in parts]), parts
@@ -88,6 +97,8 @@ def _load_safetensors(path: Path, dtype: torch.dtype, device: torch.device) -> t
     unexpected = sorted(set(files) - consumed)
     if unexpected:
         raise ValueError(f"checkpoint {path} has tensors the model does not use: {unexpected[:5]}")
+    if reader is not None:
+        reader.summary()
     return model.eval()
 
 

@@ -11,6 +11,7 @@ import torch
 
 from sluice.engine.attention import AttentionGroup, AttentionMetadata
 from sluice.engine.backend import select_backend
+from sluice.engine.prediction import verified
 from sluice.engine.sampler import SamplingBatch, TokenLogprobs, greedy_held, logprobs_of, plain_greedy, sample
 from sluice.engine.scheduler import ScheduledBatch
 from sluice.engine.sequence import Sequence
@@ -26,16 +27,18 @@ class PromptLogprobChunk:
 
 @dataclass
 class StepSamples:
-    tokens: list[int]  # one per sampling sequence, in batch order
+    tokens: list[int]  # one per sampling sequence, in batch order (`counts[i]` for the i-th, when set)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # aligned with tokens
     prompt_logprobs: list[PromptLogprobChunk] = field(default_factory=list)
+    counts: list[int] | None = None  # tokens per sampling sequence, in a step with drafts (engine/prediction.py)
 
 
 @dataclass(slots=True)
 class StepInputs:
     """One step's model inputs: its tokens [T] at their positions [T], the attention metadata, and which
     rows are scored: the prompt rows first (prompt logprobs: (sequence, first position, count) each), then
-    one row of each sequence that samples this step."""
+    one row of each sequence that samples this step (a drafted one's: one after its last token and after
+    each draft token, `ahead` 0, 1, ...)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -43,13 +46,16 @@ class StepInputs:
     logits_index: torch.Tensor  # [num_prompt_rows + len(sampling_seqs)]
     num_prompt_rows: int
     prompt_rows: list[tuple[Sequence, int, int]]
-    sampling_seqs: list[Sequence]
+    sampling_seqs: list[Sequence]  # one per sampled row
+    drafts: list[list[int]] | None = None  # per sampling sequence (in order, once each), its draft
+    ahead: list[int] | None = None  # per sampled row: how many output tokens before it are its draft's
 
 
 def kv_block_bytes(model: torch.nn.Module, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
     layers, heads, dim = model.kv_shape
     layers = layers if num_layers is None else num_layers
-    return 2 * layers * block_size * heads * dim * torch.empty((), dtype=dtype).element_size()
+    tensors = 1 if getattr(model, "latent_kv", False) else 2  # (a latent cache is its keys and its values)
+    return tensors * layers * block_size * heads * dim * torch.empty((), dtype=dtype).element_size()
 
 
 def kv_pools(model: torch.nn.Module) -> dict[int | None, str]:
@@ -83,12 +89,13 @@ class ModelRunner:
             if self.hybrid or len(self.windows) == 1 else None
         self.device = device
         _, heads, dim = model.kv_shape
-        # One (K, V) pair per layer: [blocks in its pool * block_size, Hkv, D]
+        # One (K, V) pair per layer: [blocks in its pool * block_size, Hkv, D] (one tensor twice: a latent cache)
         self.kv_caches = []
         alloc = kv_alloc or (lambda shape: torch.zeros(shape, dtype=dtype, device=device))
         for w in model.layer_windows:
             slots = (num_window_blocks if self.tables[w] == "window_table" else num_blocks) * block_size
-            self.kv_caches.append((alloc((slots, heads, dim)), alloc((slots, heads, dim))))
+            k = alloc((slots, heads, dim))
+            self.kv_caches.append((k, k if getattr(model, "latent_kv", False) else alloc((slots, heads, dim))))
         # The model's ops on this device (engine/backend.py), its weights packed for them once, here. `one_call`:
         # whether a step runs through the layers in one call, which reads `AttentionMetadata.row_group`.
         self.backend = select_backend(device, dtype)
@@ -114,15 +121,20 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> StepSamples:
         """Runs one step: a sampled token for each sequence that samples, in batch order, and any logprobs."""
         hidden, inputs = self._hidden(batch)
-        seqs = inputs.sampling_seqs
+        out = self._rows(hidden, inputs)
+        return out if inputs.drafts is None else _kept(out, inputs.sampling_seqs, inputs.drafts)
+
+    def _rows(self, hidden: torch.Tensor, inputs: StepInputs) -> StepSamples:
+        """A token for each sampled row."""
+        seqs, ahead = inputs.sampling_seqs, inputs.ahead
         if not inputs.prompt_rows:
             greedy = [plain_greedy(s) or greedy_held(s) for s in seqs]
             if all(greedy):
                 # the argmax without the logits: the LM head's kernel need not write them (the same tokens)
                 return self._settle_held(hidden, seqs, StepSamples(self.lm_head.argmax(hidden).tolist()))
             if sum(greedy) >= _SPLIT_GREEDY_MIN and self.lm_head.kernel is not None:
-                return self._settle_held(hidden, seqs, self._split(hidden, seqs, greedy))
-        return self._sample(hidden, seqs, inputs.num_prompt_rows, inputs.prompt_rows)
+                return self._settle_held(hidden, seqs, self._split(hidden, seqs, greedy, ahead))
+        return self._sample(hidden, seqs, inputs.num_prompt_rows, inputs.prompt_rows, ahead)
 
     def _settle_held(self, hidden: torch.Tensor, seqs: list[Sequence], out: StepSamples) -> StepSamples:
         """Greedy rows held by a grammar took the plain argmax: where the grammar allows it, it is their token
@@ -141,12 +153,14 @@ class ModelRunner:
                 out.tokens[r] = token
         return out
 
-    def _split(self, hidden: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> StepSamples:
+    def _split(self, hidden: torch.Tensor, seqs: list[Sequence], greedy: list[bool],
+               ahead: list[int] | None = None) -> StepSamples:
         """A step whose plain-greedy rows (`greedy[r]`) take the argmax path and the others the logits path:
         the tokens each path gives alone (a row's token depends on that row only)."""
         fast = [r for r, g in enumerate(greedy) if g]  # (held greedy rows too: _settle_held checks them)
         others = [r for r, g in enumerate(greedy) if not g]
-        out = self._sample(hidden[others], [seqs[r] for r in others], 0, [])
+        out = self._sample(hidden[others], [seqs[r] for r in others], 0, [],
+                           None if ahead is None else [ahead[r] for r in others])
         tokens = [0] * len(seqs)
         logprobs: list[TokenLogprobs | None] = [None] * len(seqs) if out.logprobs else []
         for r, token in zip(fast, self.lm_head.argmax(hidden[fast]).tolist()):
@@ -157,12 +171,13 @@ class ModelRunner:
                 logprobs[r] = out.logprobs[i]
         return StepSamples(tokens, logprobs)
 
-    def _sample(self, hidden: torch.Tensor, seqs: list[Sequence], split: int, prompt_rows: list) -> StepSamples:
+    def _sample(self, hidden: torch.Tensor, seqs: list[Sequence], split: int, prompt_rows: list,
+                ahead: list[int] | None = None) -> StepSamples:
         """The logits path: hidden's first `split` rows are prompt rows scored for prompt logprobs
-        (`prompt_rows`: (sequence, start, count) each), the rest one per sampling sequence."""
+        (`prompt_rows`: (sequence, start, count) each), the rest one per sampled row (`ahead`: see StepInputs)."""
         logits = self.finish_logits(self.lm_head(hidden))
         prompt_logits, logits = logits[:split], logits[split:]
-        tokens = sample(logits, SamplingBatch.for_seqs(seqs, self.device, self.exp_kernels))
+        tokens = sample(logits, SamplingBatch.for_seqs(seqs, self.device, self.exp_kernels, ahead))
         out = StepSamples(tokens.tolist())
         for seq, token in zip(seqs, out.tokens):
             if seq.grammar is not None:
@@ -224,11 +239,20 @@ class ModelRunner:
         row_of = np.repeat(np.arange(b), counts)  # [T] the sequence of each token
         positions = np.arange(total) - offsets[row_of] + starts[row_of]
         tables = {w: _padded_tables([getattr(s, name) for s in seqs]) for w, name in self.tables.items()}
-        ids, logits_index, sampling_seqs = [], [], []
+        ids, sampling_seqs = [], []
+        logits_index: list[int] = []
+        drafts = batch.drafts
+        ahead: list[int] = []
         prompt_index: list[int] = []  # rows whose logits score the next prompt token
         prompt_rows: list[tuple[Sequence, int, int]] = []
         for i, (seq, start, n, offset) in enumerate(zip(seqs, starts.tolist(), counts.tolist(), offsets.tolist())):
             ids.extend(seq.token_ids[start : start + n])
+            if drafts is not None and (draft := drafts[i]):  # its last token, then its draft's (rows of each)
+                ids.extend(draft)
+                logits_index.extend(range(offset, offset + n))
+                sampling_seqs.extend([seq] * n)
+                ahead.extend(range(n))
+                continue
             if seq.scores_prompt and start < seq.num_prompt_tokens - 1:
                 count = min(start + n, seq.num_prompt_tokens - 1) - start
                 prompt_index.extend(range(offset, offset + count))
@@ -236,6 +260,7 @@ class ModelRunner:
             if batch.samples(i):
                 logits_index.append(offset + n - 1)
                 sampling_seqs.append(seq)
+                ahead.append(0)
         decodes = counts == 1
         groups = [self._group(np.flatnonzero(rows), starts, counts, offsets, tables, total)
                   for rows in (decodes, ~decodes) if rows.any()]
@@ -254,6 +279,8 @@ class ModelRunner:
             num_prompt_rows=len(prompt_index),
             prompt_rows=prompt_rows,
             sampling_seqs=sampling_seqs,
+            drafts=None if drafts is None else [d for d, sampled in zip(drafts, batch.sampled) if sampled],
+            ahead=None if drafts is None else ahead,
         )
 
     def _group(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, offsets: np.ndarray,
@@ -342,6 +369,24 @@ class ModelRunner:
         block_ids = table[np.arange(b)[:, None], np.minimum(blocks, table.shape[1] - 1)]
         slot_rows = np.where(live[:, :, None], block_ids[:, :, None] * bs + np.arange(bs), 0).reshape(b, -1)
         return slot_rows, first[:, None] * bs + np.arange(slot_rows.shape[1])[None, :]
+
+
+def _kept(out: StepSamples, seqs: list[Sequence], drafts: list[list[int]]) -> StepSamples:
+    """A step with drafts: of each drafted sequence's rows (`seqs` holds one per sampled row), the tokens it
+    keeps (engine/prediction.py verified), with their logprobs; `counts` says how many each."""
+    tokens: list[int] = []
+    logprobs: list[TokenLogprobs | None] = []
+    counts: list[int] = []
+    r = 0
+    for draft in drafts:
+        seq = seqs[r]
+        kept = verified(out.tokens[r : r + len(draft) + 1], draft, seq.sampling.stop_token_ids)
+        tokens += kept
+        if out.logprobs:
+            logprobs += out.logprobs[r : r + len(kept)]
+        counts.append(len(kept))
+        r += len(draft) + 1
+    return StepSamples(tokens, logprobs, out.prompt_logprobs, counts)
 
 
 def _attends(k_pos: np.ndarray, q_pos: np.ndarray, window: int | None) -> np.ndarray:

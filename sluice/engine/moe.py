@@ -2,7 +2,8 @@
 summed, weighted by the router's probabilities. Only the chosen experts compute, each once, on the rows
 routed to it: a step's cost grows with the experts its tokens choose, not with the experts the layer holds.
 
-Qwen2-MoE, Qwen3-MoE and Mixtral are `SparseMoE` under different configurations (engine/models/mixtures.py);
+Qwen2-MoE, Qwen3-MoE and Mixtral are `SparseMoE` under different configurations (engine/models/mixtures.py),
+and so are DeepSeek-V2's mixtures (engine/models/deepseek_v2.py);
 gpt-oss keeps its own experts and routing (engine/models/gpt_oss.py) and shares `mix`.
 """
 from __future__ import annotations
@@ -16,15 +17,24 @@ from torch import nn
 from sluice.engine.layers import GatedMLP, Linear
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, renormalize: bool, groups: tuple[int, int] | None = None,
+          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's top-k experts of router logits [T, E] by softmax probability, as (weights [T, k] float32,
     experts [T, k] int64); `renormalize` rescales the k weights to sum to 1 (a softmax over the chosen
-    experts' logits alone)."""
+    experts' logits alone). `groups` (n, m): the experts split into n equal groups, a token chooses only among
+    the m groups whose best expert scores highest (DeepSeek's group-limited greedy); `scale` multiplies the
+    weights (DeepSeek's routed_scaling_factor)."""
     probs = logits.float().softmax(dim=-1)
+    if groups is not None:
+        n, m = groups
+        t, e = probs.shape
+        best = probs.view(t, n, e // n).amax(dim=-1)  # [T, n]
+        kept = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(m, dim=-1).indices, True)
+        probs = probs.masked_fill(~kept.repeat_interleave(e // n, dim=1), 0.0)
     weights, chosen = probs.topk(top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, chosen
+    return weights * scale if scale != 1.0 else weights, chosen
 
 
 def mix(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
@@ -70,25 +80,30 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """A decoder layer's MLP as a mixture of experts: the router (`gate`), top-k routing, and optionally a
-    shared expert every token runs, scaled by a sigmoid gate of its own (Qwen2-MoE). Names follow the
-    Qwen checkpoints."""
+    """A decoder layer's MLP as a mixture of experts: the router (`gate`), top-k routing (`route`'s `groups`
+    and `scale` as given), and optionally a shared expert every token runs, scaled by a sigmoid gate of its
+    own (Qwen2-MoE) or, `shared_gate` False, added as it is (DeepSeek). Names follow the Qwen checkpoints."""
 
     def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int, top_k: int, renormalize: bool,
-                 shared_intermediate_size: int = 0) -> None:
+                 shared_intermediate_size: int = 0, *, groups: tuple[int, int] | None = None, scale: float = 1.0,
+                 shared_gate: bool = True) -> None:
         super().__init__()
-        self.top_k, self.renormalize = top_k, renormalize
+        self.top_k, self.renormalize, self.groups, self.scale = top_k, renormalize, groups, scale
         self.gate = Linear(hidden_size, num_experts, bias=False)
         self.experts = Experts(num_experts, hidden_size, intermediate_size)
         self.shared = shared_intermediate_size > 0
+        self.shared_gate = self.shared and shared_gate
         if self.shared:
             self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, bias=False)
+        if self.shared_gate:
             self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D]
-        weights, chosen = route(self.gate(x), self.top_k, self.renormalize)  # [T, k] each
+        weights, chosen = route(self.gate(x), self.top_k, self.renormalize, self.groups, self.scale)  # [T, k] each
         out = mix(x, chosen, weights, self.experts.expert)
-        if self.shared:
+        if self.shared_gate:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared:
+            out = out + self.shared_expert(x)
         return out

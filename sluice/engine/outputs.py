@@ -17,8 +17,8 @@ from sluice.engine.model_runner import StepSamples
 from sluice.engine.sampler import TokenLogprobs
 from sluice.engine.scheduler import StepResult
 from sluice.engine.sequence import Sequence
-from sluice.ipc.messages import (Failed, Finished, Logprobs, PostprocInput, PromptLogprobs, Started, StepOutputs,
-                                 StepsTaken, Timings, ids_to_bytes)
+from sluice.ipc.messages import (Failed, Finished, Logprobs, PostprocInput, Predicted, PromptLogprobs, Started,
+                                 StepOutputs, StepsTaken, Timings, ids_to_bytes)
 from sluice.ipc.transport import PushChannel
 
 log = logging.getLogger("sluice.engine")
@@ -37,6 +37,7 @@ class _ShardStep:
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)
     timings: list = field(default_factory=list)
+    predicted: list = field(default_factory=list)
 
 
 def pack_logprobs(entries: list[TokenLogprobs]) -> Logprobs:
@@ -92,6 +93,8 @@ def step_outputs(result: StepResult, samples: StepSamples | None, ended: Ended) 
             out.request_ids.append(seq.request_id)
             out.indices.append(seq.index)
             out.tokens.append(token)
+    for seq, accepted, rejected in result.predictions:
+        shard_of(seq).predicted.append(Predicted(seq.request_id, seq.index, accepted, rejected))
     for seq, reason in result.finished:
         out = shard_of(seq)
         out.finished.append(Finished(seq.request_id, seq.index, reason))
@@ -105,7 +108,7 @@ def step_outputs(result: StepResult, samples: StepSamples | None, ended: Ended) 
         shard_of(seq).failed.append(failed)
     return {shard: StepOutputs(out.started, out.request_ids, ids_to_bytes(out.indices), ids_to_bytes(out.tokens),
                                out.finished, list(out.aborted), out.failed, out.logprobs, out.prompt_logprobs,
-                               out.timings)
+                               out.timings, out.predicted)
             for shard, out in shards.items()}
 
 

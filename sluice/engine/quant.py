@@ -50,6 +50,10 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return self.data.numel()
 
+    def rows(self, index: torch.Tensor) -> "QuantizedWeight":
+        """The rows `index` [T] (an embedding lookup's: only those rows' bytes, still quantized)."""
+        return QuantizedWeight(self.data.index_select(0, index), self.qtype, (index.numel(), self.shape[1]))
+
     def dequantize(self) -> torch.Tensor:
         """The float32 values [N, K] (through the gguf package: llama.cpp's definitions)."""
         from gguf import GGMLQuantizationType
@@ -71,10 +75,12 @@ def quantize(weight: torch.Tensor, name: str) -> QuantizedWeight:
     return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(data)), qtype, tuple(weight.shape))
 
 
-def set_quantized(layer: nn.Linear, parts: tuple[QuantizedWeight, ...]) -> None:
-    """Makes `layer` hold quantized weights in place of its float one: `parts` stacked on the output dimension
-    (a stacked projection's parts may have different types, as Q4_K_M files' attn_v and attn_q do). The
-    backend's `linear` then runs them (see `Linear.quant`); the float weight becomes an empty placeholder."""
+def set_quantized(layer: nn.Module, parts: tuple[QuantizedWeight, ...]) -> None:
+    """Makes `layer` (a linear, the LM head or an embedding table [V, D]) hold quantized weights in place of its
+    float one: `parts` stacked on the output dimension (a stacked projection's parts may have different types,
+    as Q4_K_M files' attn_v and attn_q do). The backend's `linear` then runs them (see `Linear.quant`), the
+    embedding dequantizes the rows it looks up (`Embedding.quant`) and the LM head multiplies by the table
+    (`CausalLM.lm_weight`); the float weight becomes an empty placeholder."""
     n, k = tuple(layer.weight.shape)
     if sum(p.shape[0] for p in parts) != n or any(p.shape[1] != k for p in parts):
         raise ValueError(f"quantized parts {[p.shape for p in parts]} for a {(n, k)} linear")
@@ -87,22 +93,27 @@ def dequantized(parts: tuple[QuantizedWeight, ...]) -> torch.Tensor:
     return torch.cat([p.dequantize() for p in parts])
 
 
-# --quantization's choices -> the block format each quantizes a linear to
+# --quantization's choices -> the block format each quantizes a layer's linear to
 AT_LOAD = {"int8": "Q8_0", "q4": "Q4_0"}
+# ... and the embedding and the LM head (llama.cpp's quantizer too keeps them wider than a 4-bit layer)
+TABLES_AT_LOAD = "Q8_0"
 
 
 def quantize_linears(model: nn.Module, choice: str) -> int:
-    """Quantizes every float linear of the model's layers (sluice.engine.layers.Linear: not the LM head, not the
-    embedding) whose K is whole blocks to `AT_LOAD[choice]`; returns how many. `none` changes nothing."""
-    from sluice.engine.layers import Linear
+    """Quantizes every float linear of the model's layers (engine.layers.Linear) whose K is whole blocks to
+    `AT_LOAD[choice]`, and the embedding table and the LM head to `TABLES_AT_LOAD` (one table where they are
+    tied); returns how many. `none` changes nothing."""
+    from sluice.engine.layers import CausalLM, Embedding, Linear
 
     if choice == "none":
         return 0
-    name, done = AT_LOAD[choice], 0
-    for module in model.modules():
-        weight = module.weight if isinstance(module, Linear) else None
-        if weight is None or module.quant is not None or weight.device.type != "cpu" or weight.shape[1] % 32:
+    done, tables = 0, isinstance(model, CausalLM)  # (whose `lm_weight` gives the LM head its table)
+    for name, module in model.named_modules():
+        table = tables and (isinstance(module, Embedding) or name == "lm_head")
+        weight = module.weight if isinstance(module, Linear) or table else None
+        if (weight is None or getattr(module, "quant", None) is not None or weight.device.type != "cpu"
+                or weight.dim() != 2 or weight.shape[1] % 32):
             continue
-        set_quantized(module, (quantize(weight, name),))
+        set_quantized(module, (quantize(weight, TABLES_AT_LOAD if table else AT_LOAD[choice]),))
         done += 1
     return done

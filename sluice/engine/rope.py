@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from sluice.engine.attention import AttentionMetadata
 
 
 def rope_params(cfg: dict) -> tuple[float, dict]:
@@ -47,22 +51,24 @@ def _longrope_scale(p: dict, max_positions: int) -> float:
 
 
 def rope_tables(dim: int, max_positions: int, theta: float, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [max_positions, dim/2] (float32) of every position. LongRoPE (Phi-3): one set of factors
-    for every position, the long ones where the model serves more than `original_max_position_embeddings`
-    positions, else the short ones (as vLLM and llama.cpp choose; transformers switches a sequence to the long
-    ones, recomputing it whole, once it grows past that length, which a paged cache shared by a batch cannot
-    do)."""
+    """cos and sin [max_positions, dim/2] (float32) of every position. LongRoPE (Phi-3): [2 * max_positions,
+    dim/2], the short factors' rows, then the long factors' (`Rotary.rows` chooses between them per
+    sequence)."""
     positions = torch.arange(max_positions, dtype=torch.float64)
     if params["rope_type"] in ("longrope", "su"):
         base = theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-        long = max_positions > int(params["original_max_position_embeddings"])
-        factors = torch.tensor(params["long_factor" if long else "short_factor"], dtype=torch.float64)
-        freqs = torch.outer(positions, 1.0 / (factors * base))
+        factors = torch.tensor([params["short_factor"], params["long_factor"]], dtype=torch.float64)  # [2, dim/2]
+        freqs = torch.cat([torch.outer(positions, 1.0 / (f * base)) for f in factors])
         scale = _longrope_scale(params, max_positions)
     else:
         inv_freq, scale = inv_freq_and_scale(dim, theta, params, max_positions)
         freqs = torch.outer(positions, inv_freq)
     return (freqs.cos() * scale).float(), (freqs.sin() * scale).float()
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context stretched by `factor` (DeepSeek's `mscale` weights the log)."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def _llama3(inv_freq: torch.Tensor, factor: float, p: dict) -> torch.Tensor:
@@ -94,15 +100,24 @@ def _yarn(dim: int, theta: float, factor: float, p: dict, max_positions: int) ->
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     inv_freq = interpolation * ramp + extrapolation * (1 - ramp)
     scale = p.get("attention_factor")
-    if scale is None:
-        scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    if scale is None and p.get("mscale") and p.get("mscale_all_dim"):  # (DeepSeek: the ratio, often 1)
+        scale = yarn_mscale(factor, float(p["mscale"])) / yarn_mscale(factor, float(p["mscale_all_dim"]))
+    elif scale is None:
+        scale = yarn_mscale(factor)
     return inv_freq, float(scale)
 
 
 class Rotary(torch.nn.Module):
     """Neox-style (rotate-half) rotary embedding over a precomputed cos/sin table. Optionally on the first
     dimensions of each head only (the params' `partial_rotary_factor`: Phi-4-mini, GLM-4), and pairing dimensions
-    2i and 2i + 1 instead of i and i + dim/2 (`interleaved`: GLM-4)."""
+    2i and 2i + 1 instead of i and i + dim/2 (`interleaved`: GLM-4, DeepSeek-V2).
+
+    LongRoPE (Phi-3) rotates a sequence by its short factors while it is at most the original context length,
+    and by its long factors once a step makes it longer: every token a step computes for a sequence whose
+    last position in that step is past `original_max_position_embeddings`, as transformers does per forward
+    (keys already in the cache stay as they were rotated). The table holds both (`rows` picks a row per
+    token). Unlike transformers' generation, a prompt chunked across that length takes the short factors for
+    its chunks below it: the model sees a step's positions, not the length its prompt will reach."""
 
     def __init__(self, dim: int, max_positions: int, theta: float, params: dict, interleaved: bool = False) -> None:
         super().__init__()
@@ -111,6 +126,9 @@ class Rotary(torch.nn.Module):
         # what the backends' kernels compute: every dimension, rotate-half
         self.plain = self.rotary_dim == dim and not interleaved
         self._args = (self.rotary_dim, max_positions, theta, params)
+        self.switch_at = int(params["original_max_position_embeddings"]) \
+            if params["rope_type"] in ("longrope", "su") else None  # (None: one row per position)
+        self.max_positions = max_positions
         self.register_buffer("cos", torch.empty(0), persistent=False)  # [P, rotary_dim/2]
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self.reset_buffers()
@@ -120,9 +138,24 @@ class Rotary(torch.nn.Module):
         dim, max_positions, theta, params = self._args
         self._last: tuple = (None, None, None, None)
         if torch.empty(0).device.type == "meta":  # shapes only (arange on meta costs torch's whole compiler import)
-            self.cos = self.sin = torch.empty(max_positions, dim // 2)
+            rows = max_positions * (1 if self.switch_at is None else 2)
+            self.cos = self.sin = torch.empty(rows, dim // 2)
             return
         self.cos, self.sin = rope_tables(dim, max_positions, theta, params)
+
+    def rows(self, positions: torch.Tensor, meta: "AttentionMetadata") -> torch.Tensor:
+        """The table row [T] of each of a step's tokens at `positions` [T]: the position itself, except under
+        LongRoPE for the tokens of a sequence the step takes past the original length (their long factors'
+        rows, after the short ones'). Each group's `out_index` rows are its sequences' tokens."""
+        if self.switch_at is None:
+            return positions
+        t = positions.shape[0]
+        padded = torch.cat([positions, positions.new_full((1,), -1)])  # the pads' row T: never the last
+        long = torch.zeros(t + 1, dtype=torch.bool, device=positions.device)
+        for g in meta.groups:
+            ends = padded[g.out_index].amax(dim=1, keepdim=True)  # [B, 1] each sequence's last position
+            long[g.out_index] = (ends >= self.switch_at).expand_as(g.out_index)
+        return positions + long[:t] * self.max_positions
 
     def _at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at `positions` [T, 1, D/2]; every layer of a step asks with the same tensor, and

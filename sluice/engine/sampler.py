@@ -95,9 +95,14 @@ class SamplingBatch:
         )
 
     @classmethod
-    def for_seqs(cls, seqs: list[Sequence], device: torch.device, exp: ExpKernels | None = None) -> "SamplingBatch":
-        return cls.build([s.sampling for s in seqs], [s.seed for s in seqs], [s.num_output_tokens for s in seqs],
-                         device, seqs, exp)
+    def for_seqs(cls, seqs: list[Sequence], device: torch.device, exp: ExpKernels | None = None,
+                 ahead: list[int] | None = None) -> "SamplingBatch":
+        """`ahead[r]`: row r samples that many output positions past its sequence's next (a draft's row: the
+        uniform of the position it samples, as that position would draw it without a draft)."""
+        steps = [s.num_output_tokens for s in seqs]
+        if ahead is not None:
+            steps = [step + j for step, j in zip(steps, ahead)]
+        return cls.build([s.sampling for s in seqs], [s.seed for s in seqs], steps, device, seqs, exp)
 
 
 def plain_greedy(seq: Sequence) -> bool:

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from sluice.engine.block_manager import BlockManager
+from sluice.engine.prediction import num_accepted
 from sluice.engine.sequence import Sequence, Status
 from sluice.ipc.messages import FinishReason
 
@@ -25,12 +26,18 @@ _RUNNING = Status.RUNNING  # (a module global: an enum member's lookup on its cl
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence]
-    num_new_tokens: list[int]  # per sequence, this step
+    num_new_tokens: list[int]  # per sequence, this step (a drafted one's: its last token and its draft)
+    # per sequence, the tokens of its prediction it runs after its last token (engine/prediction.py); None: none
+    drafts: list[list[int]] | None = None
     # per sequence: its next token is sampled this step (its tokens are all computed), as scheduled
     sampled: list[bool] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.sampled = [s.num_computed_tokens + n == len(s.token_ids) for s, n in zip(self.seqs, self.num_new_tokens)]
+        if self.drafts is not None:
+            for i, draft in enumerate(self.drafts):
+                if draft:
+                    self.sampled[i] = True
 
     def samples(self, i: int) -> bool:
         """Whether sequence i's next token is sampled this step (its tokens are all computed)."""
@@ -42,6 +49,8 @@ class StepResult:
     new_tokens: list[tuple[Sequence, int]] = field(default_factory=list)
     finished: list[tuple[Sequence, FinishReason]] = field(default_factory=list)
     exported: list[tuple[Sequence, int]] = field(default_factory=list)  # parked on their first token, blocks kept
+    exported_rows: list[int] = field(default_factory=list)  # each exported one's index among the step's samples
+    predictions: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (drafted, accepted, rejected)
 
 
 @dataclass
@@ -54,15 +63,17 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, sliding_window: int | None = None,
-                 window_pool: BlockManager | None = None) -> None:
+                 window_pool: BlockManager | None = None, max_draft_tokens: int = 8) -> None:
         """`sliding_window`: with no `window_pool`, every layer's window (the one pool frees what falls
-        out of it); with a `window_pool`, the window of the layers whose KV lives there."""
+        out of it); with a `window_pool`, the window of the layers whose KV lives there. `max_draft_tokens`:
+        the most tokens of a prediction a decoding sequence runs in a step (0: none)."""
         self.bm = block_manager
         self.window_pool = window_pool
         self.sliding_window = sliding_window
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.max_draft_tokens = max_draft_tokens
         self.waiting: list[Sequence] = []  # sorted by seq.order
         self.running: list[Sequence] = []  # sorted by seq.order
         self.stats = SchedulerStats()
@@ -105,12 +116,16 @@ class Scheduler:
         bm, window_pool, window, step = self.bm, self.window_pool, self.sliding_window, self._step
         # (once a step for every running sequence: the budget in a local, bm.has_room inline)
         block_size, budget = bm.block_size, self._budget
+        drafts: dict[Sequence, list[int]] = {}
         for seq in list(self.running):
             if seq.status is not _RUNNING or budget <= 0:
                 continue
             computed = seq.num_computed_tokens
             u = len(seq.token_ids) - computed
             n = u if u <= budget + tail else budget
+            if u == 1 and seq.prediction is not None and (draft := self._draft(seq, budget)):
+                drafts[seq] = draft
+                n += len(draft)
             if window:  # this step's first query sees keys from here on
                 (window_pool or bm).free_outside_window(seq, computed - window + 1)
             if (computed + n > len(seq.block_table) * block_size
@@ -147,7 +162,27 @@ class Scheduler:
             step[seq] = n
             self._budget -= n
         self._step = {}
-        return ScheduledBatch(list(step), list(step.values())) if step else None
+        if not step:
+            return None
+        if drafts:
+            return ScheduledBatch(list(step), list(step.values()), [drafts.get(s, []) for s in step])
+        return ScheduledBatch(list(step), list(step.values()))
+
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        """The tokens of seq's prediction it runs this step after its last one: within the budget, its
+        max_tokens and max_model_len (so only a stop token ends it before its last), past its min_tokens, and
+        in blocks it has or that are free (a draft never preempts)."""
+        assert seq.prediction is not None  # (a sequence with a prediction)
+        sp, num_tokens = seq.sampling, len(seq.token_ids)
+        num_output = num_tokens - seq.num_prompt_tokens
+        if num_output < sp.min_tokens:
+            return []
+        k = min(self.max_draft_tokens, budget - 1, sp.max_tokens - num_output - 1, self.max_model_len - num_tokens - 1)
+        draft = seq.prediction.draft(k)
+        if draft and not (self.bm.can_allocate(seq, 1 + len(draft)) and
+                          (self.window_pool is None or self.window_pool.can_allocate(seq, 1 + len(draft)))):
+            return []
+        return draft
 
     def _prefix_hits(self, seq: Sequence) -> tuple[list[int], tuple[list[int], int]]:
         """Cached blocks of seq's prompt: the main pool's, and (when the window layers keep a pool of their
@@ -195,15 +230,24 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=_order)
         self.stats.num_preemptions += 1
 
-    def update(self, batch: ScheduledBatch, sampled: list[int]) -> StepResult:
-        """Applies one step: `sampled` holds a token for each sequence that samples, in order."""
+    def update(self, batch: ScheduledBatch, sampled: list[int], counts: list[int] | None = None) -> StepResult:
+        """Applies one step: `sampled` holds a token for each sequence that samples, in order, or `counts[i]`
+        tokens for the i-th (a drafted sequence's: the draft tokens it kept, then the one after them)."""
         result = StepResult()
         new_tokens = result.new_tokens
         it = iter(sampled)
+        row = 0  # the index in `sampled` of the next token taken from `it`
+        each = iter(counts) if counts is not None else None
+        drafts = batch.drafts
         now = time.time()
         bs = self.bm.block_size
         caching = [pool for pool in (self.bm, self.window_pool) if pool is not None and pool.enable_prefix_caching]
-        for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.sampled):
+        for i, (seq, n, samples) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.sampled)):
+            if drafts is not None and drafts[i]:
+                count = next(each) if each is not None else 1
+                self._verified(seq, drafts[i], [next(it) for _ in range(count)], result, caching, now)
+                row += count
+                continue
             seq.num_computed_tokens += n
             # a block filled up, for the prefix cache (the window pool's count of them follows the primary's)
             if seq.num_computed_tokens // bs > seq.num_registered_blocks:
@@ -212,13 +256,19 @@ class Scheduler:
             if not samples:
                 continue
             token = next(it)
+            row += 1
+            if each is not None:
+                next(each)  # (1)
             seq.token_ids.append(token)
+            if seq.prediction is not None:
+                seq.prediction.advance(seq.token_ids, seq.num_prompt_tokens, 1)
             seq.last_token_time = now
             if not seq.first_token_time:
                 seq.first_token_time = now
             if seq.export:  # its KV goes to a generation worker: out of the batch, its blocks kept
                 self._finish(seq, keep_blocks=True)
                 result.exported.append((seq, token))
+                result.exported_rows.append(row - 1)
                 continue
             new_tokens.append((seq, token))
             sp, num_tokens = seq.sampling, len(seq.token_ids)
@@ -230,6 +280,33 @@ class Scheduler:
                 self._finish(seq)
                 result.finished.append((seq, reason))
         return result
+
+    def _verified(self, seq: Sequence, draft: list[int], tokens: list[int], result: StepResult,
+                  caching: list[BlockManager], now: float) -> None:
+        """Applies a drafted sequence's step: `tokens` are the draft's tokens it kept, then the one sampled after
+        them. The cache holds the KV of its tokens but the last, whatever else the step wrote past them (the
+        rejected draft tokens' slots, which the next step overwrites)."""
+        assert seq.prediction is not None  # (a drafted sequence)
+        seq.token_ids.extend(tokens)
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+        if seq.num_computed_tokens // self.bm.block_size > seq.num_registered_blocks:
+            for pool in caching:
+                pool.register_full_blocks(seq)
+        seq.last_token_time = now
+        accepted = num_accepted(tokens, draft)
+        seq.prediction.verified(accepted, len(draft))
+        result.predictions.append((seq, accepted, len(draft) - accepted))
+        seq.prediction.advance(seq.token_ids, seq.num_prompt_tokens, len(tokens))
+        for j, token in enumerate(tokens):
+            result.new_tokens.append((seq, token))
+            # (the draft's length keeps max_tokens and max_model_len to the last token; only a stop token ends
+            # the output, and the runner kept none after one)
+            reason = self.finish_reason(seq, token) if j == len(tokens) - 1 or token in seq.sampling.stop_token_ids \
+                else None
+            if reason is not None:
+                assert j == len(tokens) - 1, "a drafted step kept tokens after its end"
+                self._finish(seq)
+                result.finished.append((seq, reason))
 
     def finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         """Whether `token`, just appended to the choice's tokens, ends it (and why). (update() skips this call

@@ -9,6 +9,7 @@ from sluice.ipc.messages import SamplingParams
 
 if TYPE_CHECKING:
     from sluice.engine.grammar import GrammarState
+    from sluice.engine.prediction import Prediction
 
 _arrivals = itertools.count()
 
@@ -25,7 +26,7 @@ class Sequence:
                  "window_table", "num_registered_window_blocks",
                  "block_hashes", "num_registered_blocks", "num_computed_tokens", "num_cached_tokens", "started",
                  "grammar", "render_done_time", "first_scheduled_time", "first_token_time", "last_token_time",
-                 "export")
+                 "export", "prediction")
 
     def __init__(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, *, seed: int,
                  shard: int = 0, postproc_spec: bytes = b"", arrival_time: float = 0.0, priority: int = 0,
@@ -58,6 +59,7 @@ class Sequence:
         self.first_token_time = 0.0
         self.last_token_time = 0.0
         self.export = False  # a context_only choice: after its first token its KV leaves for a generation worker
+        self.prediction: Prediction | None = None  # the client's predicted output, drafted while it decodes
 
     @property
     def num_tokens(self) -> int:

@@ -70,7 +70,17 @@ async def count_tokens(ingress: Any, request: Request, receive, send) -> int:
     frame = await render_only(ingress, counted.model, "messages", "count", body)
     if frame.error is not None:
         return await ingress.respond_failure(send, MESSAGES, frame.error)
-    return await respond(send, 200, frame.data)
+    if counted.context_management is None:
+        return await respond(send, 200, frame.data)
+    # As Anthropic's API counts it: the prompt after the context edits, and before them
+    unedited = msgspec.structs.replace(counted, context_management=None)
+    original = await render_only(ingress, counted.model, "messages", "count",
+                                 _json.encode(MessagesRequest(**msgspec.structs.asdict(unedited), max_tokens=1)))
+    if original.error is not None:
+        return await ingress.respond_failure(send, MESSAGES, original.error)
+    answer = {**msgspec.json.decode(frame.data), "context_management": {
+        "original_input_tokens": msgspec.json.decode(original.data)["input_tokens"]}}
+    return await respond(send, 200, _json.encode(answer))
 
 
 # ---- Message Batches -------------------------------------------------------------------------------------------

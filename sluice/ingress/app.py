@@ -21,7 +21,7 @@ import sluice.ingress.stored_chat  # noqa: F401  (registers its routes and keepe
 import sluice.ingress.tokenize  # noqa: F401  (registers its routes)
 import sluice.ingress.worker_info  # noqa: F401  (registers its route)
 from sluice import __version__
-from sluice.base import envs, metrics, procs
+from sluice.base import envs, metrics, procs, tracing
 from sluice.base.auth import CHALLENGE, MISSING_KEY, authorized
 from sluice.base.checkpoint import sampling_defaults
 from sluice.base.config import ServerConfig
@@ -37,7 +37,7 @@ from sluice.ingress.openapi import openapi_document
 from sluice.ingress.pipeline import CLIENT_CLOSED, DISCONNECTED, TIMED_OUT, FrameQueue, Pipeline, ended_as
 from sluice.ingress.routes import Request, Route, find
 from sluice.ingress.server_options import raise_open_files_limit
-from sluice.ipc.messages import Failure, Frame, RenderJob
+from sluice.ipc.messages import Failure, Frame, RenderJob, TraceContext
 from sluice.schemas.openai import ModelCard, ModelList, error_body
 
 _HEALTH_GENERATE_TIMEOUT_S = 30.0
@@ -57,6 +57,7 @@ class Ingress(Pipeline):
         self.models = {m.id: msgspec.json.encode(m) for m in models}
         self._models_body = msgspec.json.encode(ModelList(models))
         self._openapi_body = msgspec.json.encode(openapi_document())
+        self._health_harmony = cfg.harmony and cfg.hf_config().get("model_type") == "gpt_oss"
 
     # ---- ASGI ---------------------------------------------------------------
 
@@ -198,9 +199,13 @@ class Ingress(Pipeline):
         return None
 
     async def generate(self, dialect: Dialect, receive, send, body: bytes | None = None, request: Any = None,
-                       headers: list[tuple[bytes, bytes]] | None = None) -> int:
+                       headers: list[tuple[bytes, bytes]] | None = None, rid: str | None = None,
+                       keep: Keep | None = None, trace: TraceContext | None = None) -> int:
         """One generation request from its HTTP body to its last frame (a route that read and checked the
-        body itself passes it on). `headers`: the request's, where disaggregated_params may come from."""
+        body itself passes it on, with its id and what keeps its response where it chose them). `headers`: the
+        request's, where disaggregated_params and the trace context may come from (`trace`: the trace context
+        of a route that passes no headers). A request that asks to be stored (`store`) is kept by its
+        dialect's keeper (KEEPERS)."""
         if body is None:
             got = await self.read_request(dialect, receive, send, headers or [])
             if isinstance(got, int):
@@ -208,17 +213,19 @@ class Ingress(Pipeline):
             request, body = got
         if (refused := self.refusal(request.model)) is not None:
             return await self.respond_failure(send, dialect, refused)
-        disagg = accepted_disagg(request, headers or [], self.cfg)
+        disagg = accepted_disagg(request, headers or [], self.cfg, body)
         if isinstance(disagg, Failure):
             return await self.respond_failure(send, dialect, disagg)
-        keep = await keeper(self, request) if (keeper := KEEPERS.get(dialect.endpoint)) is not None else None
-        if isinstance(keep, Failure):
-            return await self.respond_failure(send, dialect, keep)
-        rid = dialect.id_prefix + uuid.uuid4().hex
+        if keep is None and getattr(request, "store", None) and (keeper := KEEPERS.get(dialect.endpoint)):
+            if isinstance(kept := await keeper(self, request), Failure):
+                return await self.respond_failure(send, dialect, kept)
+            keep = kept
+        rid = rid or dialect.id_prefix + uuid.uuid4().hex
         q = self.open(rid)
         watcher = asyncio.create_task(_watch_disconnect(receive, q))
         try:
-            self.submit(rid, RenderJob(rid, dialect.endpoint, body, self.address, time.time(), disagg=disagg))
+            self.submit(rid, RenderJob(rid, dialect.endpoint, body, self.address, time.time(), disagg=disagg,
+                                       trace=trace or tracing.from_headers(headers or [])))
             # a context_only answer is one body, whatever the client's request asked: the orchestrator reads it
             stream = dialect.streams(request) and (disagg is None or disagg.request_type != "context_only")
             delivered, status = await self._relay(q, send, dialect, stream, rid, keep)
@@ -247,6 +254,7 @@ class Ingress(Pipeline):
         (`keep`: one that cannot be stored goes out as the error instead). Returns whether it got its last
         frame (if not: client gone, deadline passed, so the engine must drop it) and the status sent."""
         began = False  # the stream began before its first frame (keepalives)
+        sequence = 0  # the number the stream's next event takes (a dialect that numbers them: Frame.sequence)
         if stream and dialect.keepalive:
             frame, began = await self._keep_alive(q, send, dialect, rid)
         else:
@@ -254,7 +262,7 @@ class Ingress(Pipeline):
         if frame is DISCONNECTED:
             return False, CLIENT_CLOSED
         if began:
-            frame = self._in_stream(frame, dialect)
+            frame = self._in_stream(frame, dialect, sequence)
         elif frame is TIMED_OUT:
             return False, await self.respond_failure(send, dialect, self._timeout())
         try:
@@ -278,19 +286,21 @@ class Ingress(Pipeline):
                         break
                     frame, after = after, None
                     parts.append(frame.data)
-                if frame.done and keep is not None and frame.error is None and \
-                        (unkept := await keep(frame)) is not None:
-                    parts[-1] = dialect.errors.stream(unkept)  # (its last chunk goes: the error takes its place)
+                if frame.done and keep is not None and (unkept := await keep(frame)) is not None and \
+                        frame.error is None:  # (the last event goes: the error takes its place)
+                    parts[-1] = _before_last_event(frame.data) + dialect.errors.stream(unkept,
+                                                                                       max(frame.sequence - 1, 0))
                 body = parts[0] if len(parts) == 1 else b"".join(parts)
                 q.sending_since = time.monotonic()
                 await send({"type": "http.response.body", "body": body, "more_body": not frame.done})
                 q.sending_since = None
+                sequence = frame.sequence
                 if frame.done:
                     return frame.error is None, 200
                 frame = after if after is not None else await q.get()
                 if frame is DISCONNECTED:
                     return False, CLIENT_CLOSED
-                frame = self._in_stream(frame, dialect)
+                frame = self._in_stream(frame, dialect, sequence)
         except OSError:
             return False, CLIENT_CLOSED
         except asyncio.CancelledError:
@@ -299,13 +309,15 @@ class Ingress(Pipeline):
             _uncancel()  # the cancel was ours (a cut): this request ends here, the response cut short
             return False, CLIENT_CLOSED
 
-    def _in_stream(self, frame: Frame | object, dialect: Dialect) -> Frame:
-        """A frame (or the deadline) for a stream that began: an error is said in-band, and ends it."""
+    def _in_stream(self, frame: Frame | object, dialect: Dialect, sequence: int) -> Frame:
+        """A frame (or the deadline) for a stream that began after `sequence` events: an error is said in-band,
+        and ends it."""
         if frame is TIMED_OUT:
-            return Frame("", dialect.errors.stream(self._timeout()), True, self._timeout())
+            return Frame("", dialect.errors.stream(self._timeout(), sequence), True, self._timeout(), sequence=sequence)
         assert isinstance(frame, Frame)
         if frame.error is not None:
-            return Frame(frame.request_id, dialect.errors.stream(frame.error), True, frame.error)
+            return Frame(frame.request_id, dialect.errors.stream(frame.error, sequence), True, frame.error,
+                         sequence=sequence)
         return frame
 
     async def _keep_alive(self, q: FrameQueue, send, dialect: Dialect, rid: str) -> tuple[Any, bool]:
@@ -335,11 +347,9 @@ class Ingress(Pipeline):
                 503, "the server is at capacity; retry shortly"))
         rid = "health-" + uuid.uuid4().hex
         q = self.open(rid)
-        body = msgspec.json.encode({"model": self.cfg.served_model_names[0], "prompt": [0], "max_tokens": 1,
-                                    "ignore_eos": True})
         t0 = time.perf_counter()
         try:
-            self.submit(rid, RenderJob(rid, "completions", body, self.address, time.time()))
+            self.submit(rid, health_job(rid, self.cfg.served_model_names[0], self._health_harmony, self.address))
             frame = await asyncio.wait_for(q.get(), _HEALTH_GENERATE_TIMEOUT_S)
             ok = isinstance(frame, Frame) and frame.error is None
         except asyncio.TimeoutError:
@@ -350,6 +360,23 @@ class Ingress(Pipeline):
         if ok:
             return await respond(send, 200, msgspec.json.encode({"latency_ms": (time.perf_counter() - t0) * 1000}))
         return await respond_error(send, 503, "a one-token generation did not come back")
+
+
+def health_job(rid: str, model: str, harmony: bool, reply_to: str) -> RenderJob:
+    """/health_generate's request: one token. On gpt-oss through harmony, the token of a chat message, as the
+    seeds do: rendered by harmony and read by harmony's postproc, so that a fault there fails the check."""
+    if harmony:
+        return RenderJob(rid, "chat", msgspec.json.encode({"model": model, "max_tokens": 1,
+                                                            "messages": [{"role": "user", "content": "hi"}]}),
+                         reply_to, time.time())
+    body = msgspec.json.encode({"model": model, "prompt": [0], "max_tokens": 1, "ignore_eos": True})
+    return RenderJob(rid, "completions", body, reply_to, time.time())
+
+
+def _before_last_event(stream: bytes) -> bytes:
+    """A stream chunk without its last event (an event ends in a blank line; JSON escapes the newlines in it)."""
+    end = stream.rfind(b"\n\n", 0, len(stream) - 2)
+    return stream[:end + 2] if end >= 0 else b""
 
 
 def _uncancel() -> None:

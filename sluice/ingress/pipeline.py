@@ -17,8 +17,8 @@ import zmq.asyncio
 from sluice.base import metrics, procs
 from sluice.base.config import ServerConfig
 from sluice.ipc.addresses import shard_of
-from sluice.ipc.messages import (Abort, ControlInput, Drain, DrainTimedOut, EngineDied, EngineInput, Failure, Frame,
-                                 Frames, IngressInput, IngressStatus, RenderInput, RenderJob, StageDied,
+from sluice.ipc.messages import (Abort, ControlInput, Drain, DrainTimedOut, EngineDied, EngineInput, EngineRequest,
+                                 Failure, Frame, Frames, IngressInput, IngressStatus, RenderInput, RenderJob, StageDied,
                                  SupervisorInput)
 from sluice.ipc.stats import EngineStats, StageClocks, stall_limits
 from sluice.ipc.transport import PullChannel, PushChannel, SubChannel
@@ -39,6 +39,8 @@ def ended_as(status: int) -> str:
     """The request log line's words for a request that ended without a 2xx or 3xx."""
     return "client left" if status == CLIENT_CLOSED else "request refused"
 
+
+_ENGINE_DEAD = Failure(500, "the engine process died; the server is restarting", "engine_dead")
 
 class FrameQueue:
     """One request's frames (and sentinels) on their way to its client, with the frame bytes waiting in it.
@@ -214,12 +216,18 @@ class Pipeline:
         if self.cfg.request_timeout:
             self._deadlines[rid] = asyncio.get_running_loop().call_later(self.cfg.request_timeout, self.end, rid, q,
                                                                          TIMED_OUT)
+        if self.engine_dead:  # (one that passed the door as the engine died, after its in-flight ones were failed)
+            self.fail([rid], _ENGINE_DEAD)
         return q
 
     def submit(self, rid: str, job: RenderJob) -> None:
         k = self._next_render = (self._next_render + 1) % len(self._renders)
         self._rendered_by[rid] = k
         self._renders[k].put(job)
+
+    def submit_engine(self, request: EngineRequest) -> None:
+        """A request already in token ids (the gRPC door's) goes straight to the engine."""
+        self._engine.put(request)
 
     def abort(self, rid: str) -> None:
         """Nobody will read `rid`'s output: the engine drops it, and its render worker if it is still there."""
@@ -312,8 +320,7 @@ class Pipeline:
                     f"({msg.timeout:g}s); retry it", "shutting_down"))
             elif isinstance(msg, EngineDied):
                 self.engine_dead = True
-                self.fail(list(self.pending), Failure(500, "the engine process died; the server is restarting",
-                                                      "engine_dead"))
+                self.fail(list(self.pending), _ENGINE_DEAD)
             elif isinstance(msg, StageDied):
                 self._stage_died(msg.role, msg.index)
 

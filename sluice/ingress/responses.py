@@ -1,7 +1,7 @@
 """The Responses API's routes: POST /v1/responses (served here, queued for the background owner, stored),
 GET / DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items, POST /v1/responses/{id}/cancel.
 
-A response's id is its engine request's. What is stored, and who writes it: sluice/responses_store.py.
+A response's id is its engine request's. What is stored, and who writes it: sluice/state/responses.py.
 """
 from __future__ import annotations
 
@@ -15,16 +15,16 @@ from typing import Any, Callable, TypeVar
 import msgspec
 
 from sluice import state
-from sluice.base import sealing
+from sluice.base import sealing, tracing
 from sluice.ingress.dialects import Dialect
-from sluice.ingress.http import JSON, SSE, respond
+from sluice.ingress.http import SSE, respond
 from sluice.ingress.paging import item_page, page_query
 from sluice.ingress.routes import Request, route
-from sluice.ipc.messages import Failure
+from sluice.ipc.messages import Failure, Frame
 from sluice.schemas import errors
 from sluice.schemas.openai import INT64_MAX
 from sluice.schemas.responses import (CreateResponse, ErrorEvent, InputItem, Part, RenderBody, Response, ResponseError,
-                                      ResponseEvent, event_head, final_response, new_response, split_events, sse)
+                                      ResponseEvent, new_response, sse)
 from sluice.schemas.responses_tools import left_out, left_out_message
 from sluice.state.database import POLL_S
 from sluice.state.responses import NotFound, NotReady, Store
@@ -32,7 +32,6 @@ from sluice.state.responses import NotFound, NotReady, Store
 log = logging.getLogger("sluice.ingress")
 T = TypeVar("T")
 _json = msgspec.json.Encoder()
-_response = msgspec.json.Decoder(Response)
 _ID_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
 
 
@@ -72,11 +71,13 @@ async def create(ingress, request: Request, receive, send) -> int:
         return await _queue(ingress, r, RenderBody(r, history, state_dir=state_dir), items, receive, send)
     if r.store is not False and isinstance(usable := await _state(ingress, Store.check), Failure):
         return await ingress.respond_failure(send, RESPONSES, usable)  # (before the work, not after it)
-    keeper = Keeper(ingress, bool(r.stream), items if r.store is not False else None)
-    dialect = dataclasses.replace(RESPONSES, errors=dataclasses.replace(errors.RESPONSES, stream=keeper.stream_error))
-    status = await ingress.generate(dialect, receive, keeper.wrap(send),
-                                    body=_json.encode(RenderBody(r, history, state_dir=state_dir)), request=r)
-    return keeper.failed or status
+    rid, created_at = RESPONSES.id_prefix + uuid.uuid4().hex, int(time.time())
+    kept = Kept(ingress, r, rid, created_at, items if r.store is not False else None)
+    dialect = dataclasses.replace(RESPONSES, errors=dataclasses.replace(errors.RESPONSES, stream=kept.stream_error))
+    body = _json.encode(RenderBody(r, history, created_at=created_at, state_dir=state_dir))
+    return await ingress.generate(dialect, receive, send, body=body, request=r, rid=rid,
+                                  keep=kept.keep if kept.items is not None else None,
+                                  trace=tracing.from_headers(request.scope["headers"]))
 
 
 _told: set[str] = set()  # the tool types this worker has logged as left out
@@ -142,75 +143,40 @@ async def _queue(ingress, r: CreateResponse, render: RenderBody, items: bytes, r
     return await respond(send, 200, body)
 
 
-class Keeper:
-    """Stands between a served response and its client: counts the stream's events (an error that ends the
-    stream is numbered after them), and stores the finished response (when asked to) before its last bytes
-    go out, so that a chained request sent the moment they arrive finds it. A response that could not be
-    stored is not delivered as one: it ends in the error instead (a whole body's status waits for the save)."""
+class Kept:
+    """A served response and what it leaves behind: the finished response (the last frame's Frame.stored, or
+    the whole body) stored, when asked, before its last bytes go out, so that a chained request sent the
+    moment they arrive finds it; and the events that end its stream in an error, numbered after the events
+    sent (Frame.sequence). A response that could not be stored is not delivered as one: it ends in the error."""
 
-    def __init__(self, ingress, stream: bool, input_items: bytes | None) -> None:
+    def __init__(self, ingress, request: CreateResponse, rid: str, created_at: int, items: bytes | None) -> None:
         self.ingress = ingress
-        self.stream = stream
-        self.input_items = input_items  # None: not stored
-        self.ok = False
-        self.sent = 0  # stream events so far
-        self.first = b""  # the stream's first event (response.created)
-        self.failed = 0  # the status sent instead of a response that could not be stored
+        self.request = request
+        self.rid = rid
+        self.created_at = created_at
+        self.items = items  # its input items, as input_items lists them (None: not stored)
 
-    def wrap(self, send):
-        held: list[dict] = []  # a whole body's response start, until the body is stored
+    async def keep(self, frame: Frame) -> Failure | None:
+        """Stores the finished response; or, for a stream that failed after it began, the failed one."""
+        if frame.error is not None and frame.sequence == 0:
+            return None
+        response = _json.encode(self._failed(frame.error)) if frame.error is not None else frame.stored or frame.data
+        saved = await _state(self.ingress, Store.save, response, self.items)
+        return saved if isinstance(saved, Failure) else None
 
-        async def forward(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                self.ok = message["status"] == 200
-                if self.ok and not self.stream and self.input_items is not None:
-                    return held.append(message)
-            elif self.ok:
-                body = await self._see(message.get("body", b""), message.get("more_body", False))
-                if isinstance(body, Failure):  # a whole body not stored: the error goes out instead
-                    held.clear()
-                    return await self._refuse(send, body)
-                message = {**message, "body": body}
-            for start in held:
-                await send(start)
-            held.clear()
-            await send(message)
-        return forward
+    def _failed(self, failure: errors.Failure) -> Response:
+        failed = new_response(self.request, self.rid, self.created_at, "failed")
+        failed.error = ResponseError(failure.code or "server_error", failure.message)
+        return failed
 
-    async def _see(self, body: bytes, more: bool) -> bytes | Failure:
-        """The bytes to send for `body`, or why a whole body could not be stored."""
-        events = split_events(body) if self.stream else []
-        if events:
-            self.first = self.first or events[0]
-            self.sent += len(events)
-        if more or self.input_items is None:
-            return body
-        response = (final_response(events[-1]) if events else None) if self.stream else body
-        if response is None:
-            return body
-        saved = await _state(self.ingress, Store.save, response, self.input_items)
-        if not isinstance(saved, Failure):
-            return body
-        if not self.stream:
-            return saved
-        self.sent -= 1  # the final event does not go out: the error and response.failed take its place
-        return b"".join(events[:-1]) + self.stream_error(saved)
-
-    async def _refuse(self, send, failure: Failure) -> None:
-        self.failed = failure.status
-        await send({"type": "http.response.start", "status": failure.status, "headers": JSON})
-        await send({"type": "http.response.body", "body": errors.RESPONSES.body(failure)})
-
-    def stream_error(self, failure: errors.Failure) -> bytes:
-        """An error after the stream began: an error event, then response.failed."""
-        error = ErrorEvent(sequence_number=self.sent, code=failure.code, message=failure.message,
+    def stream_error(self, failure: errors.Failure, sequence: int) -> bytes:
+        """An error after the stream began: an error event, then response.failed (once response.created went)."""
+        error = ErrorEvent(sequence_number=sequence, code=failure.code, message=failure.message,
                            param=failure.param)
-        if not self.first:
+        if sequence == 0:
             return sse(error)
-        started = _response.decode(event_head(self.first).response)
-        started.status, started.error = "failed", ResponseError(failure.code or "server_error", failure.message)
-        return sse(error) + sse(ResponseEvent(type="response.failed", sequence_number=self.sent + 1,
-                                              response=started))
+        return sse(error) + sse(ResponseEvent(type="response.failed", sequence_number=sequence + 1,
+                                              response=self._failed(failure)))
 
 
 # ---- a stored response -----------------------------------------------------------

@@ -1,7 +1,7 @@
 """Stored chat completions (`store: true` on a chat request): the ingress keeps each one as it answers it,
 and serves OpenAI's routes over them: GET /v1/chat/completions (a page, by model and metadata),
 GET / POST (metadata) / DELETE /v1/chat/completions/{id}, GET /v1/chat/completions/{id}/messages. What is
-stored, and where: sluice/chat_store.py."""
+stored, and where: sluice/state/chat.py."""
 from __future__ import annotations
 
 from typing import Any, Awaitable, Callable
@@ -44,6 +44,8 @@ async def keeper(ingress, request: ChatCompletionRequest) -> Callable[[Frame], A
     metadata = _json.encode(request.metadata or {})
 
     async def keep(frame: Frame) -> Failure | None:
+        if frame.error is not None:  # (a completion that failed is not stored)
+            return None
         completion = frame.stored or frame.data  # (a stream's last frame carries the whole body)
         messages = _json.encode([_message(f"{frame.request_id}-{i}", m)
                                  for i, m in enumerate(msgspec.to_builtins(request.messages))])

@@ -83,12 +83,59 @@ class KvEvents(msgspec.Struct, tag=True, **_WIRE):
     snapshot: bool = False  # `stored` is everything cached now: forget what was known before
 
 
+class ContextState(msgspec.Struct, **_WIRE):
+    """What a generation worker needs of a context worker's answer besides the first tokens: TensorRT-LLM's
+    opaque_state (its `encoded_opaque_state` on the wire, base64 of this struct's msgpack)."""
+
+    handle: KvHandle
+    prompt_token_ids: bytes  # int32: the prompt the context worker rendered (not rendered again)
+    output_prefix_len: int = 0  # the prompt's last ids that begin the output (a forced tool call)
+    num_cached_tokens: int = 0  # prompt tokens the context worker found in its prefix cache
+
+    def encode(self) -> str:
+        return base64.b64encode(_encoder.encode(self)).decode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "ContextState":
+        """From the bytes `encode`'s base64 stands for (msgspec.MsgspecError when they are not one)."""
+        return _state_decoder.decode(raw)
+
+
+class ContextMessage(msgspec.Struct):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ContextChoice(msgspec.Struct):
+    disaggregated_params: DisaggregatedParams
+    index: int = 0
+    message: ContextMessage | msgspec.UnsetType = msgspec.UNSET  # a chat completion's
+    text: str | msgspec.UnsetType = msgspec.UNSET  # a text completion's
+    finish_reason: str = "not_finished"  # TensorRT-LLM's orchestrator sends a choice on to a generation worker
+
+
+class ContextUsage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int]
+
+
 class ContextAnswer(msgspec.Struct, kw_only=True):
-    """A context worker's whole answer to a context_only request (the orchestrator reads it, no client)."""
+    """A context worker's whole answer to a context_only request, as TensorRT-LLM's context workers answer (a
+    chat.completion or text_completion whose one choice carries disaggregated_params, and the prompt's ids): the
+    orchestrator reads it, no client."""
 
     id: str
-    object: str = "disaggregated.context"
-    disaggregated_params: DisaggregatedParams
+    object: str
+    created: int
+    model: str
+    choices: list[ContextChoice]
+    usage: ContextUsage
+    prompt_token_ids: list[int]
+    prompt_token_ids_b64: str | msgspec.UnsetType = msgspec.UNSET
+
 
 _encoder = msgspec.msgpack.Encoder()
 _handle_decoder = msgspec.msgpack.Decoder(KvHandle)
+_state_decoder = msgspec.msgpack.Decoder(ContextState)

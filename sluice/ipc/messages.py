@@ -51,8 +51,15 @@ class SamplingParams(msgspec.Struct, frozen=True, **_WIRE):
 
 # What the client asked through: OpenAI chat / completions, Anthropic messages, OpenAI responses. Only the
 # ingress (its routes and errors), render's translation and postproc's framing look at it.
-Endpoint = Literal["chat", "completions", "messages", "responses"]
+Endpoint = Literal["chat", "completions", "messages", "responses", "generate"]  # generate: token ids out (gRPC)
 Answer = Literal["engine", "count", "tokens", "text"]
+
+
+class TraceContext(msgspec.Struct, **_WIRE):
+    """A request's W3C trace context, as its client sent it (sluice/base/tracing.py)."""
+
+    traceparent: str
+    tracestate: str = ""
 
 
 class RenderJob(msgspec.Struct, tag=True, **_WIRE):
@@ -66,6 +73,7 @@ class RenderJob(msgspec.Struct, tag=True, **_WIRE):
     # tokens its ids (/tokenize), text the body's `tokens` decoded (/detokenize)
     answer: Answer = "engine"
     disagg: DisaggregatedParams | None = None  # from the orchestrator (the ingress checked its secret)
+    trace: TraceContext | None = None  # the client's traceparent / tracestate headers
 
 
 # ---- render / ingress / postproc -> engine ----------------------------------
@@ -85,6 +93,7 @@ class EngineRequest(msgspec.Struct, tag=True, **_WIRE):
     grammar_trigger: list[int] = []  # the constraint applies once the output ends with these ids ([]: at once)
     grammar_param: str = ""  # the request field the grammar comes from (the engine's errors about it name it)
     kv: KvExport | KvImport | None = None  # disaggregated serving: this request's KV leaves or arrives
+    prediction: bytes = b""  # int32: the client's predicted output (chat's `prediction`), a draft to verify
 
 
 class KvExport(msgspec.Struct, tag=True, **_WIRE):
@@ -93,6 +102,10 @@ class KvExport(msgspec.Struct, tag=True, **_WIRE):
 
     reply_to: str
     output_prefix_len: int = 0  # told back to the orchestrator with the prompt ids
+    model: str = ""  # the answer's (the request's model)
+    completion: bool = False  # the answer is a text_completion (else a chat.completion)
+    disagg_request_id: int | None = None  # the orchestrator's id for the pair, told back
+    prompt_b64: bool = False  # the answer gives the prompt ids as base64 int32 too
 
 
 class KvImport(msgspec.Struct, tag=True, **_WIRE):
@@ -102,6 +115,9 @@ class KvImport(msgspec.Struct, tag=True, **_WIRE):
     handle: bytes
     first_tokens: bytes  # int32, one per choice
     num_cached_tokens: int = 0  # the context worker's prefix-cache hits (the usage reports them)
+    # each choice's first token's logprobs, where the request asks for them: (token id, logprob, rank) of the
+    # sampled token, then of each of the most likely ones, in order
+    first_logprobs: list[list[tuple[int, float, int]]] = []
 
 
 class Abort(msgspec.Struct, tag=True, **_WIRE):
@@ -192,11 +208,20 @@ class Failed(msgspec.Struct, **_WIRE):
     param: str | None = None
 
 
+class Predicted(msgspec.Struct, **_WIRE):
+    """A choice's draft tokens of its prediction that a step verified: those its output kept, and the rest."""
+
+    request_id: str
+    index: int
+    accepted: int
+    rejected: int
+
+
 class StepOutputs(msgspec.Struct, tag=True, **_WIRE):
     """One engine step's results for the requests one postproc shard owns."""
 
     started: list[Started]  # requests with their first output in this step
-    request_ids: list[str]  # one new token each, for choice `indices[i]`
+    request_ids: list[str]  # one new token each, for choice `indices[i]` (a drafted choice's several, in order)
     indices: bytes  # int32[len(request_ids)]
     token_ids: bytes  # int32[len(request_ids)]
     finished: list[Finished] = []
@@ -205,6 +230,7 @@ class StepOutputs(msgspec.Struct, tag=True, **_WIRE):
     logprobs: list[tuple[int, Logprobs]] = []  # (position in request_ids, logprobs of that token)
     prompt_logprobs: list[PromptLogprobs] = []
     timings: list[Timings] = []  # for the choices in `finished`
+    predicted: list[Predicted] = []  # for the choices drafted in this step
 
 
 class IngressGone(msgspec.Struct, tag=True, **_WIRE):
@@ -234,6 +260,7 @@ class Frame(msgspec.Struct, **_WIRE):
     done: bool = False
     error: Failure | None = None  # the request ends in this error instead (with done, and no data)
     stored: bytes = b""  # a request the ingress stores (PostprocSpec.store): its whole body, in its last frame
+    sequence: int = 0  # a Responses stream: the sequence number its next event takes (its events come before it)
 
 
 class Frames(msgspec.Struct, tag=True, **_WIRE):
@@ -251,7 +278,7 @@ IngressInput = Frames | Rendered
 
 # ---- supervisor control ------------------------------------------------------
 
-Role = Literal["engine", "render", "postproc", "background"]
+Role = Literal["engine", "render", "postproc", "background", "grpc"]
 
 
 class Ready(msgspec.Struct, tag=True, **_WIRE):
@@ -334,3 +361,5 @@ class PostprocSpec(msgspec.Struct, **_WIRE):
     stream_interval: int = 1  # a stream sends a frame every this many tokens (the first at once)
     store: bool = False  # the ingress stores the response: the last frame carries the whole body (Frame.stored)
     service_tier: bool = False  # the request named a tier: the response says the one it was served on
+    trace: TraceContext | None = None  # the client's trace context (its log line, its spans)
+    prediction: bool = False  # the request gave a predicted output: the usage counts its tokens kept and not

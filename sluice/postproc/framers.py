@@ -16,6 +16,7 @@ TokenText = Callable[[int], str]
 
 
 class Framer:
+    sequence_number = 0  # the number the stream's next event takes (a dialect that numbers its events)
     """One request's output in its dialect. Streaming: `chunk` per frame, then `end`; a whole body: `add` per
     token, then `body`. A framer whose `takes_each_piece` gets `add` for every token when streaming too, and
     frames from that (`chunk` gets the pieces since the last frame merged, which keeps each kind's text but
@@ -23,6 +24,9 @@ class Framer:
 
     takes_each_piece = False
     reasoning_tokens = 0  # how many output tokens were reasoning: told before `end` / `body`
+    # draft tokens of a predicted output (chat's `prediction`) the output kept, and those it did not: as they come
+    accepted_prediction_tokens = 0
+    rejected_prediction_tokens = 0
 
     def chunk(self, index: int, piece: Piece, finish_reason: str | None, logprobs: list[tuple[int, tuple]],
               token_ids: list[int], completion_tokens: int = 0) -> bytes:
@@ -73,7 +77,8 @@ class ItemFramer(Framer, Events):
 FramerFactory = Callable[[PostprocSpec, int, int, TokenText], Framer]  # (spec, prompt tokens, cached, text_of)
 FRAMERS: dict[Endpoint, FramerFactory] = {}
 # add to FRAMERS
-_MODULES = ("sluice.postproc.openai_frames", "sluice.postproc.anthropic_frames", "sluice.postproc.responses_frames")
+_MODULES = ("sluice.postproc.openai_frames", "sluice.postproc.anthropic_frames", "sluice.postproc.responses_frames",
+            "sluice.postproc.token_frames")
 
 
 def framer_for(spec: PostprocSpec, num_prompt_tokens: int, num_cached_tokens: int, text_of: TokenText) -> Framer:

@@ -11,9 +11,9 @@ from sluice.postproc.assembly import Assembly
 from sluice.postproc.framers import FRAMERS, Framer
 from sluice.postproc.parsers import Piece
 from sluice.schemas.openai import (ChatChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs, ChunkChoice,
-                                   Completion, CompletionChoice, CompletionLogprobs, Delta, FunctionCallOut,
-                                   PerfMetrics, PromptLogprob, PromptTokensDetails, ResponseMessage, TokenLogprob,
-                                   ToolCallOut, TopLogprob, Usage)
+                                   Completion, CompletionChoice, CompletionLogprobs, CompletionTokensDetails, Delta,
+                                   FunctionCallOut, PerfMetrics, PredictedUsage, PromptLogprob, PromptTokensDetails,
+                                   ResponseMessage, TokenLogprob, ToolCallOut, TopLogprob, Usage)
 
 _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
@@ -56,6 +56,11 @@ class OpenAIFramer(Framer):
 
     def usage(self, completion_tokens: int) -> Usage:
         p = self.num_prompt_tokens
+        if self.spec.prediction:
+            details = CompletionTokensDetails(self.reasoning_tokens, self.accepted_prediction_tokens,
+                                              self.rejected_prediction_tokens)
+            return PredictedUsage(p, completion_tokens, p + completion_tokens,
+                                  PromptTokensDetails(self.num_cached_tokens), details)
         return Usage(p, completion_tokens, p + completion_tokens, PromptTokensDetails(self.num_cached_tokens))
 
     # ---- streaming -------------------------------------------------------------

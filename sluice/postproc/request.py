@@ -1,25 +1,32 @@
 """One request's output state in its postproc shard: an output pipeline per choice."""
 from __future__ import annotations
 
+import logging
 import time
 
 import msgspec
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from sluice.base import metrics
+from sluice.base import hooks, metrics, tracing
 from sluice.ipc.messages import Frame, PostprocSpec, Started, Timings
 from sluice.postproc.framers import framer_for
 from sluice.postproc.parsers import Piece, keeps_special_tokens, text_parser
 from sluice.postproc.stop import StopStrings
 from sluice.schemas.openai import PerfMetrics
 
+log = logging.getLogger("sluice.postproc")
+
 
 class Choice:
     """Tokens in, message pieces out: detokenize, stop strings, parsers (or harmony on the tokens)."""
 
-    def __init__(self, spec: PostprocSpec, tokenizer: Tokenizer) -> None:
+    def __init__(self, spec: PostprocSpec, tokenizer: Tokenizer, hook: hooks.PostProcessorHook | None = None,
+                 index: int = 0) -> None:
+        """`hook`: --post-processor-hook (text output only: the server refuses it with harmony at start)."""
         self.tokenizer = tokenizer
+        self.hook, self.request_id, self.index = hook, spec.request_id, index
+        self.text = ""  # the text so far as the model wrote it (with a hook)
         self.stops = StopStrings(spec.stop, spec.include_stop_str_in_output)
         self.finish_reason: str | None = None
         self.num_tokens = 0
@@ -69,6 +76,8 @@ class Choice:
             elif finish_reason:
                 piece.content += self.stops.flush()
         if harmony is None:
+            if self.hook is not None:
+                finish_reason = self._vetted(piece, token, finish_reason)
             piece = self._parse(piece, finish_reason is not None)
             if finish_reason is None and self._calls_done:
                 finish_reason = "stop"
@@ -84,6 +93,21 @@ class Choice:
         self.finish_reason = finish_reason
         return piece
 
+    def _vetted(self, piece: Piece, token: int, finish_reason: str | None) -> str | None:
+        """Puts the piece's text through the hook (which may change, drop or end it); the finish reason then."""
+        assert self.hook is not None
+        self.text += piece.content
+        verdict = hooks.vetted(self.hook, hooks.OutputChunk(self.request_id, self.index, piece.content, self.text,
+                                                            token, finish_reason is not None))
+        if isinstance(verdict, hooks.Emit):
+            piece.content = verdict.text
+            return finish_reason
+        piece.content = ""
+        if isinstance(verdict, hooks.Terminate) and finish_reason is None:
+            log.info("--post-processor-hook ended choice %d of %s: %s", self.index, self.request_id, verdict.reason)
+            return "stop"
+        return finish_reason
+
     def _parse(self, piece: Piece, final: bool) -> Piece:
         for parser in self.parsers:
             piece = parser.feed(piece, final)
@@ -91,10 +115,11 @@ class Choice:
 
 
 class RequestOutput:
-    def __init__(self, spec: PostprocSpec, tokenizer: Tokenizer, started: Started, text_of) -> None:
+    def __init__(self, spec: PostprocSpec, tokenizer: Tokenizer, started: Started, text_of,
+                 hook: hooks.PostProcessorHook | None = None) -> None:
         self.spec = spec
         self.started = started
-        self.choices = [Choice(spec, tokenizer) for _ in range(spec.n)]
+        self.choices = [Choice(spec, tokenizer, hook, i) for i in range(spec.n)]
         self.framer = framer_for(spec, started.num_prompt_tokens, started.num_cached_tokens, text_of)
         # (a stored stream's framer also builds the whole body, which the last frame carries: Frame.stored)
         self._adds = not spec.stream or self.framer.takes_each_piece or spec.store
@@ -116,6 +141,11 @@ class RequestOutput:
     def completion_tokens(self) -> int:
         choices = self.choices
         return choices[0].num_tokens if len(choices) == 1 else sum(c.num_tokens for c in choices)
+
+    def predicted(self, accepted: int, rejected: int) -> None:
+        """A step verified draft tokens of the request's predicted output: `accepted` kept, `rejected` not."""
+        self.framer.accepted_prediction_tokens += accepted
+        self.framer.rejected_prediction_tokens += rejected
 
     def on_token(self, index: int, token: int, finish_reason: str | None, logprobs: tuple | None,
                  gaps: list[float] | None = None) -> bytes:
@@ -219,6 +249,7 @@ class RequestOutput:
         done = time.time()
         return {"request_id": self.spec.request_id, "endpoint": self.spec.endpoint, "status": 200,
                 **({"user": self.spec.user} if self.spec.user is not None else {}),
+                **tracing.fields(self.spec.trace),
                 "finish_reasons": [c.finish_reason for c in self.choices],
                 "prompt_tokens": self.started.num_prompt_tokens, "cached_tokens": self.started.num_cached_tokens,
                 "completion_tokens": self.completion_tokens,

@@ -73,6 +73,7 @@ class ResponsesFramer(ItemFramer):
         self._ids: list[str] = []  # each item's id
         self._status: ItemStatus = "completed"  # what the item closed now ends as
         self._opened = False
+        self._final: Response | None = None
 
     # ---- streaming -------------------------------------------------------------
 
@@ -98,7 +99,8 @@ class ResponsesFramer(ItemFramer):
     def end(self, completion_tokens: int, perf: PerfMetrics | None = None) -> bytes:
         final = self.final(completion_tokens)
         events = self._take()
-        return events + sse(ResponseEvent(type=f"response.{final.status}", sequence_number=self.sequence_number,
+        self.sequence_number += 1
+        return events + sse(ResponseEvent(type=f"response.{final.status}", sequence_number=self.sequence_number - 1,
                                           response=final))
 
     # ---- one body --------------------------------------------------------------
@@ -109,8 +111,11 @@ class ResponsesFramer(ItemFramer):
     # ---- the end ---------------------------------------------------------------
 
     def final(self, completion_tokens: int) -> Response:
-        """The finished response (its open item closed: incomplete when the output was cut at its limit)."""
-        r = self.response
+        """The finished response (its open item closed: incomplete when the output was cut at its limit); the
+        same one when asked again (a stored stream's last event and its stored body)."""
+        if self._final is not None:
+            return self._final
+        r = self._final = self.response
         cut = self.finish_reason == "length"
         self._status = "incomplete" if cut else "completed"
         self.assembly.finish()

@@ -13,7 +13,7 @@ import msgspec
 import zmq
 from tokenizers import Tokenizer
 
-from sluice.base import metrics
+from sluice.base import hooks, metrics, tracing
 from sluice.base.config import ServerConfig
 from sluice.ipc.messages import (Abort, EndChoices, EngineInput, Failed, Failure, Frame, Frames, IngressGone,
                                  IngressInput, PostprocInput, PostprocSpec, Ready, StepOutputs, StepsTaken,
@@ -52,8 +52,11 @@ def _failure(f: Failed) -> Failure:
 
 
 class Shard:
-    def __init__(self, tokenizer: Tokenizer, kv_timing_output: str | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, kv_timing_output: str | None = None,
+                 hook: hooks.PostProcessorHook | None = None, spans: tracing.Exporter | None = None) -> None:
+        """`hook`: --post-processor-hook; `spans`: where finished requests' spans go (--otlp-traces-endpoint)."""
         self.tokenizer = tokenizer
+        self.hook, self.spans = hook, spans
         self.requests: dict[str, RequestOutput] = {}
         self._token_text: dict[int, str] = {}
         self._timing_file = open(kv_timing_output, "a", buffering=1) if kv_timing_output else None
@@ -83,16 +86,17 @@ class Shard:
         out: dict[str, list[Frame]] = defaultdict(list)
         for rid, (req, failure) in step.failed.items():
             if rid in data:  # chunks of its earlier steps (not coalescing): they went out before it failed
-                out[req.spec.reply_to].append(Frame(rid, data[rid]))
-            out[req.spec.reply_to].append(Frame(rid, b"", True, failure))
+                out[req.spec.reply_to].append(Frame(rid, data[rid], sequence=req.framer.sequence_number))
+            out[req.spec.reply_to].append(Frame(rid, b"", True, failure, sequence=req.framer.sequence_number))
         for rid, req in touched.items():
             if req.done:
                 del self.requests[rid]
                 self._finished(req)
                 final = req.final()
-                out[req.spec.reply_to].append(Frame(rid, data[rid] + final.data, True, stored=final.stored))
+                out[req.spec.reply_to].append(Frame(rid, data[rid] + final.data, True, stored=final.stored,
+                                                    sequence=req.framer.sequence_number))
             elif data[rid]:
-                out[req.spec.reply_to].append(Frame(rid, data[rid]))
+                out[req.spec.reply_to].append(Frame(rid, data[rid], sequence=req.framer.sequence_number))
         self._gaps += step.gaps
         if not self.requests or time.monotonic() - metrics.LATER.at >= metrics.FLUSH_S:
             self._record_metrics()
@@ -126,7 +130,7 @@ class Shard:
         touched = step.touched
         for s in msg.started:
             self.requests[s.request_id] = RequestOutput(_spec_decoder.decode(s.postproc_spec), self.tokenizer, s,
-                                                        self.text_of)
+                                                        self.text_of, self.hook)
         for f in msg.failed:  # the engine has freed them: their tokens of this step are not shown
             if (req := self.requests.pop(f.request_id, None)) is not None:
                 touched.pop(f.request_id, None)
@@ -142,9 +146,15 @@ class Shard:
         for t in msg.timings:
             if (req := self.requests.get(t.request_id)) is not None:
                 req.timings.append(t)
+        for p in msg.predicted:
+            if (req := self.requests.get(p.request_id)) is not None:
+                req.predicted(p.accepted, p.rejected)
         verdicts = {(f.request_id, f.index): f.reason for f in msg.finished}
         logprobs = {pos: unpack(lp)[0] for pos, lp in msg.logprobs}
         indices = bytes_to_ids(msg.indices).tolist()
+        # a choice with several tokens in the step (drafted) has its verdict on the last
+        last = {key: pos for pos, key in enumerate(zip(msg.request_ids, indices)) if key in verdicts} \
+            if msg.predicted and verdicts else None
         now = time.time()
         requests, fed, gaps = self.requests, step.fed, step.gaps
         for pos, (rid, index, token) in enumerate(zip(msg.request_ids, indices, bytes_to_ids(msg.token_ids).tolist())):
@@ -152,6 +162,8 @@ class Shard:
             if req is None:
                 continue
             verdict = verdicts.get((rid, index)) if verdicts else None
+            if last is not None and verdict is not None and last[rid, index] != pos:
+                verdict = None
             try:
                 finish = req.feed(index, token, verdict, logprobs.get(pos) if logprobs else None, gaps, now)
             except Exception:  # one request's bad state must not take the shard down
@@ -184,6 +196,22 @@ class Shard:
         log.info("request done", extra={"fields": summary})
         if self._timing_file is not None:
             self._timing_file.write(json.dumps(summary) + "\n")
+        if self.spans is not None:
+            self._export(req, summary)
+
+    def _export(self, req: RequestOutput, summary: dict) -> None:
+        times = {name: summary[name] for name in ("arrival_time", "render_done_time", "first_scheduled_time",
+                                                  "first_token_time", "last_token_time")}
+        attributes = {"sluice.request_id": req.spec.request_id, "sluice.endpoint": req.spec.endpoint,
+                      "gen_ai.request.model": req.spec.model, "gen_ai.usage.input_tokens": summary["prompt_tokens"],
+                      "gen_ai.usage.output_tokens": summary["completion_tokens"],
+                      "gen_ai.response.finish_reasons": [str(r) for r in summary["finish_reasons"]]}
+        try:
+            assert self.spans is not None
+            self.spans.export(req.spec.trace, {**times, "done_time": times["arrival_time"] + summary["e2e_ms"] / 1000},
+                              attributes)
+        except Exception:  # (tracing must not take the shard down)
+            log.exception("exporting the spans of %s failed", req.spec.request_id)
 
 
 def run_postproc(cfg: ServerConfig, index: int) -> None:
@@ -191,7 +219,9 @@ def run_postproc(cfg: ServerConfig, index: int) -> None:
         from sluice.base.harmony_vocab import harmony_encoding
 
         harmony_encoding()  # now, not on the first request
-    shard = Shard(Tokenizer.from_file(str(Path(cfg.model_path) / "tokenizer.json")), cfg.kv_timing_output)
+    shard = Shard(Tokenizer.from_file(str(Path(cfg.model_path) / "tokenizer.json")), cfg.kv_timing_output,
+                  hooks.load(cfg.post_processor_hook, "--post-processor-hook") if cfg.post_processor_hook else None,
+                  tracing.Exporter.otlp(cfg.otlp_traces_endpoint) if cfg.otlp_traces_endpoint else None)
     ctx = zmq.Context()
     addr = cfg.addresses
     inbox: PullChannel[PostprocInput] = PullChannel(ctx, addr.postproc(index), PostprocInput)

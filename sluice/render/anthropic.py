@@ -12,8 +12,11 @@ from typing import Literal, Sequence
 
 import msgspec
 
-from sluice.render.dialects import Translation, translator
+from sluice.render import context_edits
+from sluice.render.context_edits import Counter
+from sluice.render.diagnostics import Fingerprint, Part, digest
 from sluice.render.errors import RequestError
+from sluice.render.translators import Finish, Translation, translator
 from sluice.schemas.anthropic import (CountTokensRequest, DocumentBlock, Framing, ImageBlock, MessageParam,
                                       MessagesRequest, RedactedThinkingBlock, TextBlock, ThinkingBlock, ToolParam,
                                       ToolResultBlock, ToolUseBlock)

@@ -11,11 +11,13 @@ import msgspec
 import numpy as np
 
 from sluice.ipc.addresses import shard_of
-from sluice.ipc.messages import EngineRequest, KvExport, KvImport, PostprocSpec, RenderJob, SamplingParams, ids_to_bytes
-from sluice.render import deadline, dialects
+from sluice.ipc.kv import ContextState
+from sluice.ipc.messages import (EngineRequest, KvExport, KvImport, PostprocSpec, RenderJob, SamplingParams,
+                                 bytes_to_ids, ids_to_bytes)
+from sluice.render import deadline, translators
 from sluice.render.constraints import check_tool_choice, requested
+from sluice.render.diagnostics import Fingerprints
 from sluice.render.errors import RequestError
-from render.diagnostics import Fingerprints
 from sluice.render.extensions import ServingExtension, message_text, tool_param_types
 from sluice.render.structured import Constraint, GrammarCompiler, response_format
 from sluice.render.tokenizer import PromptBudget, TokenizerBundle, context_length_error
@@ -51,7 +53,7 @@ class ChatCore:
         self.max_model_len = max_model_len
         self.model_vocab_size = model_vocab_size
         self.num_shards = num_shards
-        self.translators = dialects.load()
+        self.translators = translators.load()
 
     @property
     def budget(self) -> PromptBudget:
@@ -114,7 +116,8 @@ class ChatCore:
             if (translate := self.translators.get(job.endpoint)) is not None:
                 translation = translate(job.body)
                 if translation.finish is not None:
-                    translation = translation.finish(dialects.Finish(job.request_id, self._tokens, self.fingerprints))
+                    finish = translators.Finish(job.request_id, self._tokens, self.fingerprints)
+                    translation = translation.finish(finish)
                 return translation.request, translation.dialect, translation.truncate
             return _DECODERS[job.endpoint].decode(job.body), b"", False
         except RecursionError:
@@ -123,17 +126,18 @@ class ChatCore:
     def _render(self, job: RenderJob, request: ChatCompletionRequest | CompletionRequest,
                 dialect: bytes = b"") -> EngineRequest:
         chat = isinstance(request, ChatCompletionRequest)
-        imported = self._imported_prompt(job.disagg)  # a generation_only request's: rendered by its context worker
+        imported = self._imported_prompt(job)  # a generation_only request's: rendered by its context worker
         if isinstance(request, ChatCompletionRequest):
             prompt, prefix = imported or self._chat_prompt(request)
             max_tokens = request.max_completion_tokens or request.max_tokens
             max_tokens_field = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
-            constraint = self._chat_constraint(request)
+            constraint = self._chat_constraint(request, prefix)
             grammar, trigger = self._grammar(request, constraint)
             if request.top_logprobs is not None and not request.logprobs:
                 raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
             top_logprobs = request.top_logprobs if request.logprobs else None
             echo = ""
+            predicted = self._prediction(request)
         else:
             (prompt, echo), prefix = self._completion_prompt(request) if imported is None else \
                 (imported[0], _imported_echo(request, imported[0], self._decode)), []
@@ -141,6 +145,7 @@ class ChatCore:
             constraint = requested(request)
             grammar, trigger = self._grammar(request, constraint)
             max_tokens_field = "max_tokens"
+            predicted = []
         max_tokens = self._check_length(len(prompt), max_tokens, max_tokens_field)
         parsers = self.ext.parsers() if chat else []
         spec = PostprocSpec(
@@ -150,8 +155,9 @@ class ChatCore:
             created=int(job.arrival_time),
             reply_to=job.reply_to,
             stream=bool(request.stream),
-            store=job.endpoint == "chat" and bool(getattr(request, "store", None)),
+            store=bool(getattr(request, "store", None)),  # (chat's store, or the Responses translator's)
             service_tier=getattr(request, "service_tier", None) is not None,
+            prediction=getattr(request, "prediction", None) is not None,
             include_usage=bool(request.stream_options and request.stream_options.include_usage),
             continuous_usage=bool(request.stream_options and request.stream_options.include_usage
                                   and request.stream_options.continuous_usage_stats),
@@ -175,6 +181,7 @@ class ChatCore:
             logprobs=top_logprobs is not None,
             echo=echo,
             prompt_token_ids_b64=_b64(prompt) if request.return_prompt_token_ids_b64 else None,
+            trace=job.trace,
         )
         return EngineRequest(
             request_id=job.request_id,
@@ -190,41 +197,44 @@ class ChatCore:
             grammar_trigger=trigger,
             grammar_param=constraint[0].param if constraint[0] is not None else "",
             render_done_time=time.time(),
-            kv=self._kv(job, request.n, len(prefix), top_logprobs is not None or request.prompt_logprobs is not None),
+            kv=self._kv(job, request, len(prefix), top_logprobs),
+            prediction=ids_to_bytes(predicted) if predicted else b"",
         )
 
-    def _imported_prompt(self, disagg: DisaggregatedParams | None) -> tuple[list[int], list[int]] | None:
+    def _imported_prompt(self, job: RenderJob) -> tuple[list[int], list[int]] | None:
         """A generation_only request's prompt ids and output prefix, as its context worker rendered them."""
-        if disagg is None or disagg.request_type != "generation_only" or disagg.prompt_token_ids_b64 is None:
+        state = _context_state(job.disagg)
+        if state is None:
             return None
-        ids = _from_b64(disagg.prompt_token_ids_b64)
-        if not ids or disagg.output_prefix_len > len(ids):
-            raise RequestError(400, "disaggregated_params.prompt_token_ids_b64 is empty or shorter than its "
-                               "output prefix", param="disaggregated_params")
-        self._check_ids(ids, "disaggregated_params.prompt_token_ids_b64")
-        return ids, ids[len(ids) - disagg.output_prefix_len:]
+        ids = bytes_to_ids(state.prompt_token_ids).tolist()
+        if not ids or state.output_prefix_len > len(ids):
+            raise RequestError(400, "disaggregated_params.encoded_opaque_state holds no prompt, or one shorter than "
+                               "its output prefix", param="disaggregated_params.encoded_opaque_state")
+        self._check_ids(ids, "disaggregated_params.encoded_opaque_state")
+        return ids, ids[len(ids) - state.output_prefix_len:]
 
-    def _kv(self, job: RenderJob, n: int, prefix_len: int, scores: bool) -> KvExport | KvImport | None:
+    def _kv(self, job: RenderJob, request: ChatCompletionRequest | CompletionRequest, prefix_len: int,
+            top_logprobs: int | None) -> KvExport | KvImport | None:
         """Where a disaggregated request's KV goes (context_only) or comes from (generation_only)."""
         d = job.disagg
-        if d is None:
+        if d is None or d.request_type == "context_and_generation":
             return None
-        if scores:
-            raise RequestError(400, "logprobs and prompt_logprobs are not served disaggregated: send the request "
-                               "to one worker", param="disaggregated_params")
+        if request.prompt_logprobs is not None:
+            raise RequestError(400, "prompt_logprobs are not served disaggregated: send the request to one worker",
+                               param="disaggregated_params")
         if d.request_type == "context_only":
-            return KvExport(job.reply_to, prefix_len)
+            return KvExport(job.reply_to, prefix_len, request.model, job.endpoint == "completions",
+                            d.disagg_request_id, d.return_prompt_token_ids_b64)
         first = d.first_gen_tokens or []
-        if len(first) != n:
-            raise RequestError(400, f"disaggregated_params.first_gen_tokens has {len(first)} tokens for {n} choices",
-                               param="disaggregated_params.first_gen_tokens")
+        if len(first) != request.n:
+            raise RequestError(400, f"disaggregated_params.first_gen_tokens has {len(first)} tokens for "
+                               f"{request.n} choices", param="disaggregated_params.first_gen_tokens")
         self._check_ids(first, "disaggregated_params.first_gen_tokens")
-        try:
-            handle = base64.b64decode(d.opaque_state or "", validate=True)
-        except (binascii.Error, ValueError):
-            raise RequestError(400, "disaggregated_params.opaque_state is not valid base64",
-                               param="disaggregated_params.opaque_state") from None
-        return KvImport(handle, ids_to_bytes(first), d.num_cached_tokens)
+        logprobs = _first_logprobs(d, first, top_logprobs) if top_logprobs is not None else []
+        state = _context_state(d)
+        if state is None:  # (the engine finds no handle in it: it recomputes the prompt, or fails the request)
+            return KvImport(b"", ids_to_bytes(first), first_logprobs=logprobs)
+        return KvImport(_handle_bytes.encode(state.handle), ids_to_bytes(first), state.num_cached_tokens, logprobs)
 
     def _chat_prompt(self, request: ChatCompletionRequest) -> tuple[list[int], list[int]]:
         """The prompt's ids, and those of its end that begin the output (a forced tool call)."""
@@ -244,10 +254,11 @@ class ChatCore:
         rendered = self.ext.render_prompt(request, self.budget)
         return rendered.prompt_ids, rendered.output_prefix
 
-    def _chat_constraint(self, request: ChatCompletionRequest) -> tuple[Constraint | None, bool]:
+    def _chat_constraint(self, request: ChatCompletionRequest,
+                         prefix: list[int]) -> tuple[Constraint | None, bool]:
         """What a chat output must match (and whether it is the whole output, or the answer the serving
-        extension says where to find): the client's format, or the serving extension's grammar for tool calls
-        that must be made or held to their schemas."""
+        extension says where to find): the client's format, the serving extension's grammar for tool calls
+        that must be made or held to their schemas, or the one that holds a thinking budget."""
         own = requested(request)
         if request.response_format is not None and (fmt := response_format(request.response_format)) is not None:
             if own[0] is not None:
@@ -258,7 +269,11 @@ class ChatCore:
         if tools is not None and own[0] is not None:
             raise RequestError(400, f"{own[0].param} cannot be combined with tool calls that are forced or strict "
                                "(tool_choice required or a named function, or strict tools)", param=own[0].param)
-        return (tools, True) if tools is not None else own
+        budget = self.ext.thinking_constraint(request, prefix)
+        if budget is not None and (other := tools or own[0]) is not None:
+            raise RequestError(400, f"thinking_token_budget cannot be combined with {other.param} here (one grammar "
+                               "a request)", param="thinking_token_budget")
+        return (tools, True) if tools is not None else (budget, True) if budget is not None else own
 
     def _grammar(self, request, constraint: tuple[Constraint | None, bool]) -> tuple[str, list[int]]:
         """The constraint's compiled grammar, and the ids after which it applies."""
@@ -374,6 +389,16 @@ class ChatCore:
             out[token] = value
         return out
 
+    def _prediction(self, request: ChatCompletionRequest) -> list[int]:
+        """The predicted output's token ids, as the output would hold its text (no special tokens added; what
+        is past the longest output the server reads is of no use)."""
+        if request.prediction is None:
+            return []
+        content = request.prediction.content
+        text = content if isinstance(content, str) else "".join(p.text or "" for p in content if p.type == "text")
+        ids = self.bundle.tokenizer.encode(text[: self.budget.max_chars], add_special_tokens=False).ids
+        return ids[: self.max_model_len]
+
     def _bad_words(self, words: list[str]) -> list[list[int]]:
         """Each word as it starts the text and as it follows a space (as vLLM)."""
         if sum(map(len, words)) > self.budget.max_chars:  # longer than any output, and slow to tokenize
@@ -436,3 +461,47 @@ def _depth(value: Any) -> int:
             deepest = max(deepest, depth)
             stack.extend((child, depth + 1) for child in children)
     return deepest
+
+
+_handle_bytes = msgspec.msgpack.Encoder()
+
+
+def _context_state(d: DisaggregatedParams | None) -> ContextState | None:
+    """A generation_only request's opaque state; None where it has none, or one no context worker of ours made
+    (the prompt is rendered here then, from the request's prompt ids or messages)."""
+    if d is None or d.request_type != "generation_only":
+        return None
+    try:
+        return ContextState.decode(base64.b64decode(d.encoded_opaque_state or "", validate=True))
+    except (binascii.Error, ValueError, msgspec.MsgspecError):
+        return None
+
+
+class _WireLogprob(msgspec.Struct):
+    token_id: int
+    logprob: float
+    rank: int | None = None
+
+
+
+def _first_logprobs(d: DisaggregatedParams, first: list[int], top_logprobs: int) -> list[list[tuple[int, float, int]]]:
+    """Each first token's logprobs from the context worker (TensorRT-LLM's first_gen_log_probs: per choice, the
+    sampled token's {token_id, logprob, rank} then the most likely ones'), as many as the request asks."""
+    param = "disaggregated_params.first_gen_log_probs"
+    given = d.first_gen_log_probs or []
+    if len(given) != len(first):
+        raise RequestError(400, "a generation_only request that asks for logprobs needs its context worker's "
+                           "first_gen_log_probs, one per choice (send the context_only request with logprobs too)",
+                           param=param)
+    out = []
+    for token, position in zip(first, given):
+        try:
+            entries = msgspec.convert(position, list[_WireLogprob])
+        except msgspec.ValidationError as e:
+            raise RequestError(400, f"{param} is not a list of {{token_id, logprob, rank}} per choice: {e}",
+                               param=param) from None
+        if not entries or entries[0].token_id != token or len(entries) - 1 < top_logprobs:
+            raise RequestError(400, f"{param} does not hold the first token's logprob and {top_logprobs} most "
+                               "likely ones (send the context_only request with the same logprobs)", param=param)
+        out.append([(e.token_id, e.logprob, e.rank or i) for i, e in enumerate(entries[:top_logprobs + 1])])
+    return out

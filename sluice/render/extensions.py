@@ -17,7 +17,7 @@ import msgspec
 from sluice.base import tool_formats
 from sluice.base.tool_formats import AUTO, REASONING_PARSERS, TOOL_PARSERS
 from sluice.ipc.messages import ParserName
-from sluice.render import tool_grammars
+from sluice.render import thinking, tool_grammars
 from sluice.render.chat_template import ChatTemplateError, TemplateOutputTooLong, render_chat
 from sluice.render.errors import RequestError
 from sluice.render.structured import Constraint
@@ -68,6 +68,11 @@ class ServingExtension(Protocol):
     def tool_constraint(self, request: ChatCompletionRequest) -> Constraint | None:
         """The grammar, in this model's call format, for tool calls that must be made (tool_choice required or a
         named function) or held to their schemas (strict tools); None when neither applies."""
+        ...
+
+    def thinking_constraint(self, request: ChatCompletionRequest, prefix: list[int]) -> Constraint | None:
+        """The grammar that holds the request's thinking_token_budget (None without one); `prefix`: the prompt's
+        ids that begin the output (render_prompt's)."""
         ...
 
     def parsers(self) -> list[ParserName]:
@@ -262,9 +267,9 @@ class HfChatTemplateExtension:
 
     def unsupported_features(self, request: ChatCompletionRequest) -> list[Unsupported]:
         out = common_unsupported(request, self.options, self.reasoning_parser is not None)
-        if request.thinking_token_budget is not None:
-            out.append(Unsupported("thinking_token_budget", "this server does not enforce a thinking budget; "
-                                                            "use max_tokens", "thinking_token_budget"))
+        if request.thinking_token_budget is not None and \
+                (why := thinking.refusal(self.reasoning_parser, self._added)) is not None:
+            out.append(Unsupported("thinking_token_budget", why, "thinking_token_budget"))
         if holds_tools(request) and self.call_format is None:
             forced = request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice)
             what = "forcing a call (tool_choice required or a named function)" if forced else "strict tools"
@@ -296,6 +301,13 @@ class HfChatTemplateExtension:
         except tool_grammars.Unholdable as e:
             raise RequestError(400, f"tools: {e} in the {self.tool_parser} call format", param="tools") from None
         return Constraint("lark", lark, "tools")
+
+    def thinking_constraint(self, request: ChatCompletionRequest, prefix: list[int]) -> Constraint | None:
+        if request.thinking_token_budget is None:  # (one that cannot be held: unsupported_features said so)
+            return None
+        from_start = self.reasoning_parser == "deepseek_r1" or self._added[thinking.OPEN] in prefix
+        return Constraint("lark", thinking.budget_grammar(request.thinking_token_budget, self._added, from_start),
+                          "thinking_token_budget")
 
     def _literal(self, text: str) -> str:
         """Call syntax as grammar terminals: each token of the vocabulary's own (`<tool_call>` in Qwen's,

@@ -180,6 +180,9 @@ class HarmonyExtension:
         # The answer, not the reasoning, is what must follow the format: the final channel.
         return list(_special_ids("<|channel|>final<|message|>"))
 
+    def thinking_constraint(self, request: ChatCompletionRequest, prefix: list[int]) -> Constraint | None:
+        return None  # (a budget is refused: unsupported_features)
+
     def tool_constraint(self, request: ChatCompletionRequest) -> Constraint | None:
         # Reasoning (the analysis channel) stays free; calls go through the commentary channel.
         if not holds_tools(request):

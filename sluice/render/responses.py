@@ -1,4 +1,4 @@
-"""The Responses API translated into the chat core's request (registered with sluice.render.dialects.translator).
+"""The Responses API translated into the chat core's request (registered with translators.translator).
 
 Items become chat messages: a run of reasoning, assistant text and function calls is one assistant turn
 (reasoning_content, content, tool_calls), a function_call_output a tool message. The stored conversation
@@ -16,8 +16,8 @@ from typing import Callable
 import msgspec
 
 from sluice.base import sealing
-from sluice.render.dialects import Translation, translator
 from sluice.render.errors import RequestError
+from sluice.render.translators import Translation, translator
 from sluice.schemas.openai import (ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDef, JsonSchemaFormat,
                                    NamedFunction, NamedToolChoice, ResponseFormat, Tool, ToolCall)
 from sluice.schemas.responses import (FramerSpec, InputItem, Part, RenderBody, TextConfig, ToolChoiceFunction,
@@ -49,6 +49,7 @@ def translate(body: bytes) -> Translation:
         response_format=_response_format(r.text),
         chat_template_kwargs=r.chat_template_kwargs,
         stream=bool(r.stream or job.background),  # the background owner keeps every event
+        store=r.store is not False or job.background,  # (the last frame carries the finished response: Frame.stored)
         user=r.user,
     )
     # (created_at 0: the framer takes the request's arrival time)

@@ -12,16 +12,16 @@ from typing import Callable, Iterator, TypeVar
 import msgspec
 import zmq
 
-from sluice.base import metrics
+from sluice.base import hooks, metrics
 from sluice.base.checkpoint import sampling_defaults
 from sluice.base.config import ServerConfig
-from sluice.ipc.messages import (EngineInput, EngineRequest, Failure, Frame, Frames, IngressInput, Ready, Rendered,
-                                 RenderInput, RenderJob, SupervisorInput)
-from render.diagnostics import Fingerprints
+from sluice.ipc.messages import (EngineInput, EngineRequest, Failure, Frame, Frames, IngressInput, PostprocSpec, Ready,
+                                 Rendered, RenderInput, RenderJob, SupervisorInput, bytes_to_ids)
 from sluice.ipc.stats import BEAT_S, StageClocks
 from sluice.ipc.transport import PullChannel, PushChannel, PushPool
 from sluice.render import deadline
 from sluice.render.core import ChatCore
+from sluice.render.diagnostics import Fingerprints
 from sluice.render.errors import RequestError
 from sluice.render.extensions import extension_for, options_of
 from sluice.render.structured import GrammarCompiler, GrammarLimits
@@ -29,6 +29,7 @@ from sluice.render.tokenizer import load_tokenizer
 
 log = logging.getLogger("sluice.render")
 T = TypeVar("T")
+_spec_decoder = msgspec.msgpack.Decoder(PostprocSpec)
 
 
 def build_core(cfg: ServerConfig) -> ChatCore:
@@ -56,7 +57,8 @@ def run_render(cfg: ServerConfig, index: int) -> None:
     engine: PushChannel[EngineInput] = PushChannel(ctx, addr.engine, **cfg.bulk())
     replies: PushPool[IngressInput] = PushPool(ctx)
     clocks = StageClocks(addr.stage_clocks_path, cfg.render_workers, cfg.postproc_workers)
-    worker = RenderWorker(core, jobs, cfg.render_timeout)
+    hook = hooks.load(cfg.request_hook, "--request-hook") if cfg.request_hook else None
+    worker = RenderWorker(core, jobs, cfg.render_timeout, hook)
     PushChannel[SupervisorInput](ctx, addr.supervisor).put(Ready("render", index, os.getpid()))
     while True:
         clocks.beat("render", index)
@@ -84,8 +86,10 @@ class RenderWorker:
     """A render worker's jobs: those waiting, and the one rendering, each within --render-timeout; an abort
     (its client left) drops a waiting job, and stops the one rendering (render/deadline.py)."""
 
-    def __init__(self, core: ChatCore, jobs: PullChannel[RenderInput], timeout: float) -> None:
+    def __init__(self, core: ChatCore, jobs: PullChannel[RenderInput], timeout: float,
+                 hook: hooks.RequestHook | None = None) -> None:
         self.core, self.jobs, self.timeout = core, jobs, timeout
+        self.hook = hook  # --request-hook
         self._waiting: deque[RenderJob] = deque()
         self._dropped: set[str] = set()  # aborted jobs among those waiting
 
@@ -127,8 +131,26 @@ class RenderWorker:
 
     def render(self, job: RenderJob) -> EngineRequest | Frame:
         """The job's engine request, or the frame that answers it instead (why it cannot be served)."""
-        request = self._watched(job, lambda: self.core.render(job))
+        request = self._watched(job, lambda: self._hooked(self.core.render(job)))
         return _failed(job, request) if isinstance(request, RequestError) else request
+
+    def _hooked(self, request: EngineRequest) -> EngineRequest:
+        """The request as --request-hook leaves it (RequestError where it refuses it, or fails)."""
+        if self.hook is None:
+            return request
+        spec = _spec_decoder.decode(request.postproc_spec)
+        seen = hooks.RenderedRequest(request.request_id, spec.endpoint, spec.model, spec.user,
+                                     bytes_to_ids(request.prompt_token_ids).tolist(), request.sampling,
+                                     self.core.max_model_len)
+        try:
+            sampling = hooks.hooked_sampling(self.hook, seen)
+        except hooks.Refused as e:
+            raise RequestError(400, e.message, code="refused_by_request_hook") from None
+        except hooks.HookError as e:
+            log.error("%s: %s", request.request_id, e)
+            raise RequestError(500, "internal error: the server's --request-hook failed on this request",
+                               code="internal_error") from None
+        return request if sampling is request.sampling else msgspec.structs.replace(request, sampling=sampling)
 
     def answer(self, job: RenderJob) -> Frame:
         """The answer of a job that asks the render alone (RenderJob.answer), or why it cannot be given."""

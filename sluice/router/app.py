@@ -13,6 +13,7 @@ import msgspec
 
 from sluice.base.auth import CHALLENGE, MISSING_KEY, authorized
 from sluice.base.disagg import PARAMS_HEADER, SECRET_HEADER
+from sluice.ingress.formats import BadMsgpack, msgpack_as_json, sends_msgpack
 from sluice.ipc.kv import block_hashes
 from sluice.router import errors
 from sluice.router.config import RouterConfig
@@ -27,6 +28,7 @@ log = logging.getLogger("sluice.router")
 GENERATION = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/messages": "messages",
               "/v1/responses": "responses"}
 _BODY_PARAMS = ("/v1/chat/completions", "/v1/completions")  # dialects whose body has disaggregated_params
+_ORCHESTRATOR_FIELDS = ("disaggregated_params", "kv_hints")
 _MAX_PARAMS_HEADER = 16 << 10  # a longer handle (a very long prompt's ids) goes in a body, or is not split
 _HOP = {b"host", b"content-length", b"connection", b"transfer-encoding", b"keep-alive", SECRET_HEADER, PARAMS_HEADER}
 _KEYS = {b"authorization", b"x-api-key"}
@@ -127,10 +129,17 @@ class Router:
         body = await _read(receive, self.cfg.max_request_bytes)
         if body is None:
             return await _error(send, path, 413, "request body too large")
-        if _claims_hand_off(path, body):
-            return await _error(send, path, 403, "disaggregated_params are the router's own: clients do not send "
-                                "them", "forbidden")
         headers = self._to_worker(scope["headers"])
+        if sends_msgpack(scope["headers"]):  # read (and sent on) as the JSON body with the same fields
+            try:
+                body = msgpack_as_json(body)
+            except BadMsgpack as e:
+                return await _error(send, path, 400, f"the request body is not valid msgpack: {e}")
+            headers = [(k, v) for k, v in headers if k.lower() not in (b"content-type", b"x-trtllm-msgpack")]
+            headers.append((b"content-type", b"application/json"))
+        if (claimed := _claims_hand_off(path, body)) is not None:
+            return await _error(send, path, 403, f"{claimed} are the router's own: clients do not send them",
+                                "forbidden")
         ids, salt = await self.prompts.ids(GENERATION[path], body)
         affinity = _affinity(body)
         if self.cfg.disaggregated:
@@ -207,9 +216,9 @@ class Router:
         # (a worker that does not know the field, an older one, is skipped: None below)
         if 400 <= status < 500 and b"disaggregated_params" not in content:
             return _Refused(status, content, ctype)
-        try:
-            return msgspec.json.decode(content)["disaggregated_params"] if status == 200 else None
-        except (msgspec.DecodeError, KeyError, TypeError):
+        try:  # (TensorRT-LLM's shape: the one choice carries them)
+            return msgspec.json.decode(content)["choices"][0]["disaggregated_params"] if status == 200 else None
+        except (msgspec.DecodeError, KeyError, IndexError, TypeError):
             return None
 
     def _post(self, url: str, body: bytes, headers: list[tuple[bytes, bytes]]):
@@ -341,15 +350,17 @@ def _str_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
 
 
 
-def _claims_hand_off(path: str, body: bytes) -> bool:
-    """Whether a client's body carries disaggregated_params (only the router sends them to workers)."""
-    if path not in _BODY_PARAMS or b"disaggregated_params" not in body:
-        return False
+def _claims_hand_off(path: str, body: bytes) -> str | None:
+    """The orchestrator's own fields a client's body carries (only the router, holding the workers' secret,
+    sends them): disaggregated_params, and kv_hints, which steer what the workers' caches keep."""
+    if path not in _BODY_PARAMS or not any(name.encode() in body for name in _ORCHESTRATOR_FIELDS):
+        return None
     try:
         data = msgspec.json.decode(body)
     except msgspec.DecodeError:
-        return False
-    return isinstance(data, dict) and "disaggregated_params" in data
+        return None
+    claimed = [name for name in _ORCHESTRATOR_FIELDS if isinstance(data, dict) and name in data]
+    return " and ".join(claimed) or None
 
 
 def _with_params(path: str, body: bytes, headers: list, params: dict) -> tuple[bytes | None, list]:

@@ -17,4 +17,4 @@ def status(path: str, status: int) -> int:
 
 def stream_event(path: str, status: int, message: str, code: str | None = None) -> bytes:
     """The event that ends a stream that began (its worker failed mid-stream)."""
-    return for_path(path).stream(Failure(status, message, code))
+    return for_path(path).stream(Failure(status, message, code), 0)

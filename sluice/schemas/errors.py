@@ -31,7 +31,8 @@ class Failure(Protocol):
 @dataclass(frozen=True)
 class ErrorShape:
     body: Callable[[Failure], bytes]
-    stream: Callable[[Failure], bytes]  # the event that ends a stream in an error
+    stream: Callable[[Failure, int], bytes]  # the event that ends a stream in an error (after the events sent:
+    # the number the next event takes, where the dialect numbers them)
     statuses: Mapping[int, int] = field(default_factory=dict)
 
     def status(self, status: int) -> int:
@@ -46,12 +47,12 @@ def _anthropic_body(f: Failure) -> bytes:
     return _json.encode(error_response(f.status, f.message, f.param))
 
 
-OPENAI = ErrorShape(_openai_body, lambda f: b"data: " + _openai_body(f) + b"\n\ndata: [DONE]\n\n")
-ANTHROPIC = ErrorShape(_anthropic_body, lambda f: b"event: error\ndata: " + _anthropic_body(f) + b"\n\n",
+OPENAI = ErrorShape(_openai_body, lambda f, _: b"data: " + _openai_body(f) + b"\n\ndata: [DONE]\n\n")
+ANTHROPIC = ErrorShape(_anthropic_body, lambda f, _: b"event: error\ndata: " + _anthropic_body(f) + b"\n\n",
                        statuses={503: 529})
-# (a stored or background response's stream says more: ingress.responses' Keeper)
-RESPONSES = ErrorShape(_openai_body, lambda f: sse(ErrorEvent(sequence_number=0, code=f.code, message=f.message,
-                                                              param=f.param)))
+# (a served response's stream says more: sluice.ingress.responses.Kept)
+RESPONSES = ErrorShape(_openai_body, lambda f, sequence: sse(ErrorEvent(sequence_number=sequence, code=f.code,
+                                                                        message=f.message, param=f.param)))
 
 
 def for_path(path: str) -> ErrorShape:

@@ -66,6 +66,14 @@ class ContentPart(msgspec.Struct, omit_defaults=True):
     text: str | None = None
 
 
+class Prediction(msgspec.Struct, **_STRICT):
+    """Predicted Outputs: text the output is expected to match for the most part (the engine verifies it as a
+    speculative draft; the output is the same without it)."""
+
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+
 class ChatMessage(msgspec.Struct, omit_defaults=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -124,19 +132,29 @@ class StructuredOutputs(msgspec.Struct, **_STRICT):
     json_object: bool | None = None
 
 
-class DisaggregatedParams(msgspec.Struct, **_STRICT):
-    """Disaggregated serving (trtllm-serve's shape): a context_only request computes the prompt's KV and answers
-    these with the first token(s), the transfer handle and the prompt ids; a generation_only request sends them
-    back to a generation worker, which imports the KV and decodes. Accepted only from the orchestrator (its
-    shared secret), never from clients."""
+class DisaggregatedParams(msgspec.Struct, omit_defaults=True):
+    """Disaggregated serving, in TensorRT-LLM's wire shape (tensorrt_llm/serve/openai_protocol.py), so that its
+    `trtllm-serve disaggregated` orchestrator and `sluice router` drive the same workers: a context_only request
+    computes the prompt's KV and answers these (in its one choice) with the first token of each choice and the
+    encoded opaque state; a generation_only request sends them back to a generation worker, which imports the KV
+    and decodes. Sluice's own state (the transfer handle, the prompt ids) travels inside encoded_opaque_state.
+    Accepted only from the orchestrator (its shared secret), never from clients. Fields a worker does not know are
+    ignored with a log line (sluice/base/disagg.py), so that a newer orchestrator can drive an older worker."""
 
-    request_type: Literal["context_only", "generation_only"]
-    opaque_state: str | None = None  # the KV transfer handle (base64), opaque to everyone but the engines
+    request_type: Literal["context_only", "generation_only", "context_and_generation"]
     first_gen_tokens: list[TokenId] | None = None  # one per choice
-    ctx_request_id: str | None = None
-    prompt_token_ids_b64: str | None = None  # the prompt the context worker rendered: not rendered again
-    output_prefix_len: Count = 0  # the prompt's last ids that begin the output (a forced tool call)
-    num_cached_tokens: Count = 0  # prompt tokens the context worker found in its prefix cache
+    first_gen_log_probs: list[Any] | None = None  # each first token's logprob: a float, or [{token_id, logprob, rank}]
+    first_gen_logits: list[Any] | None = None  # (TensorRT-LLM's; not produced or read here)
+    ctx_request_id: Int64 | None = None
+    encoded_opaque_state: str | None = None  # base64 of what the context engine needs back (opaque to the rest)
+    draft_tokens: list[TokenId] | None = None  # (speculative decoding's: not read here)
+    disagg_request_id: Int64 | None = None  # the orchestrator's id for the pair: a context answer carries it back
+    ctx_dp_rank: Count | None = None
+    ctx_info_endpoint: str | list[str] | None = None
+    schedule_style: Annotated[int, Meta(ge=0, le=1)] | None = None  # 0: context first (the only one served here)
+    ctx_usage: dict[str, Any] | None = None
+    return_prompt_token_ids_b64: bool = False  # a context answer also gives the prompt ids as base64 int32
+    resolved_thinking: bool | None = None
 
 
 class _Sampling(msgspec.Struct, **_STRICT):
@@ -174,6 +192,9 @@ class _Sampling(msgspec.Struct, **_STRICT):
     return_token_ids: bool = False
     structured_outputs: StructuredOutputs | None = None
     disaggregated_params: DisaggregatedParams | None = None
+    # KV-cache hints (the envelope vLLM and SGLang share: protocol_version, message_id, actions such as kv.retain):
+    # they steer what the shared cache keeps, so only the orchestrator sends them (TRTLLM_TRUST_KV_HINTS)
+    kv_hints: dict[str, Any] | None = None
 
     @property
     def n(self) -> int:
@@ -213,7 +234,7 @@ class ChatCompletionRequest(_Sampling, **_STRICT):
     prompt_cache_options: dict[str, Any] | None = None
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
-    prediction: dict[str, Any] | None = None
+    prediction: Prediction | None = None
     store: bool | None = None
     modalities: list[str] | None = None
     verbosity: str | None = None
@@ -251,6 +272,18 @@ class Usage(msgspec.Struct):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionTokensDetails(msgspec.Struct):
+    reasoning_tokens: int = 0
+    accepted_prediction_tokens: int = 0  # draft tokens of the predicted output that the output kept
+    rejected_prediction_tokens: int = 0  # draft tokens verified and not kept (billed as output tokens by OpenAI)
+
+
+class PredictedUsage(Usage):
+    """A request with a predicted output's usage (the others' keep the shape they had)."""
+
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class TopLogprob(msgspec.Struct):

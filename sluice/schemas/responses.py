@@ -381,13 +381,7 @@ def sse(event: Event) -> bytes:
     return b"event: " + event.type.encode() + b"\ndata: " + _json.encode(event) + b"\n\n"
 
 
-# ---- reading events and responses back (the rest of each is skipped as it is decoded) -------------------
-
-class EventHead(msgspec.Struct):
-    type: str
-    sequence_number: int
-    response: msgspec.Raw = msgspec.Raw()  # (response.* events; empty in others)
-
+# ---- what is stored of a response and its stream -------------------------------------------------------
 
 class ResponseHead(msgspec.Struct):
     """What the state database keeps beside a response's JSON."""
@@ -399,20 +393,6 @@ class ResponseHead(msgspec.Struct):
     background: bool = False
 
 
-_heads = msgspec.json.Decoder(EventHead)
-FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
-
-
 def split_events(data: bytes) -> list[bytes]:
     """An SSE body's events, each with its blank line (JSON escapes newlines: only a blank line ends an event)."""
     return [event + b"\n\n" for event in data.split(b"\n\n") if event]
-
-
-def event_head(event: bytes) -> EventHead:
-    return _heads.decode(event[event.index(b"data: ") + 6:])
-
-
-def final_response(event: bytes) -> bytes | None:
-    """The response a stream's last event ends with (response.completed / incomplete / failed), as JSON."""
-    head = event_head(event)
-    return bytes(head.response) if head.type in FINAL_EVENTS and head.response else None

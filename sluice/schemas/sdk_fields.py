@@ -111,8 +111,9 @@ CHAT_COMPLETIONS: Table = {
                          accepts=lambda v: v == "medium"),
     "metadata": honoured("kept with a stored chat completion, and what its list filters on; checked (16 keys "
                          "of up to 64 characters, values of up to 512)"),
-    "prediction": hint("a predicted output only makes a response faster, never different: the output is the "
-                       "same without it (not used as a draft here)"),
+    "prediction": honoured("a speculative draft the engine verifies: faster where it is right, never different "
+                           "(greedy or seeded, the same tokens without it); the usage counts its accepted and "
+                           "rejected tokens"),
     "prompt_cache_key": honoured(_AFFINITY),
     "prompt_cache_options": hint(_CACHE),
     "prompt_cache_retention": hint(_CACHE),
@@ -217,10 +218,11 @@ _PROMPT: Table = {
     "speed": hint("one speed here"),
     "billing_policy": hint("nobody is billed here"),
     "context_management": honoured("clear_thinking_20251015 and clear_tool_uses_20250919 drop the named blocks of "
-                                   "earlier turns before render (render/context_edits.py), and the response's "
+                                   "earlier turns before render (sluice/render/context_edits.py), and the response's "
                                    "context_management.applied_edits says what each cleared (its token counts by the "
-                                   "model's tokenizer, of the cleared text); compact_20260112 and any other edit type "
-                                   "is a 400 naming it"),
+                                   "model's tokenizer, of the cleared text; count_tokens: the count after them, and "
+                                   "context_management.original_input_tokens before); compact_20260112 and any other "
+                                   "edit type is a 400 naming it"),
     "compaction": refused("compaction is not run here: send the conversation"),
     "mcp_servers": refused("MCP servers are not called here: send their tools as custom tools"),
 }
@@ -243,7 +245,8 @@ MESSAGES: Table = {
                             "could not reuse that request's prefix, as the SDK's CacheMissReason types say it "
                             "(model, system, tools or an earlier message changed, with the tokens it would have "
                             "read; the previous message not kept; or unavailable), null where it could; each "
-                            "request that sends diagnostics is kept to compare the next with (render/diagnostics.py)"),
+                            "request that sends diagnostics is kept to compare the next with "
+                            "(sluice/render/diagnostics.py)"),
     "inference_geo": hint("one location here: the server's"),
     "fallbacks": hint("one model here: a request runs on it alone, as on a model without fallbacks"),
     "fallback_credit_token": hint("one model here: there are no fallbacks to credit"),

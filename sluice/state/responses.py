@@ -22,9 +22,9 @@ import msgspec
 
 from sluice import state
 from sluice.base.config import ServerConfig
-from sluice.ipc.messages import Failure
+from sluice.ipc.messages import Failure, Frame
 from sluice.schemas.responses import (TERMINAL, ErrorEvent, InputItem, Response, ResponseError, ResponseEvent,
-                                      ResponseHead, event_head, final_response, split_events, sse)
+                                      ResponseHead, split_events, sse)
 
 log = logging.getLogger("sluice.responses")
 MAX_CHAIN = 10_000  # responses a previous_response_id chain may reach back through
@@ -204,22 +204,25 @@ class Store:
             f"SELECT id FROM responses WHERE id IN ({marks}) AND status IN ('queued', 'in_progress')", rids)}
         return set(rids) - live
 
-    def append(self, rid: str, data: bytes) -> bool:
-        """A frame of a running background response: its events, and what they say of its status. False when
-        the response is no longer running (cancelled, deleted): nobody wants the rest."""
-        events = [(event_head(e), e) for e in split_events(data)]
+    def append(self, rid: str, frame: Frame) -> bool:
+        """A frame of a running background response: its events, numbered up to the frame's sequence, and its
+        status: in progress, or the finished response its last frame carries (Frame.stored). False when the
+        response is no longer running (cancelled, deleted): nobody wants the rest."""
+        events = split_events(frame.data)
+        first = frame.sequence - len(events)
         with self._writing():
             row = self.conn.execute("SELECT status FROM responses WHERE id = ?", (rid,)).fetchone()
             if row is None or row[0] in TERMINAL:
                 return False
             self.conn.executemany("INSERT INTO response_events VALUES (?, ?, ?)",
-                                  [(rid, head.sequence_number, e) for head, e in events])
-            for head, e in events:
-                response = final_response(e) or (bytes(head.response) if head.type == "response.in_progress" else None)
-                if response is not None:
-                    status = _head.decode(response).status
-                    self.conn.execute("UPDATE responses SET status = ?, response = ?, job = CASE WHEN ? THEN NULL "
-                                      "ELSE job END WHERE id = ?", (status, response, status in TERMINAL, rid))
+                                  [(rid, first + i, e) for i, e in enumerate(events)])
+            if frame.done and frame.stored:
+                status = _head.decode(frame.stored).status
+                self.conn.execute("UPDATE responses SET status = ?, response = ?, job = NULL WHERE id = ?",
+                                  (status, frame.stored, rid))
+            elif row[0] == "queued":
+                self.conn.execute("UPDATE responses SET status = 'in_progress', response = CAST(json_set(CAST("
+                                  "response AS TEXT), '$.status', 'in_progress') AS BLOB) WHERE id = ?", (rid,))
         return True
 
     def interrupted(self) -> list[str]:
@@ -271,7 +274,7 @@ class ResponseQueue:
                         await db.run(Store.retry if frame.error.code in state.RETRY_CODES else Store.fail, rid,
                                      frame.error)
                         return
-                    if not await db.run(Store.append, rid, frame.data):
+                    if not await db.run(Store.append, rid, frame):
                         return  # cancelled or deleted: closing the frames drops it from the engine
         except Exception:  # (not taken up again: it would fail the same way, over and over)
             log.exception("background response %s failed", rid)

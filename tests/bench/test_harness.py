@@ -10,7 +10,7 @@ import pytest
 
 from bench.serve import add_load_args, plot, serve
 from bench.server import ROOT
-from sluice.engine.cpu_kernels import cpu_flags
+from sluice.engine.cpu.build import cpu_flags
 from tests.e2e.conftest import MODEL
 
 

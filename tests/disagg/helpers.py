@@ -3,6 +3,7 @@ then its answer's disaggregated_params in a generation_only request to a generat
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 
@@ -17,17 +18,23 @@ class Trio:
         self.ctx = Server("--role", "context", "--disagg-secret", SECRET, *common, *ctx_args)
         self.gen = Server("--role", "generation", "--disagg-secret", SECRET, *common, *gen_args)
         self.agg = Server(*common)
+        self.gen_timing: Path | None = None  # the generation worker's --kv-timing-output, where it has one
 
     def stop(self) -> None:
         for s in (self.ctx, self.gen, self.agg):
             assert s.stop() == 0, s.output()
 
 
-def context(url: str, path: str, body: dict) -> dict:
-    r = httpx.post(url + path, json={**body, "disaggregated_params": {"request_type": "context_only"}},
-                   headers=HEADERS, timeout=60)
+def context_answer(url: str, path: str, body: dict, params: dict | None = None) -> dict:
+    """A context worker's whole answer (TensorRT-LLM's shape: one choice carries the disaggregated_params)."""
+    hand_off = {"request_type": "context_only", **(params or {})}
+    r = httpx.post(url + path, json={**body, "disaggregated_params": hand_off}, headers=HEADERS, timeout=60)
     assert r.status_code == 200, r.text
-    return r.json()["disaggregated_params"]
+    return r.json()
+
+
+def context(url: str, path: str, body: dict) -> dict:
+    return context_answer(url, path, body)["choices"][0]["disaggregated_params"]
 
 
 def generation(url: str, path: str, body: dict, params: dict) -> httpx.Response:

@@ -315,6 +315,8 @@ def test_context_edits_clear_earlier_turns_and_say_so_in_the_body_and_the_stream
     assert streamed.context_management == edited.context_management and prompt(streamed) == prompt(edited)
     kept = c.create(context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}, **kw)
     assert kept.context_management.applied_edits == [] and prompt(kept) == prompt(plain)
+    counted = c.count_tokens(context_management=EDITS, **{k: v for k, v in kw.items() if k != "max_tokens"})
+    assert (counted.input_tokens, counted.context_management.original_input_tokens) == (prompt(edited), prompt(plain))
 
 
 @pytest.mark.parametrize("edit, words", [({"type": "clear_everything_20990101"}, "'clear_everything_20990101'"),

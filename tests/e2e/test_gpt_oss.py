@@ -40,6 +40,11 @@ def test_tiny_gpt_oss_serves_chat_and_completions(real):
     assert c.usage.completion_tokens == 5
 
 
+def test_health_generate_runs_a_chat_message_through_harmony(real):
+    r = httpx.get(real.url + "/health_generate", timeout=60)  # (tests/ingress/test_health_generate.py: the probe)
+    assert r.status_code == 200 and r.json()["latency_ms"] > 0
+
+
 def test_named_tool_choice_is_served(real):
     r = _client(real).chat.completions.create(
         model=MODEL, messages=ASK, tools=TOOLS, max_tokens=6, temperature=0,

@@ -11,13 +11,13 @@ import httpx
 import pytest
 
 from bench.server import Server
-from sluice.engine import cpu_kernels
+from sluice.engine.cpu import build as kernel_build
 from tests.test_deploy import UNIT, _environment, _settings
 
 UNWRITABLE = "/proc/sluice-no-home"  # not even root can make a directory under /proc
 # Root without any capability: the file modes apply to it as to any user (no CAP_DAC_OVERRIDE).
 NO_CAPABILITIES = ("setpriv", "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", "--no-new-privs")
-KERNEL_CPU = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_kernels.cpu_flags()
+KERNEL_CPU = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= kernel_build.cpu_flags()
 
 
 def _generates(server: Server, model: str) -> None:

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import httpx
+import msgspec
 import openai
 import pytest
 
@@ -70,6 +71,25 @@ def test_every_dialect_is_relayed(replicas):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
     bad = httpx.post(router.url + "/v1/messages", json={"model": MODEL, "messages": []}, timeout=30)
     assert bad.status_code == 400 and bad.json()["type"] == "error"
+
+
+def test_a_msgpack_body_reaches_a_worker_and_its_answer_comes_back(replicas):
+    router, _ = replicas
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    url = router.url + "/v1/chat/completions"
+    want = httpx.post(url, json=body, timeout=60).json()["choices"][0]["message"]
+    packed = msgspec.msgpack.encode(body)
+    r = httpx.post(url, content=packed, headers={"content-type": "application/msgpack"}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"] == want, r.text
+    r = httpx.post(url, content=packed, timeout=60,  # (trtllm-serve's orchestrator's way of saying it)
+                   headers={"content-type": "application/json", "x-trtllm-msgpack": "1"})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"] == want, r.text
+    r = httpx.post(url, content=packed, headers={"content-type": "application/x-msgpack",
+                                                 "accept": "application/msgpack"}, timeout=60)
+    assert r.headers["content-type"].startswith("application/msgpack")
+    assert msgspec.msgpack.decode(r.content)["choices"][0]["message"] == want
+    r = httpx.post(url, content=b"\xc1", headers={"content-type": "application/msgpack"}, timeout=60)
+    assert r.status_code == 400 and "msgpack" in r.json()["error"]["message"]
 
 
 def test_repeated_prefixes_go_where_they_are_cached(replicas):
@@ -217,6 +237,18 @@ def test_router_disaggregation_gives_the_aggregated_tokens(split, path, body, sa
     assert _counter(router.metrics(), "sluice_router:decisions_total", kind="disaggregated") == before + 1
 
 
+def test_a_msgpack_body_is_split_too(split):
+    router, ctx, gen, agg = split
+    req = {"model": MODEL, "max_tokens": 12, "temperature": 0, "return_token_ids": True,
+           "messages": [{"role": "user", "content": "A msgpack question about rivers. " * 12}]}
+    want = comparable(httpx.post(agg.url + "/v1/chat/completions", json=req, timeout=60), False)
+    before = _counter(router.metrics(), "sluice_router:decisions_total", kind="disaggregated")
+    r = httpx.post(router.url + "/v1/chat/completions", content=msgspec.msgpack.encode(req), timeout=60,
+                   headers={"content-type": "application/msgpack"})
+    assert comparable(r, False) == want
+    assert _counter(router.metrics(), "sluice_router:decisions_total", kind="disaggregated") == before + 1
+
+
 def test_messages_are_split_too_and_a_client_cannot_forge_the_hand_off(split):
     router, ctx, gen, agg = split
     body = {"model": MODEL, "max_tokens": 8, "temperature": 0,
@@ -227,8 +259,12 @@ def test_messages_are_split_too_and_a_client_cannot_forge_the_hand_off(split):
     assert got.status_code == 200 and got.json()["content"] == want  # the router drops a client's own headers
     forged = httpx.post(router.url + "/v1/chat/completions", timeout=60, json={
         "model": MODEL, "messages": [{"role": "user", "content": "hi " * 50}], "max_tokens": 2,
-        "disaggregated_params": {"request_type": "generation_only", "opaque_state": "eA=="}})
+        "disaggregated_params": {"request_type": "generation_only", "encoded_opaque_state": "eA=="}})
     assert forged.status_code == 403 and forged.json()["error"]["code"] == "forbidden"
+    hints = httpx.post(router.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi " * 50}], "max_tokens": 2,
+        "kv_hints": {"protocol_version": "0.1", "message_id": "m", "actions": [{"action_type": "kv.retain"}]}})
+    assert hints.status_code == 403 and "kv_hints" in hints.json()["error"]["message"]  # (the router holds the secret)
 
 
 def test_a_context_worker_down_leaves_the_generation_worker_to_do_it_all(split):

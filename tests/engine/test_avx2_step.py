@@ -13,25 +13,25 @@ import pytest
 import torch
 from torch import nn
 
-from sluice.engine import cpu_kernels
+from sluice.engine.cpu import build as kernel_build
 from sluice.engine.cpu import kernels
 from sluice.engine.cpu.matmul import F32Matmul
 from sluice.engine.cpu.stack import DecoderStack
 from tests.engine.helpers import seq
 from tests.engine.test_f32_kernels import PROMPTS, VARIANTS, _bf16_checkpoint, _close, _engines, decode_step_is_torchs
 
-pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= cpu_kernels.cpu_flags(), reason="this CPU lacks AVX2/FMA")
+pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= kernel_build.cpu_flags(), reason="this CPU lacks AVX2/FMA")
 
 
 @pytest.fixture(autouse=True)
 def avx2_only(monkeypatch):
     """This CPU as one without AVX-512 or AMX, its kernels loaded afresh."""
-    wide = sorted(f for f in cpu_kernels.cpu_flags() if f.startswith(("avx512", "amx")))
+    wide = sorted(f for f in kernel_build.cpu_flags() if f.startswith(("avx512", "amx")))
     monkeypatch.setenv("SLUICE_CPU_HIDE", ",".join(filter(None, [os.environ.get("SLUICE_CPU_HIDE"), *wide])))
-    cpu_kernels.clear()
+    kernel_build.clear()
     yield
     monkeypatch.undo()
-    cpu_kernels.clear()
+    kernel_build.clear()
 
 
 def _assert_avx2_step(runner) -> None:

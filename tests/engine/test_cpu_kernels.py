@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice.engine import cpu_kernels
+from sluice.engine.cpu import build as kernel_build
 from sluice.engine.cpu import ops
 from sluice.engine.cpu.backend import CpuBackend
 from sluice.engine.cpu.matmul import Bf16Matmul, Int8Argmax
@@ -28,17 +28,17 @@ def _exp():
     return CpuBackend(torch.float32).exp_kernels()
 
 
-needs_kernel = pytest.mark.skipif(not _ISA <= cpu_kernels.cpu_flags(), reason="this CPU lacks AVX512-BF16")
-needs_avx512 = pytest.mark.skipif(not {"avx512f", "avx512bw"} <= cpu_kernels.cpu_flags(), reason="no AVX-512")
+needs_kernel = pytest.mark.skipif(not _ISA <= kernel_build.cpu_flags(), reason="this CPU lacks AVX512-BF16")
+needs_avx512 = pytest.mark.skipif(not {"avx512f", "avx512bw"} <= kernel_build.cpu_flags(), reason="no AVX-512")
 
 
 @pytest.fixture
 def fresh_kernels(tmp_path, monkeypatch):
     """A cache directory of its own and no kernel loaded yet."""
     monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
-    cpu_kernels.clear()
+    kernel_build.clear()
     yield
-    cpu_kernels.clear()
+    kernel_build.clear()
 
 
 @needs_kernel
@@ -85,7 +85,7 @@ def test_kernel_over_the_o200k_vocabulary_matches_onednn_argmax():
     assert torch.equal(head.argmax(hidden), argmax(head(hidden)))
 
 
-needs_vnni = pytest.mark.skipif(not _ISA | {"avx512_vnni"} <= cpu_kernels.cpu_flags(),
+needs_vnni = pytest.mark.skipif(not _ISA | {"avx512_vnni"} <= kernel_build.cpu_flags(),
                                 reason="this CPU lacks AVX512-BF16 or AVX512-VNNI")
 
 
@@ -235,7 +235,7 @@ def test_bf16_engine_greedy_tokens_are_those_of_the_logits_path(tiny_chat_dir):
     logits path: the tokens are the same."""
     prompts = [[5, 17, 300, 42], [7, 7, 7], list(range(40, 70)), [100, 2, 3, 99, 12]]
     runner, sched = make_engine(tiny_chat_dir, dtype=torch.bfloat16)
-    assert (runner.lm_head.kernel is not None) == (_ISA <= cpu_kernels.cpu_flags())
+    assert (runner.lm_head.kernel is not None) == (_ISA <= kernel_build.cpu_flags())
     calls = []
     argmax_only = runner.lm_head.argmax
     runner.lm_head.argmax = lambda hidden: calls.append(len(hidden)) or argmax_only(hidden)

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from sluice.app.builtin_models import write_llama_family
-from sluice.engine import cpu_kernels
+from sluice.engine.cpu import build as kernel_build
 from sluice.engine.cpu.stack import DecoderStack
 from tests.engine.helpers import make_engine, seq
 
 _ISA = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
-pytestmark = pytest.mark.skipif(not _ISA <= cpu_kernels.cpu_flags(), reason="this CPU lacks AVX512-BF16")
+pytestmark = pytest.mark.skipif(not _ISA <= kernel_build.cpu_flags(), reason="this CPU lacks AVX512-BF16")
 
 VARIANTS = {
     "llama-gqa": dict(architecture="LlamaForCausalLM", tie_word_embeddings=False),

@@ -27,8 +27,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluice.app.builtin_models import write_llama_family
-from sluice.engine import cpu_kernels
 from sluice.engine.backend import TORCH
+from sluice.engine.cpu import build as kernel_build
 from sluice.engine.cpu import kernels, ops
 from sluice.engine.cpu.matmul import F32Matmul, bf16_exact, narrowed
 from sluice.engine.cpu.stack import DecoderStack
@@ -36,8 +36,8 @@ from sluice.engine.lm_head import lm_head
 from tests.engine.helpers import generate, make_engine, seq
 
 _ISA = {"avx512f", "avx512bw", "avx512vl"}
-AVX512 = _ISA <= cpu_kernels.cpu_flags()
-AVX2 = {"avx2", "fma"} <= cpu_kernels.cpu_flags()
+AVX512 = _ISA <= kernel_build.cpu_flags()
+AVX2 = {"avx2", "fma"} <= kernel_build.cpu_flags()
 needs_avx512 = pytest.mark.skipif(not AVX512, reason="this CPU lacks AVX-512F/BW/VL")
 needs_avx2 = pytest.mark.skipif(not AVX2, reason="this CPU lacks AVX2/FMA")
 needs_f32_kernel = pytest.mark.skipif(not (AVX512 or AVX2), reason="this CPU lacks AVX-512F/BW/VL and AVX2/FMA")
@@ -46,7 +46,7 @@ ISAS = [pytest.param("AVX-512F", marks=needs_avx512), pytest.param("AVX2", marks
 # the float32 step's pieces (f32_layers.c) on each build this CPU runs
 STEP_ISAS = [pytest.param(kernels.f32_layers, id="AVX-512F", marks=needs_avx512),
              pytest.param(kernels.f32_layers_avx2, id="AVX2", marks=needs_avx2)]
-AMX = {*_ISA, "avx512_bf16", "amx_tile", "amx_bf16"} <= cpu_kernels.cpu_flags()
+AMX = {*_ISA, "avx512_bf16", "amx_tile", "amx_bf16"} <= kernel_build.cpu_flags()
 needs_amx = pytest.mark.skipif(not AMX, reason="this CPU lacks AMX-BF16")
 
 
@@ -54,9 +54,9 @@ needs_amx = pytest.mark.skipif(not AMX, reason="this CPU lacks AMX-BF16")
 def fresh_kernels(tmp_path, monkeypatch):
     """A cache directory of its own and no kernel loaded yet."""
     monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "cache"))
-    cpu_kernels.clear()
+    kernel_build.clear()
     yield
-    cpu_kernels.clear()
+    kernel_build.clear()
 
 
 def _kernel(isa: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> F32Matmul:
@@ -339,7 +339,7 @@ def test_the_float32_lm_head_runs_the_best_kernel_this_cpu_has_and_says_which():
     assert torch.equal(head.argmax(hidden), logits.argmax(dim=1))
 
 
-needs_vnni = pytest.mark.skipif(not _ISA | {"avx512_vnni"} <= cpu_kernels.cpu_flags(), reason="no AVX512-VNNI")
+needs_vnni = pytest.mark.skipif(not _ISA | {"avx512_vnni"} <= kernel_build.cpu_flags(), reason="no AVX512-VNNI")
 
 
 @needs_vnni
@@ -700,8 +700,8 @@ def test_cpus_without_the_instructions_run_other_paths_with_the_same_tokens(hide
         monkeypatch.setenv("SLUICE_CPU_KERNELS", "0")
     else:  # (beside what the run hides already: a whole suite run as a smaller CPU)
         monkeypatch.setenv("SLUICE_CPU_HIDE", ",".join(filter(None, [os.environ.get("SLUICE_CPU_HIDE"), hide])))
-    cpu_kernels.clear()
-    left = cpu_kernels.cpu_flags() if hide != "all" else frozenset()
+    kernel_build.clear()
+    left = kernel_build.cpu_flags() if hide != "all" else frozenset()
     runner, sched = make_engine(path)
     linears = [m for m in runner.model.modules() if hasattr(m, "run")]
     assert runner.one_call == (_ISA <= left or {"avx2", "fma"} <= left)

@@ -4,6 +4,7 @@ written as GGUF files with every block format the kernels read."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from tokenizers import Tokenizer
 from sluice.app.builtin_models import resolve_model, write_llama_family
 from sluice.app.gguf_writer import write_gguf
 from sluice.base.gguf_checkpoint import gguf_checkpoint, is_gguf_checkpoint
-from sluice.engine import cpu_kernels
+from sluice.engine.cpu import build as kernel_build
 from sluice.engine.cpu.quant import QuantMatmul
 from sluice.engine.loader import load_model
 from sluice.engine.quant import dequantized
@@ -45,9 +46,9 @@ def gguf_model(request, tmp_path_factory):
 @pytest.fixture
 def float_activations(monkeypatch):
     monkeypatch.setenv("SLUICE_QUANT_ACTIVATIONS", "float")
-    cpu_kernels.clear()
+    kernel_build.clear()
     yield
-    cpu_kernels.clear()
+    kernel_build.clear()
 
 
 def test_a_gguf_path_resolves_to_a_metadata_directory_of_the_file(gguf_model, monkeypatch, tmp_path):
@@ -70,18 +71,21 @@ def test_the_tokenizer_from_the_metadata_encodes_as_the_checkpoints(gguf_model):
         assert ours.decode(ours.encode(text).ids, skip_special_tokens=False) == text
 
 
-def test_linears_stay_quantized_and_dequantize_to_transformers_weights(gguf_model):
+def test_linears_and_tables_stay_quantized_and_dequantize_to_transformers_weights(gguf_model):
+    """Every layer's linear, the token embedding and the LM head (the embedding where tied) stay quantized."""
     _, file, meta, hf = gguf_model
     model = load_model(meta, torch.float32, torch.device("cpu"))
     reference = hf.state_dict()
     quantized = {name: m for name, m in model.named_modules() if getattr(m, "quant", None) is not None}
-    assert len(quantized) == 4 * hf.config.num_hidden_layers
+    tables = ["model.embed_tokens", *([] if hf.config.tie_word_embeddings else ["lm_head"])]
+    assert len(quantized) == 4 * hf.config.num_hidden_layers + len(tables)
+    assert model.lm_weight() is quantized[tables[-1]].quant[0]
     for name, module in quantized.items():
         assert module.weight.numel() == 0
         prefix, _, leaf = name.rpartition(".")
         parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}.get(leaf,
                                                                                                           (leaf,))
-        want = torch.cat([reference[f"{prefix}.{p}.weight"] for p in parts])
+        want = torch.cat([reference[f"{prefix}.{p}.weight".lstrip(".")] for p in parts])
         assert torch.equal(dequantized(module.quant), want), name
     assert [q.qtype.name for q in quantized["model.layers.0.self_attn.qkv_proj"].quant] == ["Q4_K", "Q5_K", "Q6_K"]
     # the unpermuted (Llama) q / k rows are copies; the other parts lie in the file's memory map
@@ -96,9 +100,9 @@ def test_logits_match_transformers_through_prefill_and_decode(gguf_model, float_
     _, _, meta, hf = gguf_model
     hf64 = copy.deepcopy(hf).double()
     runner, sched = make_engine(meta, budget=budget, block_size=8)
-    linears = [m.run for m in runner.model.modules() if getattr(m, "quant", None) is not None]
+    linears = [m.run for m in runner.model.modules() if hasattr(m, "run") and m.quant is not None]
     assert all(isinstance(k, QuantMatmul) and not k.int8 for k in linears)
-    assert not runner.one_call  # (the fused step runs float32 / bf16 linears only: op by op)
+    assert runner.one_call  # (the fused step runs the quantized linears too)
     for i, p in enumerate(PROMPTS):
         sched.add(seq(f"r{i}", p, max_tokens=6, temperature=0.0))
     worst, rows = 0.0, 0
@@ -129,8 +133,9 @@ def test_int8_activations_keep_every_linear_within_a_percent_on_the_models_own_r
             errors[name] = ((int8 - exact).abs().max() / exact.abs().max()).item()
         return hook
 
+    runner.model.model.stack = None  # (op by op: each linear's own call, which the hooks see)
     for name, module in runner.model.named_modules():
-        if getattr(module, "quant", None) is not None:
+        if hasattr(module, "run") and module.quant is not None:
             module.register_forward_hook(compare(name))
     sched.add(seq("r", PROMPTS[2], max_tokens=1, temperature=0.0))
     runner.forward(sched.schedule())
@@ -139,7 +144,7 @@ def test_int8_activations_keep_every_linear_within_a_percent_on_the_models_own_r
 
 def test_greedy_tokens_equal_transformers_generate_alone_and_batched(gguf_model, monkeypatch):
     monkeypatch.setenv("SLUICE_QUANT_ACTIVATIONS", "float")
-    cpu_kernels.clear()
+    kernel_build.clear()
     _, _, meta, hf = gguf_model
     want = {}
     for i, p in enumerate(PROMPTS):
@@ -151,22 +156,61 @@ def test_greedy_tokens_equal_transformers_generate_alone_and_batched(gguf_model,
     for i, p in enumerate(PROMPTS):
         runner, sched = make_engine(meta, block_size=16)
         assert generate(runner, sched, [seq(f"r{i}", p, max_tokens=12, temperature=0.0)]) == {f"r{i}": want[f"r{i}"]}
-    cpu_kernels.clear()
+    kernel_build.clear()
 
 
 def test_on_avx2_the_same_tokens(gguf_model, monkeypatch):
-    if not {"avx2", "fma"} <= cpu_kernels.cpu_flags():
+    if not {"avx2", "fma"} <= kernel_build.cpu_flags():
         pytest.skip("this CPU lacks AVX2/FMA")
     _, _, meta, _ = gguf_model
     runner, sched = make_engine(meta, block_size=16)
     seqs = lambda: [seq(f"r{i}", p, max_tokens=8, temperature=0.0) for i, p in enumerate(PROMPTS)]  # noqa: E731
     monkeypatch.setenv("SLUICE_QUANT_ACTIVATIONS", "float")
-    cpu_kernels.clear()
+    kernel_build.clear()
     best = generate(*make_engine(meta, block_size=16), seqs())
     monkeypatch.setenv("SLUICE_CPU_HIDE", "avx512f,avx512_vnni")
-    cpu_kernels.clear()
+    kernel_build.clear()
     runner, sched = make_engine(meta, block_size=16)
-    assert {m.run.isa for m in runner.model.modules() if getattr(m, "quant", None) is not None} == {
+    assert {m.run.isa for m in runner.model.modules() if hasattr(m, "run") and m.quant is not None} == {
         "AVX2, float activations"}
     assert generate(runner, sched, seqs()) == best
-    cpu_kernels.clear()
+    kernel_build.clear()
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+def _step_logits(path, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """Each step's logits [B, V], greedy."""
+    runner, sched = make_engine(path, block_size=16)
+    for i, p in enumerate(prompts):
+        sched.add(seq(f"r{i}", p, max_tokens=steps, temperature=0.0))
+    out = []
+    while (batch := sched.schedule()) is not None:
+        logits, _ = runner.forward(batch)
+        out.append(logits.clone())
+        sched.update(batch, logits.argmax(-1).tolist())
+    return out
+
+
+def test_llama3_rope_factors_of_the_file_give_the_checkpoints_logits_past_the_original_context(tmp_path):
+    """A Llama 3.1-style checkpoint (rope_scaling llama3, original context 64) written as llama.cpp writes it
+    (the factors only as rope_freqs.weight, every tensor F32): served from the file, its logits at positions
+    64-200 equal the safetensors checkpoint's; the same weights without the factors do not."""
+    shape = dict(architecture="LlamaForCausalLM", hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                 intermediate_size=512, num_shards=1, tie_word_embeddings=False, max_position_embeddings=512)
+    checkpoint = write_llama_family(tmp_path / "checkpoint", rope_scaling=LLAMA3, **shape)
+    plain = write_llama_family(tmp_path / "plain", **shape)  # (the same seed: the same weights)
+    file = write_gguf(checkpoint, tmp_path / "model.gguf", {}, default="F32")
+    meta = gguf_checkpoint(file, tmp_path / "meta")
+    scaling = json.loads((meta / "config.json").read_text())["rope_scaling"]
+    assert scaling.pop("rope_type") == "llama3"
+    assert scaling == pytest.approx({k: v for k, v in LLAMA3.items() if k != "rope_type"}, rel=1e-5)
+    prompts = [list(range(10, 160)), [7] * 90 + list(range(200, 300))]
+    ours, want, unscaled = (_step_logits(p, prompts, 8) for p in (meta, checkpoint, plain))
+    assert len(ours) == len(want) == 8
+    for a, b, c in zip(ours, want, unscaled):
+        scale = b.abs().max()
+        assert (a - b).abs().max() <= 1e-4 * scale
+        assert (c - b).abs().max() > 1e-2 * scale  # (the factors matter at these positions)

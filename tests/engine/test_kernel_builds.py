@@ -1,4 +1,4 @@
-"""Building and caching the CPU kernels (engine/cpu_kernels.py `load`): any failure to build or load one
+"""Building and caching the CPU kernels (engine/cpu/build.py `load`): any failure to build or load one
 is one warning and the torch path, never an exception; CC is a command line; a cache shared by several
 installs keeps every install's builds. A toy kernel stands in for csrc/ here, so these run on any CPU."""
 from __future__ import annotations
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from sluice.engine import cpu_kernels
+from sluice.engine.cpu import build as kernel_build
 
 ROOT = Path(__file__).resolve().parents[2]
 _TOY = "int sluice_toy(void) { return TOY; }\n"
 needs_compiler = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
-needs_libgomp = pytest.mark.skipif(not cpu_kernels._torch_runs_libgomp(), reason="torch does not run libgomp")
+needs_libgomp = pytest.mark.skipif(not kernel_build._torch_runs_libgomp(), reason="torch does not run libgomp")
 pytestmark = [needs_compiler, needs_libgomp]
 
 
@@ -28,11 +28,11 @@ def toy(tmp_path, monkeypatch):
     sources = tmp_path / "csrc"
     sources.mkdir()
     (sources / "toy.c").write_text(_TOY.replace("TOY", "42"))
-    monkeypatch.setattr(cpu_kernels, "_SOURCES", sources)
+    monkeypatch.setattr(kernel_build, "_SOURCES", sources)
     monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.delenv("SLUICE_CPU_KERNELS", raising=False)
-    return lambda: cpu_kernels.load.__wrapped__("toy", ())
+    return lambda: kernel_build.load.__wrapped__("toy", ())
 
 
 def _warnings(caplog) -> list[str]:
@@ -65,7 +65,7 @@ def test_a_cache_directory_that_cannot_be_written_falls_back_with_one_warning(to
     if os.geteuid() == 0:  # (modes do not bind root: the refusal an unprivileged user gets, as the OS says it)
         def refuse(*args, **kwargs):
             raise PermissionError(13, "Permission denied", str(kernels))
-        monkeypatch.setattr(cpu_kernels.tempfile, "mkstemp", refuse)
+        monkeypatch.setattr(kernel_build.tempfile, "mkstemp", refuse)
     with caplog.at_level(logging.INFO, logger="sluice.engine"):
         assert toy() is None
     assert len(_warnings(caplog)) == 1 and "Permission denied" in _warnings(caplog)[0], caplog.text
@@ -83,7 +83,7 @@ def test_a_compiler_that_is_missing_or_fails_falls_back_with_one_warning(toy, mo
 
 
 def test_no_compiler_on_the_path_falls_back_with_one_warning(toy, monkeypatch, caplog):
-    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    monkeypatch.setattr(kernel_build.shutil, "which", lambda name: None)
     with caplog.at_level(logging.INFO, logger="sluice.engine"):
         assert toy() is None
     assert len(_warnings(caplog)) == 1 and "no C compiler" in _warnings(caplog)[0], caplog.text
@@ -101,7 +101,7 @@ def test_a_compile_error_is_one_line_naming_the_error(toy, tmp_path, caplog):
 def test_a_build_that_times_out_falls_back(toy, monkeypatch, caplog):
     def slow(*args, **kwargs):
         raise subprocess.TimeoutExpired(args[0], kwargs["timeout"])
-    monkeypatch.setattr(cpu_kernels.subprocess, "run", slow)
+    monkeypatch.setattr(kernel_build.subprocess, "run", slow)
     with caplog.at_level(logging.INFO, logger="sluice.engine"):
         assert toy() is None
     assert len(_warnings(caplog)) == 1 and "longer than 120s" in _warnings(caplog)[0], caplog.text
@@ -109,7 +109,7 @@ def test_a_build_that_times_out_falls_back(toy, monkeypatch, caplog):
 
 def test_a_build_that_does_not_load_falls_back(toy, tmp_path, caplog):
     source = tmp_path / "csrc" / "toy.c"
-    path = tmp_path / "cache" / "kernels" / f"toy-{cpu_kernels._key(source, list(cpu_kernels._FLAGS))}.so"
+    path = tmp_path / "cache" / "kernels" / f"toy-{kernel_build._key(source, list(kernel_build._FLAGS))}.so"
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not an ELF file")  # (a file this process has not loaded: dlopen would reuse that)
     with caplog.at_level(logging.INFO, logger="sluice.engine"):
@@ -140,8 +140,8 @@ def test_a_build_of_other_sources_leaves_the_earlier_build_in_place(toy, tmp_pat
 # ---- as the systemd unit runs it: an unprivileged user without a home ---------------------------------
 
 _UNPRIVILEGED = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
-_LOAD = ("import logging; logging.basicConfig(); from sluice.engine import cpu_kernels; "
-         "print(cpu_kernels.load('rms_norm', cpu_kernels._AVX512_BF16) is not None)")
+_LOAD = ("import logging; logging.basicConfig(); from sluice.engine.cpu import build as kernel_build; "
+         "print(kernel_build.load('rms_norm', kernel_build._AVX512_BF16) is not None)")
 
 
 def _as_nobody(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -153,13 +153,13 @@ def _as_nobody(code: str, **env: str) -> subprocess.CompletedProcess:
 def _skip_unless_nobody_runs_sluice() -> None:
     if os.geteuid() != 0 or not shutil.which("setpriv"):
         pytest.skip("needs root and setpriv to run as user nobody")
-    probe = _as_nobody("import sluice.engine.cpu_kernels")
+    probe = _as_nobody("import sluice.engine.cpu.build")
     if probe.returncode != 0:
         pytest.skip(f"user nobody cannot import Sluice with {sys.executable}: its install or this checkout is "
                     f"not readable by others (e.g. under /root, mode 700): {probe.stderr.strip().splitlines()[-1:]}")
 
 
-@pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_kernels.cpu_flags(),
+@pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= kernel_build.cpu_flags(),
                     reason="this CPU lacks AVX512-BF16")
 def test_an_unprivileged_user_without_a_home_gets_the_torch_path_then_the_kernel_in_its_cache_dir():
     _skip_unless_nobody_runs_sluice()

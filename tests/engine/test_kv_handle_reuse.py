@@ -3,14 +3,13 @@ the lease still holds, or after its release) does not read it again. It recomput
 request, with --kv-load-failure fail) and says so in its log; the first reader's lease is left alone."""
 from __future__ import annotations
 
-import base64
 import logging
 
 import msgspec
 
 from sluice.engine.kv_handoff import IMPORTS
 from sluice.ipc.messages import KvExport, KvImport, ids_to_bytes
-from tests.engine.test_kv_handoff import held, request, run
+from tests.engine.test_kv_handoff import handle_of, held, request, run
 
 PROMPT = [(7 * i) % 500 + 3 for i in range(21)]
 
@@ -20,8 +19,8 @@ def handed_off(ctx, inbox, reply_to: str, rid: str) -> KvImport:
     ctx.accept(request(rid, PROMPT, 1, 6, 5, KvExport(reply_to)))
     run(ctx, {}, {})
     (frame,) = inbox.get(timeout=5).frames
-    params = msgspec.json.decode(frame.data)["disaggregated_params"]
-    return KvImport(base64.b64decode(params["opaque_state"]), ids_to_bytes(params["first_gen_tokens"]))
+    params = msgspec.json.decode(frame.data)["choices"][0]["disaggregated_params"]
+    return KvImport(handle_of(params), ids_to_bytes(params["first_gen_tokens"]))
 
 
 def test_a_handle_sent_twice_while_its_lease_holds_is_read_once_and_recomputed_with_a_log_line(engines, caplog):

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from sluice.base.config import ServerConfig
 from sluice.engine.engine import Engine
 from sluice.engine.kv_handoff import IMPORTS
+from sluice.ipc.kv import ContextState
 from sluice.ipc.messages import Abort, EngineRequest, KvExport, KvImport, PostprocSpec, SamplingParams, ids_to_bytes
 
 _ids = itertools.count()
@@ -49,6 +50,11 @@ def run(engine: Engine, outputs: dict, ended: dict, steps: int = 400) -> None:
     raise AssertionError("the engine did not settle")
 
 
+def handle_of(params: dict) -> bytes:
+    """The transfer handle in a context answer's opaque state, as a KvImport carries it (the render unpacks it)."""
+    return msgspec.msgpack.encode(ContextState.decode(base64.b64decode(params["encoded_opaque_state"])).handle)
+
+
 def held(engine: Engine) -> int:
     return engine.scheduler.bm.num_used
 
@@ -74,7 +80,7 @@ def test_blocks_are_accounted_for_whatever_becomes_of_the_lease(engines, prompts
     answers = {}
     for frames in iter(lambda: inbox.get(timeout=0.5), None):
         for f in frames.frames:
-            answers[f.request_id] = msgspec.json.decode(f.data)["disaggregated_params"]
+            answers[f.request_id] = msgspec.json.decode(f.data)["choices"][0]["disaggregated_params"]
     assert set(answers) == {j[0] for j in jobs if j[4] != "abort"}
     assert held(ctx) > 0 or not answers  # each answered request's blocks, under its lease
     if any(j[4] == "expire" for j in jobs):
@@ -85,7 +91,7 @@ def test_blocks_are_accounted_for_whatever_becomes_of_the_lease(engines, prompts
         if fate == "abort":
             continue
         p = answers[rid]
-        handle = b"not a handle" if fate.startswith("forged") else base64.b64decode(p["opaque_state"])
+        handle = b"not a handle" if fate.startswith("forged") else handle_of(p)
         target = strict if fate == "forged-strict" else gen
         target.accept(request(rid, prompt, n, max_tokens, seed,
                               KvImport(handle, ids_to_bytes(p["first_gen_tokens"]))))

@@ -1,19 +1,23 @@
-"""The quantized linears (engine/quant.py, engine/cpu/quant.py, csrc/quant_matmul.c) against float32 products
-of the same weights dequantized by the gguf package (llama.cpp's definitions), on every instruction set this
-CPU has (SLUICE_CPU_HIDE hides AVX-512 to run the AVX2 build)."""
+"""The quantized linears (engine/quant.py, engine/cpu/quant.py, csrc/quant_matmul.c and quant_blocks.h), the
+quantized embedding and LM head, and the one-call step over quantized layers (csrc/f32_layers.c) against
+float32 products of the same weights dequantized by the gguf package (llama.cpp's definitions), on every
+instruction set this CPU has (SLUICE_CPU_HIDE hides AVX-512 to run the AVX2 builds)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from sluice.engine import cpu_kernels
+from sluice.engine.backend import TORCH
+from sluice.engine.cpu import build as kernel_build
 from sluice.engine.cpu import quant as cpu_quant
-from sluice.engine.cpu.quant import QuantMatmul, quant_linear
-from sluice.engine.quant import BY_NAME, QuantizedWeight, quantize
+from sluice.engine.cpu.backend import CpuBackend
+from sluice.engine.cpu.quant import QuantLMHead, QuantMatmul, quant_linear
+from sluice.engine.layers import Embedding
+from sluice.engine.quant import BY_NAME, QuantizedWeight, dequantized, quantize, set_quantized
 
-VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_kernels.cpu_flags()
-AVX2 = {"avx2", "fma"} <= cpu_kernels.cpu_flags()
+VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= kernel_build.cpu_flags()
+AVX2 = {"avx2", "fma"} <= kernel_build.cpu_flags()
 ISAS = [pytest.param("AVX512-VNNI", marks=pytest.mark.skipif(not VNNI, reason="this CPU lacks AVX512-VNNI")),
         pytest.param("AVX2", marks=pytest.mark.skipif(not AVX2, reason="this CPU lacks AVX2/FMA"))]
 TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
@@ -22,12 +26,12 @@ TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
 @pytest.fixture
 def isa(request, monkeypatch):
     """The kernels built for one instruction set."""
-    if request.param == "AVX2":
-        monkeypatch.setenv("SLUICE_CPU_HIDE", "avx512f,avx512_vnni")
-    cpu_kernels.clear()
+    if request.param == "AVX2":  # (every AVX-512 flag: the one-call step's AVX2 build too)
+        monkeypatch.setenv("SLUICE_CPU_HIDE", ",".join(f for f in kernel_build.cpu_flags() if f.startswith("avx512")))
+    kernel_build.clear()
     assert cpu_quant.library()[1] == request.param
     yield request.param
-    cpu_kernels.clear()
+    kernel_build.clear()
 
 
 def random_weight(name: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
@@ -92,6 +96,62 @@ def test_int8_activations_give_the_product_within_the_activations_rounding(isa, 
 
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("name", TYPES)
+def test_a_rows_product_is_the_same_bits_alone_or_in_any_batch(isa, name):
+    """Up to 8 rows the weight is decoded in registers for every few rows, past that once into a buffer the
+    rows read: the same values in the same order of sums either way, whatever the tile a row falls in (13
+    weight rows: a last tile of one)."""
+    weight = random_weight(name, 13, 512)
+    kernel = QuantMatmul.build(weight, torch.randn(13), int8=False)
+    x = torch.randn(12, 512)
+    alone = torch.cat([kernel(x[i : i + 1]) for i in range(12)])
+    for m in (2, 3, 5, 8, 9, 12):
+        assert torch.equal(kernel(x[:m]), alone[:m])
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("m", [1, 4, 11])
+def test_parts_of_different_types_run_as_one_stacked_weight(isa, m):
+    """A Q4_K_M file's stacked q/k/v: parts of Q4_K, Q6_K and Q8_0 rows (not whole tiles), in one product."""
+    parts = (random_weight("Q4_K", 9, 512, 1), random_weight("Q6_K", 6, 512, 2), random_weight("Q8_0", 13, 512, 3))
+    x, bias = torch.randn(m, 512), torch.randn(28)
+    got = QuantMatmul.build(parts, bias, int8=False)(x).double()
+    w = dequantized(parts).double()
+    want = x.double() @ w.T + bias.double()
+    assert ((got - want).abs() <= 1e-5 * (x.abs().double() @ w.abs().T) + 1e-6).all()
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("name", TYPES)
+def test_a_quantized_embedding_dequantizes_only_the_rows_it_looks_up(isa, name):
+    table = random_weight(name, 40, 256)
+    for backend in (CpuBackend(torch.float32), TORCH):
+        embedding = Embedding(40, 256)
+        set_quantized(embedding, (table,))
+        embedding.backend = backend
+        ids = torch.tensor([[3, 39, 3], [0, 7, 1]])
+        assert embedding.weight.numel() == 0
+        assert torch.equal(embedding(ids), table.dequantize()[ids])
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K"])
+def test_a_quantized_lm_head_multiplies_by_the_table_as_it_lies(isa, name):
+    """The CPU's head runs the product over the quantized table (no float32 copy); torch's path dequantizes it:
+    the same logits up to float32 sums, the same greedy tokens."""
+    table = random_weight(name, 300, 256)
+    head = CpuBackend(torch.float32).lm_head(table)
+    assert isinstance(head, QuantLMHead) and head.weight.numel() == 0 and head.kernel.isa.startswith(isa)
+    hidden = torch.randn(5, 256)
+    w = table.dequantize().double()
+    scale = hidden.abs().double() @ w.abs().T
+    assert ((head(hidden).double() - hidden.double() @ w.T).abs() <= 1e-5 * scale + 1e-6).all()
+    torch_head = TORCH.lm_head(table)
+    assert torch.equal(torch_head.weight, table.dequantize())
+    assert torch.equal(head.argmax(hidden), torch_head.argmax(hidden))
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
 def test_int8_activations_match_an_int8_reference_bit_for_bit_up_to_float_sums(isa):
     """The int8 path computes llama.cpp's Q8_0 x Q8_0 product: the exact integer dot of each block, scaled."""
     weight = random_weight("Q8_0", 8, 128)
@@ -123,7 +183,7 @@ def test_rows_leading_dims_and_bf16_rows_keep_their_shape_and_dtype(isa):
 
 def test_without_kernels_a_quantized_linear_runs_dequantized(monkeypatch):
     monkeypatch.setenv("SLUICE_CPU_KERNELS", "0")
-    cpu_kernels.clear()
+    kernel_build.clear()
     try:
         weight = random_weight("Q8_0", 8, 64)
         run = quant_linear(weight, None)
@@ -131,7 +191,7 @@ def test_without_kernels_a_quantized_linear_runs_dequantized(monkeypatch):
         x = torch.randn(3, 64)
         assert torch.allclose(run(x), x @ weight.dequantize().T)
     finally:
-        cpu_kernels.clear()
+        kernel_build.clear()
 
 
 def test_quantize_round_trips_within_half_a_step():
@@ -147,9 +207,9 @@ def test_quantize_round_trips_within_half_a_step():
 @pytest.mark.parametrize("choice, qtype", [("int8", "Q8_0"), ("q4", "Q4_0")])
 def test_quantization_at_load_quantizes_every_layer_linear_and_the_engine_runs_it(choice, qtype, tmp_path,
                                                                                   monkeypatch):
-    """--quantization: each linear of the layers in the block format, the LM head and embedding left float;
-    the quantized model's logits of a prompt near the float model's (random weights amplify the rounding:
-    Q8_0 moves them by about a percent of their range here, Q4_0 by about ten)."""
+    """--quantization: each linear of the layers in the block format, the embedding (tied to the LM head) in
+    Q8_0; the quantized model's logits of a prompt near the float model's (random weights amplify the
+    rounding: Q8_0 moves them by about a percent of their range here, Q4_0 by about ten)."""
     from sluice.app.builtin_models import write_llama_family
     from sluice.engine.layers import Linear
     from sluice.engine.loader import load_model
@@ -157,7 +217,7 @@ def test_quantization_at_load_quantizes_every_layer_linear_and_the_engine_runs_i
     from tests.engine.helpers import seq
 
     monkeypatch.setenv("SLUICE_QUANT_ACTIVATIONS", "float")
-    cpu_kernels.clear()
+    kernel_build.clear()
     path = write_llama_family(tmp_path / "m", architecture="Qwen3ForCausalLM", num_shards=1)
     dense = load_model(path, torch.float32, torch.device("cpu"))
     model = load_model(path, torch.float32, torch.device("cpu"), choice)
@@ -169,20 +229,80 @@ def test_quantization_at_load_quantizes_every_layer_linear_and_the_engine_runs_i
         # (Q4_0's step is max / 8, its largest magnitude at -8: the other end's rounding may take a whole step)
         step = w.view(w.shape[0], -1, 32).abs().amax(-1).max() / (127 if choice == "int8" else 8)
         assert (dequantized(module.quant) - w).abs().max() <= step * (0.6 if choice == "int8" else 1.0)
-    assert model.model.embed_tokens.weight.shape == dense.model.embed_tokens.weight.shape
+    table = model.model.embed_tokens.quant[0]
+    assert model.lm_weight() is table and table.qtype.name == "Q8_0" and model.model.embed_tokens.weight.numel() == 0
+    assert (table.dequantize() - dense.model.embed_tokens.weight).abs().max() <= (
+        dense.model.embed_tokens.weight.abs().max() / 127 * 0.6)
     logits = []
     for m in (dense, model):
         runner, sched = _engine_of(m)
         sched.add(seq("r", [5, 6, 7, 8, 9], max_tokens=1, temperature=0.0))
         logits.append(runner.forward(sched.schedule())[0][0])
     assert ((logits[1] - logits[0]).abs().max() / logits[0].abs().max()) < (0.03 if choice == "int8" else 0.3)
-    cpu_kernels.clear()
+    kernel_build.clear()
 
 
-def _engine_of(model):
+def _engine_of(model, backend=None):
+    """(runner, scheduler) of the model on the CPU backend, or on `backend`."""
+    from contextlib import nullcontext
+    from unittest import mock
+
     from sluice.engine.block_manager import BlockManager
     from sluice.engine.model_runner import ModelRunner
     from sluice.engine.scheduler import Scheduler
 
-    runner = ModelRunner(model, 256, 16, torch.float32, torch.device("cpu"), 256)
+    with mock.patch("sluice.engine.model_runner.select_backend", return_value=backend) if backend else nullcontext():
+        runner = ModelRunner(model, 256, 16, torch.float32, torch.device("cpu"), 256)
     return runner, Scheduler(BlockManager(256, 16), max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=4096)
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_a_quantized_model_decodes_in_one_call_with_the_dequantized_weights_logits(isa, tmp_path):
+    """The layers of each step in one call (csrc/f32_layers.c, its linears on the quantized product), the
+    embedding and LM head on the quantized table: every step's logits within float32 rounding of torch's path
+    over the same weights dequantized to float32, the same greedy tokens, batched (prefill chunks beside
+    decodes); a biased Qwen2 (`--quantization q4`: Q4_0 linears, a Q8_0 table) whose down projection
+    (K = 88) stays float32 beside quantized ones."""
+    from unittest import mock
+
+    from sluice.app.builtin_models import write_llama_family
+    from sluice.engine.cpu.stack import DecoderStack
+    from sluice.engine.loader import load_model
+    from tests.engine.helpers import seq
+
+    kernel_build.clear()
+    path = write_llama_family(tmp_path / "m", architecture="Qwen2ForCausalLM", num_heads=4, num_kv_heads=2,
+                              head_dim=32, intermediate_size=88, num_shards=1)
+    model = load_model(path, torch.float32, torch.device("cpu"), "q4")
+    ref = load_model(path, torch.float32, torch.device("cpu"), "q4")
+    for module in ref.modules():  # (the reference: the same values in float32, on torch's path)
+        if getattr(module, "quant", None) is not None:
+            module.weight = torch.nn.Parameter(dequantized(module.quant), requires_grad=False)
+            module.quant = None
+    (runner, sched), (ref_runner, ref_sched) = _engine_of(model), _engine_of(ref, TORCH)
+    assert runner.one_call and isinstance(runner.lm_head, QuantLMHead)
+    stack = runner.model.model.stack.stack
+    assert {type(k).__name__ for layer in stack._layers for k in (layer.qkv, layer.down)} == {"QuantMatmul",
+                                                                                              "F32Matmul"}
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 57)), [300] * 3]
+    for i, p in enumerate(prompts):
+        sched.add(seq(f"r{i}", p, max_tokens=8, temperature=0.0))
+        ref_sched.add(seq(f"r{i}", p, max_tokens=8, temperature=0.0))
+    run, calls = DecoderStack.__call__, []
+
+    def spy(stack, *args):
+        calls.append(run(stack, *args))
+        return calls[-1]
+
+    with mock.patch.object(DecoderStack, "__call__", autospec=True, side_effect=spy):
+        while (batch := sched.schedule()) is not None:
+            ref_batch = ref_sched.schedule()
+            logits, _ = runner.forward(batch)
+            ref_logits, _ = ref_runner.forward(ref_batch)
+            torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+            tokens = logits.argmax(-1).tolist()
+            assert ref_logits.argmax(-1).tolist() == tokens
+            sched.update(batch, tokens)
+            ref_sched.update(ref_batch, tokens)
+    assert calls and all(calls)
+    kernel_build.clear()

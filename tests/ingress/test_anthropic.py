@@ -26,7 +26,7 @@ def test_each_status_has_anthropics_error_type(status, kind):
 def test_the_message_names_the_field_and_a_stream_says_it_as_an_event():
     assert json.loads(ANTHROPIC.body(Failure(400, "too big", param="max_tokens")))["error"]["message"] == \
         "max_tokens: too big"
-    event = ANTHROPIC.stream(Failure(500, "the engine process died"))
+    event = ANTHROPIC.stream(Failure(500, "the engine process died"), 0)
     assert event.startswith(b"event: error\ndata: ") and event.endswith(b"\n\n")
     assert json.loads(event.split(b"data: ")[1])["error"]["type"] == "api_error"
 

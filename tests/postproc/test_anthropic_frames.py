@@ -15,7 +15,8 @@ from tokenizers import Tokenizer
 from sluice.ipc.messages import PostprocSpec, Started
 from sluice.postproc.stop import StopStrings
 from sluice.postproc.worker import Shard
-from sluice.schemas.anthropic import Framing
+from sluice.schemas.anthropic import (CacheMiss, ClearedThinking, ClearedToolUses, ContextManagementResponse,
+                                      Diagnostics, Framing)
 from tests.postproc.test_shard import feed
 
 TOOLS_OUTPUT = '<think>Plan: call the tool.</think>Sure.\n<tool_call>\n{"name": "get_weather", "arguments": ' \
@@ -27,10 +28,10 @@ def shard(tiny_chat_dir):
     return Shard(Tokenizer.from_file(str(tiny_chat_dir / "tokenizer.json")))
 
 
-def _started(rid: str, stream: bool, stop=(), omit_thinking=False) -> Started:
+def _started(rid: str, stream: bool, stop=(), omit_thinking=False, framing: Framing | None = None) -> Started:
     spec = PostprocSpec(request_id=rid, endpoint="messages", model="m", created=1, reply_to="ipc://r", stream=stream,
                         stop=list(stop), parsers=["think", "hermes"],
-                        dialect=msgspec.msgpack.encode(Framing(omit_thinking=omit_thinking)))
+                        dialect=msgspec.msgpack.encode(framing or Framing(omit_thinking=omit_thinking)))
     return Started(rid, msgspec.msgpack.encode(spec), num_prompt_tokens=7, num_cached_tokens=4)
 
 
@@ -150,6 +151,23 @@ def test_omitted_thinking_keeps_its_block_and_signature_only(shard, stream):
     message = assembled(data) if stream else whole(data)
     assert message["content"][0]["type"] == "thinking" and message["content"][0]["thinking"] == ""
     assert message["content"][0]["signature"] and message["content"][1] == {"type": "text", "text": "Sure."}
+
+
+def test_what_the_edits_cleared_and_the_diagnosis_reach_the_body_and_the_stream(shard):
+    framing = Framing(context_management=ContextManagementResponse([ClearedThinking(2, 30), ClearedToolUses(1, 9)]),
+                      diagnostics=Diagnostics(CacheMiss("system_changed", 12)))
+    whole = json.loads(b"".join(run(shard, "Hi.", False, framing=framing)))
+    assert whole["context_management"] == {"applied_edits": [
+        {"type": "clear_thinking_20251015", "cleared_thinking_turns": 2, "cleared_input_tokens": 30},
+        {"type": "clear_tool_uses_20250919", "cleared_tool_uses": 1, "cleared_input_tokens": 9}]}
+    assert whole["diagnostics"] == {"cache_miss_reason": {"type": "system_changed", "cache_missed_input_tokens": 12}}
+    streamed = dict(events(run(shard, "Hi.", True, framing=framing)))
+    start, delta = streamed["message_start"]["message"], streamed["message_delta"]
+    assert start["diagnostics"] == whole["diagnostics"] and start["context_management"] is None
+    assert delta["context_management"] == whole["context_management"]
+    plain = json.loads(b"".join(run(shard, "Hi.", False)))
+    assert plain["context_management"] is None and plain["diagnostics"] is None
+    assert "context_management" not in dict(events(run(shard, "Hi.", True)))["message_delta"]
 
 
 def test_whitespace_between_and_after_calls_makes_no_text_blocks(shard):

@@ -111,6 +111,17 @@ def test_any_tool_choice_a_named_tool_and_strict_tools_hold_the_calls_to_their_s
     assert request.grammar and request.grammar_trigger == []
 
 
+def test_an_enabled_thinking_budget_is_the_cores_thinking_token_budget(core):
+    """Anthropic's thinking.budget_tokens is held as OpenAI's thinking_token_budget is: by a grammar that ends the
+    reasoning after that many tokens (tests/engine/test_thinking_budget.py runs it)."""
+    ask = [{"role": "user", "content": "Hi"}]
+    anthropic = core.render(job("messages", messages=ask, thinking={"type": "enabled", "budget_tokens": 2048}))
+    openai = core.render(job("chat", messages=ask, thinking_token_budget=2048))
+    assert anthropic.grammar == openai.grammar and "think[max_tokens=2048]" in anthropic.grammar
+    assert anthropic.grammar_param == "thinking_token_budget" and anthropic.grammar_trigger == []
+    assert core.render(job("messages", messages=ask, thinking={"type": "adaptive"})).grammar == ""
+
+
 @pytest.mark.parametrize("body, param, code, words", [
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0]",
      "unsupported_feature", "image"),
@@ -126,8 +137,8 @@ def test_any_tool_choice_a_named_tool_and_strict_tools_hold_the_calls_to_their_s
      "unsupported_feature", "web_search_20250305"),
     ({"tools": [{"name": "f"}]}, "tools[0].input_schema", None, "required"),
     ({"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name", None, "nope"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking_token_budget", "unsupported_feature",
-     "thinking budget"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 2048}, "tools": ANTHROPIC_TOOLS,
+      "tool_choice": {"type": "any"}}, "thinking_token_budget", None, "cannot be combined with tools"),
     ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens", None, "budget_tokens"),
 ])
 def test_what_the_core_cannot_do_is_a_400_that_names_it(core, body, param, code, words):

@@ -195,9 +195,9 @@ def test_the_budget_refuses_only_prompts_that_do_not_fit(core, text, max_tokens,
     ("completions", dict(prompt=["word " * 4_000_000])),
 ])
 def test_a_20_mb_prompt_is_refused_at_once(core, endpoint, fields):
-    start = time.monotonic()
+    start = time.process_time()  # (this process's CPU: what the work cost, whatever else runs)
     e = refusal(core, endpoint, **fields)
-    assert e.code == "context_length_exceeded" and time.monotonic() - start < 1.0
+    assert e.code == "context_length_exceeded" and time.process_time() - start < 1.0
 
 
 def test_a_long_assistant_message_is_caught_on_the_rendered_text(core):
@@ -223,10 +223,10 @@ def quick_timeout(monkeypatch):
 ])
 def test_a_template_that_runs_too_long_is_the_clients_400(core, quick_timeout, template):
     handler, (timer, _) = signal.getsignal(signal.SIGALRM), signal.getitimer(signal.ITIMER_REAL)
-    start = time.monotonic()
+    start = time.process_time()
     e = refusal(core, "chat", messages=HI, chat_template=template)
     assert e.param == "chat_template" and "longer than 0.5 s" in e.message
-    assert time.monotonic() - start < 2.0
+    assert time.process_time() - start < 2.0
     # the alarm is put back as it was (pytest-timeout's, if it runs one)
     assert signal.getsignal(signal.SIGALRM) == handler
     assert (signal.getitimer(signal.ITIMER_REAL)[0] > 0) == (timer > 0)
@@ -243,16 +243,16 @@ def test_a_template_that_runs_too_long_is_the_clients_400(core, quick_timeout, t
     "{{ raise_exception('no') }}",
 ])
 def test_a_template_that_fails_is_the_clients_400(core, template):
-    start = time.monotonic()
+    start = time.process_time()
     assert refusal(core, "chat", messages=HI, chat_template=template).param == "chat_template"
-    assert time.monotonic() - start < 1.0
+    assert time.process_time() - start < 1.0
 
 
 def test_a_template_whose_output_cannot_fit_stops_early(core):
     template = "{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxxxx{% endfor %}{% endfor %}"
-    start = time.monotonic()
+    start = time.process_time()
     assert refusal(core, "chat", messages=HI, chat_template=template).code == "context_length_exceeded"
-    assert time.monotonic() - start < 1.0
+    assert time.process_time() - start < 1.0
 
 
 def test_chat_template_kwargs_may_name_what_the_server_passes(core):

@@ -15,6 +15,9 @@ Which CPUs get which path (chosen at run time from /proc/cpuinfo, logged once a 
 - bf16 activations, AVX512-BF16: the bf16 kernels (VDPBF16PS) for the LM head and small linears, a step
   in one call where every linear is small (csrc/decoder_layers.c); with AVX512-VNNI, greedy rows of the
   LM head screened in int8 (csrc/int8_argmax.c).
+- weights kept in a GGUF block format (a GGUF file, `--quantization`), AVX512-VNNI or AVX2: csrc/quant_matmul.c
+  (engine/cpu/quant.py), the weight dequantized exactly in registers; inside the one-call step too, and for
+  the LM head over a quantized table and the embedding's looked-up rows (never the whole table).
 - anything else (float32 without AVX2, bf16 without AVX512-BF16, float16, no C compiler,
   SLUICE_CPU_KERNELS=0): torch, with the CPU-specific choices below (oneDNN for the LM head, half-precision
   rows padded to few shapes).
@@ -29,12 +32,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice.engine.backend import Backend, LMHead
-from sluice.engine.cpu import kernels, ops
+from sluice.engine.cpu import kernels, ops, quant
 from sluice.engine.cpu.experts import F32Experts
 from sluice.engine.cpu.lm_head import CpuLMHead
 from sluice.engine.cpu.matmul import Bf16Matmul, F32Matmul, narrowed
-from sluice.engine.cpu.quant import quant_linear
+from sluice.engine.cpu.quant import QuantMatmul, quant_linear, quant_lm_head
 from sluice.engine.cpu.stack import DecodeLayer, DecoderStack
+from sluice.engine.quant import QuantizedWeight
 from sluice.engine.sampler import ExpKernels
 
 log = logging.getLogger("sluice.engine")
@@ -120,10 +124,14 @@ class CpuBackend(Backend):
         blocks, block = kernels.exp_blocks(), kernels.exp_block()
         return ExpKernels(blocks, block) if blocks is not None and block is not None else None
 
-    def lm_head(self, weight: torch.Tensor) -> LMHead:
-        head = CpuLMHead.build(weight, self.dtype)
+    def lm_head(self, weight: torch.Tensor | QuantizedWeight) -> LMHead:
+        head = quant_lm_head(weight) if isinstance(weight, QuantizedWeight) else CpuLMHead.build(weight, self.dtype)
         log.info("LM head: %s", head.path)
         return head
+
+    def dequantize(self, weight: QuantizedWeight) -> torch.Tensor:
+        values = quant.dequantize(weight)
+        return weight.dequantize() if values is None else values
 
     def swiglu(self, gate_up: nn.Module, x: torch.Tensor) -> torch.Tensor:
         kernel = gate_up.run
@@ -214,7 +222,7 @@ def decode_layer(layer: nn.Module, kv: tuple[torch.Tensor, torch.Tensor]) -> Dec
     if layer.post_attention_layernorm.eps != eps or any(n is not None and n.eps != eps for n in qk_norm):
         return None
     linears = [k for k in (attn.qkv_proj.run, attn.o_proj.run, mlp.gate_up_proj.run, mlp.down_proj.run)
-               if isinstance(k, (Bf16Matmul, F32Matmul))]
+               if isinstance(k, (Bf16Matmul, F32Matmul)) or (isinstance(k, QuantMatmul) and not k.int8)]
     if len(linears) < 4:
         return None
     return DecodeLayer(input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,

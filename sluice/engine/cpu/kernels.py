@@ -1,4 +1,4 @@
-"""The C kernels' entry points (engine/csrc/, built and loaded by engine/cpu_kernels.py), each None where it
+"""The C kernels' entry points (engine/csrc/, built and loaded by engine/cpu/build.py), each None where it
 cannot run here, and the weight layouts they read."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from sluice.engine.cpu_kernels import (_AMX, _AVX2, _AVX512, _AVX512_BF16, _AVX512_VL, _AVX512_VL_VNNI, _AVX512_VNNI,
-                                       _forgetters, cpu_flags, load)
+from sluice.engine.cpu.build import (_AMX, _AVX2, _AVX512, _AVX512_BF16, _AVX512_VL, _AVX512_VL_VNNI, _AVX512_VNNI,
+                                     _forgetters, cpu_flags, load)
 
 log = logging.getLogger("sluice.engine")
 

@@ -60,7 +60,7 @@ class F32Matmul:
     @classmethod
     def build(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, amx: bool = True) -> "F32Matmul | None":
         """The kernel for this weight, or None where it does not apply (not a bf16 / float32 CPU weight, odd
-        K) or cannot run (see `sluice.engine.cpu_kernels.load`): AMX's for a bf16 weight whose K is a multiple of 32
+        K) or cannot run (see `sluice.engine.cpu.build.load`): AMX's for a bf16 weight whose K is a multiple of 32
         where the CPU has AMX (and `amx`), else AVX-512F's where the CPU has it, else AVX2's."""
         if (weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32)
                 or weight.dim() != 2 or weight.shape[1] % 2 or not weight.shape[1]):

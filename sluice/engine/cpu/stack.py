@@ -1,5 +1,6 @@
 """A step through every decoder layer of a model in one kernel call: csrc/decoder_layers.c for bf16
-(AVX512-BF16), csrc/f32_layers.c for float32 (AVX-512F, else built for AVX2 and FMA). Each row attends as one
+(AVX512-BF16), csrc/f32_layers.c for float32 (AVX-512F, else built for AVX2 and FMA; its linears on
+csrc/f32_matmul.c, or on csrc/quant_blocks.h where the weight is kept in a GGUF block format). Each row attends as one
 query (a decode, or a prefill chunk's row at its position; see the C files). Op by op, a layer is ~20 torch
 calls and kernel calls, each 10-100 us, against a few microseconds of arithmetic at a small model's decode
 step."""
@@ -14,6 +15,7 @@ import torch
 from sluice.engine.cpu import kernels
 from sluice.engine.cpu.matmul import Bf16Matmul, F32Matmul
 from sluice.engine.cpu.ops import attention_shape_ok
+from sluice.engine.cpu.quant import QuantMatmul, QuantPart
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -30,7 +32,8 @@ class LayerSpec(ctypes.Structure):
 
 
 class F32LinearSpec(ctypes.Structure):
-    _fields_ = [("w", _P), ("bias", _P), ("n", _I), ("k", _I), ("bf16", _I)]
+    _fields_ = [("w", _P), ("bias", _P), ("n", _I), ("k", _I), ("bf16", _I), ("parts", ctypes.POINTER(QuantPart)),
+                ("num_parts", _I)]
 
 
 class F32LayerSpec(ctypes.Structure):
@@ -45,7 +48,7 @@ class StepSpec(ctypes.Structure):
                 ("rows", _P), ("kv_slots", _P), ("mask", _P)]
 
 
-Kernel = Bf16Matmul | F32Matmul
+Kernel = Bf16Matmul | F32Matmul | QuantMatmul  # (QuantMatmul: float32 stacks, float activations)
 
 
 @dataclass
@@ -104,7 +107,10 @@ class DecoderStack:
     @classmethod
     def _f32_spec(cls, layer: DecodeLayer, sinks: torch.Tensor | None) -> F32LayerSpec:
         def linear(m) -> F32LinearSpec:
-            return F32LinearSpec(m.packed.data_ptr(), None if m.bias is None else m.bias.data_ptr(), m.n, m.k, m.mode)
+            bias = None if m.bias is None else m.bias.data_ptr()
+            if isinstance(m, QuantMatmul):  # (the weight kept in its block format: csrc/quant_blocks.h)
+                return F32LinearSpec(None, bias, m.n, m.k, 0, m.spec, len(m.parts))
+            return F32LinearSpec(m.packed.data_ptr(), bias, m.n, m.k, m.mode, None, 0)
 
         return F32LayerSpec(qkv=linear(layer.qkv), o=linear(layer.o), gate_up=linear(layer.gate_up),
                             down=linear(layer.down), q_norm=None if layer.q_norm is None else layer.q_norm.data_ptr(),
@@ -117,7 +123,7 @@ class DecoderStack:
         if not layers:
             return None
         dtype = layers[0].input_norm.dtype
-        kernel = F32Matmul if dtype == torch.float32 else Bf16Matmul
+        kernel = (F32Matmul, QuantMatmul) if dtype == torch.float32 else Bf16Matmul
         hidden = layers[0].qkv.k
         for layer in layers:
             heads, kv_heads, dim = layer.heads
@@ -126,7 +132,8 @@ class DecoderStack:
             if (any(t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() for t in tensors)
                     or dtype not in (torch.bfloat16, torch.float32) or (norms and dtype != torch.float32)
                     or any(t.shape != (dim,) for t in norms)
-                    or not all(isinstance(m, kernel) for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+                    or not all(isinstance(m, kernel) and not getattr(m, "int8", False)
+                               for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
                     or {layer.cos.dtype, layer.sin.dtype} != {torch.float32}
                     or not (layer.cos.is_contiguous() and layer.sin.is_contiguous())
                     or layer.cos.shape[1] != dim // 2 or not attention_shape_ok(heads, kv_heads, dim)

@@ -13,7 +13,8 @@
  *
  * One source for both instruction sets: built with AVX-512F its linears are f32_matmul.c's (and AMX's where
  * built for it), built with AVX2 and FMA alone f32_matmul_avx2.c's (the same bits); everything else is
- * written once on f32_vec.h's vectors of the build's width (F32V lanes).
+ * written once on f32_vec.h's vectors of the build's width (F32V lanes). A linear whose weight is kept in a
+ * GGUF block format runs quant_blocks.h's product instead (the weight dequantized exactly in registers).
  */
 #include <sched.h>
 
@@ -24,6 +25,7 @@
 enum { F32_AMX = 2 }; /* (f32_matmul.c's `bf16` argument for AMX: not this build's, never given to it) */
 #endif
 #include "f32_vec.h"
+#include "quant_blocks.h"
 
 enum { F32_MAX_GROUP = 16, F32_MAX_DIM = 256 }; /* query heads per kv head, head dim (a multiple of 16) */
 /* the probabilities @ values loop: query heads x vectors of a value row a pass (accumulators in registers) */
@@ -39,6 +41,8 @@ typedef struct {
     const void *w;     /* packed (see f32_matmul.c) */
     const float *bias; /* NULL, or n floats */
     int n, k, bf16;
+    const quant_part_t *parts; /* num_parts > 0: the weight kept in GGUF's block formats instead (quant_blocks.h) */
+    int num_parts;
 } f32_linear_t;
 
 typedef struct {
@@ -299,6 +303,11 @@ static inline void f32_share(int t, int th, int nth, int *r0, int *r1) {
  * the thread's own up to AMX_OWN_ROWS rows, else the team's, which waits at the barrier). */
 static void f32_linear_part(const f32_linear_t *l, const float *in, int rows, float *out, float *c, int *next, int th,
                             int nth, uint16_t *xs, f32_barrier_t *barrier, int *sense) {
+    if (l->num_parts) {
+        qm_linear_part(l->parts, l->num_parts, l->k, in, l->k, rows, l->bias, out, l->n, next,
+                       qm_chunk(l->parts, l->num_parts, nth));
+        return;
+    }
     size_t plane = 0;
 #ifdef __AMX_BF16__
     if (l->bf16 == F32_AMX) {

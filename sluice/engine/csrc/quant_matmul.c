@@ -1,161 +1,21 @@
-/* Float32 rows times a weight kept in GGUF's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K):
- * out[m][n] = sum_k x[m][k] w[n][k] (+ bias[n]).
+/* Float32 rows times a weight kept in GGUF's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), the entries
+ * engine/cpu/quant.py calls: out[m][n] = sum_k x[m][k] w[n][k] (+ bias[n]).
  *
- * Every type is read the same way: one weight row at a time is unpacked (in a per-thread buffer of a few
- * KB, held in L1 while every row of x reads it) into int8 values q, one scale per group of 16 and, for the
- * types with an offset, one min per group: w = scale * q - min. Two ways to multiply it:
- *
- * - int8 activations (int8_acts != 0): each row of x quantized per block of 32 as llama.cpp's dot products
- *   do (d = max|x| / 127, xq = round(x / d)); products of int8 pairs summed exactly in int32 for every 4
- *   consecutive k (VPDPBUSD on AVX512-VNNI, VPMADDUBSW + VPMADDWD on AVX2), each such lane then scaled in
- *   float32 by its weight group's scale times its block's d (what depends on x alone is computed once a
- *   call, what depends on the weight row alone once a row);
- * - float activations: the row dequantized to float32 (w as above) and multiplied in float32 (FMA).
+ * - float activations (sluice_quant_linear, the default): quant_blocks.h's product, the weight dequantized
+ *   exactly in registers a tile at a time (the one-call step, f32_layers.c, runs the same tiles);
+ * - int8 activations (sluice_quant_matmul_int8): each row of x quantized per block of 32 as llama.cpp's dot
+ *   products do (d = max|x| / 127, xq = round(x / d)); products of int8 pairs summed exactly in int32 for
+ *   every 4 consecutive k (VPDPBUSD on AVX512-VNNI, VPMADDUBSW + VPMADDWD on AVX2), each such lane then scaled
+ *   in float32 by its weight group's scale times its block's d; one weight row unpacked at a time;
+ * - sluice_quant_dequantize: a weight's float32 values (the gguf package's, exactly).
  *
  * Built once per instruction set (engine/cpu/kernels.py); K is a multiple of 32 (of 256 for the K-quants).
  */
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include <omp.h>
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+#include "quant_blocks.h"
 
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (mant == 0) {
-            bits = sign;
-        } else {  /* subnormal: normalise */
-            exp = 127 - 15 + 1;
-            while (!(mant & 0x400)) { mant <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline float f16_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return half_to_float(h);
-}
-
-static inline void k4_scale_min(int j, const uint8_t *s, int *sc, int *m) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *m = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-}
-
-/* 16 bytes of nibbles as 32 values minus `off`: the low nibbles, then the high ones */
-static inline void nibbles16(const uint8_t *b, int8_t *out, int off) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)b), mask = _mm_set1_epi8(0x0F), o = _mm_set1_epi8((char)off);
-    _mm_storeu_si128((__m128i *)out, _mm_sub_epi8(_mm_and_si128(v, mask), o));
-    _mm_storeu_si128((__m128i *)(out + 16), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), o));
-}
-
-/* One weight row of k values: q [k], scale and min [k / 16] (min left alone where the type has none). */
-static void unpack_row(int type, const uint8_t *b, int k, int8_t *q, float *gs, float *mn) {
-    switch (type) {
-    case Q8_0:
-        for (int i = 0; i < k; i += 32, b += 34) {
-            gs[i / 16] = gs[i / 16 + 1] = f16_at(b);
-            memcpy(q + i, b + 2, 32);
-        }
-        break;
-    case Q4_0:
-    case Q4_1: {
-        const int size = type == Q4_0 ? 18 : 20, off = type == Q4_0 ? 8 : 0;
-        for (int i = 0; i < k; i += 32, b += size) {
-            gs[i / 16] = gs[i / 16 + 1] = f16_at(b);
-            if (type == Q4_1) mn[i / 16] = mn[i / 16 + 1] = -f16_at(b + 2);
-            nibbles16(b + size - 16, q + i, off);
-        }
-        break;
-    }
-    case Q4_K:
-    case Q5_K: {
-        const int size = type == Q4_K ? 144 : 176;
-        for (int i = 0; i < k; i += 256, b += size) {
-            const float d = f16_at(b), dmin = f16_at(b + 2);
-            const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (type == Q4_K ? 16 : 48);
-            for (int j = 0; j < 8; j++) {
-                int sc, m;
-                k4_scale_min(j, scales, &sc, &m);
-                gs[(i >> 4) + 2 * j] = gs[(i >> 4) + 2 * j + 1] = d * (float)sc;
-                mn[(i >> 4) + 2 * j] = mn[(i >> 4) + 2 * j + 1] = dmin * (float)m;
-            }
-            for (int c = 0; c < 4; c++) {  /* 64 values: the low nibbles of 32 bytes, then the high ones */
-                const __m128i mask = _mm_set1_epi8(0x0F), one = _mm_set1_epi8(1);
-                for (int h = 0; h < 32; h += 16) {
-                    const __m128i v = _mm_loadu_si128((const __m128i *)(qs + 32 * c + h));
-                    __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-                    if (type == Q5_K) {  /* (a 16-bit shift, then one bit a byte: each byte's own bit) */
-                        const __m128i bits = _mm_loadu_si128((const __m128i *)(qh + h));
-                        lo = _mm_or_si128(lo, _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(bits, 2 * c), one), 4));
-                        hi = _mm_or_si128(hi, _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(bits, 2 * c + 1), one), 4));
-                    }
-                    _mm_storeu_si128((__m128i *)(q + i + 64 * c + h), lo);
-                    _mm_storeu_si128((__m128i *)(q + i + 64 * c + 32 + h), hi);
-                }
-            }
-        }
-        break;
-    }
-    case Q6_K:
-        for (int i = 0; i < k; i += 256, b += 210) {
-            const uint8_t *ql = b, *qh = b + 128;
-            const int8_t *sc = (const int8_t *)(b + 192);
-            const float d = f16_at(b + 208);
-            for (int g = 0; g < 16; g++) gs[(i >> 4) + g] = d * (float)sc[g];
-            for (int h = 0; h < 2; h++) {
-                int8_t *y = q + i + 128 * h;
-                const uint8_t *l0 = ql + 64 * h, *h0 = qh + 32 * h;
-                for (int l = 0; l < 32; l++) {
-                    y[l] = (int8_t)(((l0[l] & 0xF) | ((h0[l] >> 0 & 3) << 4)) - 32);
-                    y[l + 32] = (int8_t)(((l0[l + 32] & 0xF) | ((h0[l] >> 2 & 3) << 4)) - 32);
-                    y[l + 64] = (int8_t)(((l0[l] >> 4) | ((h0[l] >> 4 & 3) << 4)) - 32);
-                    y[l + 96] = (int8_t)(((l0[l + 32] >> 4) | ((h0[l] >> 6 & 3) << 4)) - 32);
-                }
-            }
-        }
-        break;
-    }
-}
-
-static int has_min(int type) { return type == Q4_1 || type == Q4_K || type == Q5_K; }
-
-int sluice_quant_supported(int type) {
-    return type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q4_K || type == Q5_K || type == Q6_K;
-}
-
-/* an unpacked row's float32 values: scale * q - min, per group of 16 */
-static inline void dequantize_row(const int8_t *q, const float *gs, const float *mn, int k, float *out) {
-    for (int g = 0; g < k / 16; g++) {
-        const __m128i v = _mm_loadu_si128((const __m128i *)(q + 16 * g));
-#ifdef __AVX512F__
-        _mm512_storeu_ps(out + 16 * g, _mm512_fmsub_ps(_mm512_set1_ps(gs[g]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)),
-                                                       _mm512_set1_ps(mn[g])));
-#else
-        const __m256 s = _mm256_set1_ps(gs[g]), m = _mm256_set1_ps(mn[g]);
-        _mm256_storeu_ps(out + 16 * g, _mm256_fmsub_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), m));
-        _mm256_storeu_ps(out + 16 * g + 8, _mm256_fmsub_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-            _mm_srli_si128(v, 8))), m));
-#endif
-    }
-}
+int sluice_quant_supported(int type) { return qm_supported(type); }
 
 /* float32 dot of n values (n a multiple of 16) */
 static inline float dot_f32(const float *a, const float *b, int n) {
@@ -247,36 +107,48 @@ static inline float dot_int8(const uint8_t *w, const float *gs, const int8_t *xq
 #endif
 }
 
-/* Returns 0, or -1 where a workspace could not be allocated or the type is not one of these. */
-int sluice_quant_matmul(const uint8_t *w, int type, int n, int k, long row_bytes, const float *x, long ldx, int m,
-                        const float *bias, float *out, long ldo, int int8_acts) {
+/* out[m][ldo] = x @ W^T (+ bias) for float32 rows x and a weight W [sum of the parts' n][k] (K a multiple of
+ * 32, of 256 for the K-quants), each value dequantized exactly as sluice_quant_dequantize gives it and multiplied
+ * in float32. Returns 0, or -1 where a part's type is not one of these. */
+int sluice_quant_linear(const quant_part_t *parts, int num_parts, int k, const float *x, long ldx, int m,
+                        const float *bias, float *out, long ldo) {
+    double n = 0;
+    for (int p = 0; p < num_parts; p++) {
+        if (!sluice_quant_supported(parts[p].type) || k % 32) return -1;
+        n += parts[p].n;
+    }
+    int next = 0;
+    const int threads = (double)m * n * k >= QM_SERIAL_WORK ? omp_get_max_threads() : 1;
+    const int chunk = qm_chunk(parts, num_parts, threads);
+#pragma omp parallel num_threads(threads)
+    qm_linear_part(parts, num_parts, k, x, ldx, m, bias, out, ldo, &next, chunk);
+    return 0;
+}
+
+/* The int8-activation product of one part (n rows of the weight, row_bytes apart) into out's first n columns.
+ * Returns 0, or -1 where a workspace could not be allocated or the type is not one of these. */
+int sluice_quant_matmul_int8(const uint8_t *w, int type, int n, int k, long row_bytes, const float *x, long ldx,
+                             int m, const float *bias, float *out, long ldo) {
     if (!sluice_quant_supported(type) || k % 32) return -1;
     const int groups = k / 16, lanes = k / 4, mins = has_min(type);
-    int8_t *xq = NULL;
-    float *lane_d = NULL, *group_sum = NULL;
-    int32_t *lane_corr = NULL;
-    if (int8_acts) {
-        xq = malloc((size_t)m * k);
-        lane_d = malloc((size_t)m * lanes * sizeof(float));
-        lane_corr = malloc((size_t)m * lanes * sizeof(int32_t));
-        group_sum = malloc((size_t)m * groups * sizeof(float));
-        if (!xq || !lane_d || !lane_corr || !group_sum) {
-            free(xq), free(lane_d), free(lane_corr), free(group_sum);
-            return -1;
-        }
-#pragma omp parallel for schedule(static) if (m > 1)
-        for (int r = 0; r < m; r++)
-            quantize_row(x + (size_t)r * ldx, k, xq + (size_t)r * k, lane_d + (size_t)r * lanes,
-                         lane_corr + (size_t)r * lanes, group_sum + (size_t)r * groups);
+    int8_t *xq = malloc((size_t)m * k);
+    float *lane_d = malloc((size_t)m * lanes * sizeof(float)), *group_sum = malloc((size_t)m * groups * sizeof(float));
+    int32_t *lane_corr = malloc((size_t)m * lanes * sizeof(int32_t));
+    if (!xq || !lane_d || !lane_corr || !group_sum) {
+        free(xq), free(lane_d), free(lane_corr), free(group_sum);
+        return -1;
     }
+#pragma omp parallel for schedule(static) if (m > 1)
+    for (int r = 0; r < m; r++)
+        quantize_row(x + (size_t)r * ldx, k, xq + (size_t)r * k, lane_d + (size_t)r * lanes,
+                     lane_corr + (size_t)r * lanes, group_sum + (size_t)r * groups);
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
-        /* the unpacked row: q, scales and mins per group, float values (the float path) */
+        /* the unpacked row: q, scales and mins per group */
         int8_t *q = malloc((size_t)k);
         float *gs = malloc((size_t)groups * sizeof(float)), *mn = calloc((size_t)groups, sizeof(float));
-        float *wf = int8_acts ? NULL : malloc((size_t)k * sizeof(float));
-        const int ok = q && gs && mn && (int8_acts || wf);
+        const int ok = q && gs && mn;
         failed = !ok;
         {
             /* (every thread reaches the loop's barrier, with its rows skipped where it has no buffers) */
@@ -285,30 +157,25 @@ int sluice_quant_matmul(const uint8_t *w, int type, int n, int k, long row_bytes
                 if (!ok) continue;
                 unpack_row(type, w + (size_t)j * row_bytes, k, q, gs, mn);
                 const float b = bias ? bias[j] : 0.0f;
-                if (int8_acts) {
 #ifdef __AVX512VNNI__
-                    for (int i = 0; i < k; i++) q[i] ^= (int8_t)0x80;  /* q + 128, as VPDPBUSD's unsigned operand */
+                for (int i = 0; i < k; i++) q[i] ^= (int8_t)0x80;  /* q + 128, as VPDPBUSD's unsigned operand */
 #endif
-                    for (int r = 0; r < m; r++) {
-                        float s = dot_int8((const uint8_t *)q, gs, xq + (size_t)r * k, lane_d + (size_t)r * lanes,
-                                           lane_corr + (size_t)r * lanes, k);
-                        if (mins) {
-                            const float *xs = group_sum + (size_t)r * groups;
-                            if (groups % 16 == 0) {
-                                s -= dot_f32(mn, xs, groups);
-                            } else {
-                                for (int g = 0; g < groups; g++) s -= mn[g] * xs[g];
-                            }
+                for (int r = 0; r < m; r++) {
+                    float s = dot_int8((const uint8_t *)q, gs, xq + (size_t)r * k, lane_d + (size_t)r * lanes,
+                                       lane_corr + (size_t)r * lanes, k);
+                    if (mins) {
+                        const float *xs = group_sum + (size_t)r * groups;
+                        if (groups % 16 == 0) {
+                            s -= dot_f32(mn, xs, groups);
+                        } else {
+                            for (int g = 0; g < groups; g++) s -= mn[g] * xs[g];
                         }
-                        out[(size_t)r * ldo + j] = s + b;
                     }
-                } else {
-                    dequantize_row(q, gs, mn, k, wf);
-                    for (int r = 0; r < m; r++) out[(size_t)r * ldo + j] = dot_f32(wf, x + (size_t)r * ldx, k) + b;
+                    out[(size_t)r * ldo + j] = s + b;
                 }
             }
         }
-        free(q), free(gs), free(mn), free(wf);
+        free(q), free(gs), free(mn);
     }
     free(xq), free(lane_d), free(lane_corr), free(group_sum);
     return failed ? -1 : 0;

@@ -102,19 +102,23 @@ class MoeForCausalLM(CausalLM):
 
     def load_param(self, name: str, fetch: Callable[[str], torch.Tensor],
                    dtype: torch.dtype) -> tuple[torch.Tensor, list[str]]:
-        """A mixture layer's tensor under the checkpoint's names: the experts' stacked from one tensor per
-        expert (KeyError where the checkpoint has none)."""
-        names = self.config.names
-        layer, _, rest = name.partition(".mlp.")  # "model.layers.3", "experts.gate_up_proj" / "gate.weight"
-        if not rest:
-            raise KeyError(name)
-        block = f"{layer}.{names.block}"
-        experts = range(self.config.num_experts)
-        if rest == "experts.gate_up_proj":
-            pairs = [(f"{block}.experts.{e}.{names.gate}.weight", f"{block}.experts.{e}.{names.up}.weight")
-                     for e in experts]
-            return torch.stack([torch.cat([fetch(g), fetch(u)]) for g, u in pairs]), [n for p in pairs for n in p]
-        if rest == "experts.down_proj":
-            downs = [f"{block}.experts.{e}.{names.down}.weight" for e in experts]
-            return torch.stack([fetch(d) for d in downs]), downs
-        return fetch(f"{block}.{rest}"), [f"{block}.{rest}"]
+        return load_experts(name, fetch, self.config.names, self.config.num_experts)
+
+
+def load_experts(name: str, fetch: Callable[[str], torch.Tensor], names: ExpertNames,
+                 num_experts: int) -> tuple[torch.Tensor, list[str]]:
+    """A mixture layer's tensor under the checkpoint's names: the experts' stacked from one tensor per expert
+    (KeyError where the checkpoint has none)."""
+    layer, _, rest = name.partition(".mlp.")  # "model.layers.3", "experts.gate_up_proj" / "gate.weight"
+    if not rest:
+        raise KeyError(name)
+    block = f"{layer}.{names.block}"
+    experts = range(num_experts)
+    if rest == "experts.gate_up_proj":
+        pairs = [(f"{block}.experts.{e}.{names.gate}.weight", f"{block}.experts.{e}.{names.up}.weight")
+                 for e in experts]
+        return torch.stack([torch.cat([fetch(g), fetch(u)]) for g, u in pairs]), [n for p in pairs for n in p]
+    if rest == "experts.down_proj":
+        downs = [f"{block}.experts.{e}.{names.down}.weight" for e in experts]
+        return torch.stack([fetch(d) for d in downs]), downs
+    return fetch(f"{block}.{rest}"), [f"{block}.{rest}"]

@@ -1,6 +1,7 @@
 """Maps a checkpoint's `architectures[0]` to the model class that runs it."""
 from __future__ import annotations
 
+from sluice.engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from sluice.engine.models.gemma import GemmaForCausalLM
 from sluice.engine.models.glm4 import Glm4ForCausalLM
 from sluice.engine.models.gpt_oss import GptOssForCausalLM
@@ -11,6 +12,7 @@ from sluice.engine.models.olmo2 import Olmo2ForCausalLM
 from sluice.engine.models.smollm3 import SmolLM3ForCausalLM
 
 MODELS = {
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,

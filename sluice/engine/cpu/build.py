@@ -24,7 +24,7 @@ from sluice.base import envs
 
 log = logging.getLogger("sluice.engine")
 
-_SOURCES = Path(__file__).parent / "csrc"
+_SOURCES = Path(__file__).parent.parent / "csrc"
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
 # Instruction sets (as /proc/cpuinfo names them) -> the compiler flags that enable them.
 _ISA = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl", "avx512_bf16": "-mavx512bf16",

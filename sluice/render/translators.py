@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from sluice.schemas.openai import ChatCompletionRequest
+
+if TYPE_CHECKING:
+    from sluice.render.diagnostics import Fingerprints
 
 
 @dataclass(frozen=True)
