@@ -105,6 +105,20 @@ def terminate(reason: str) -> Terminate:
 def load(spec: str, flag: str) -> Callable[..., Any]:
     """The hook `spec` names, made (a class) or as it is (a function); ValueError, naming `flag`, when it
     names none."""
+    hook = named(spec, flag)
+    if isinstance(hook, type):
+        try:
+            hook = hook()
+        except Exception as e:
+            raise ValueError(f"{flag} {spec!r}: {spec.rpartition(':')[2]}() failed: {e}") from None
+    if not callable(hook):
+        raise ValueError(f"{flag} {spec!r}: {spec.rpartition(':')[0]} has no callable {spec.rpartition(':')[2]!r}")
+    return hook
+
+
+def named(spec: str, flag: str) -> Any:
+    """What an operator's `module:name` or `path/to/file.py:name` names (a hook, a middleware factory);
+    ValueError, naming `flag`, when it cannot be loaded."""
     where, _, name = spec.rpartition(":")
     if not where or not name:
         raise ValueError(f"{flag} {spec!r}: give module:name or path/to/file.py:name")
@@ -112,19 +126,11 @@ def load(spec: str, flag: str) -> Callable[..., Any]:
         module = _from_file(Path(where)) if where.endswith(".py") else importlib.import_module(where)
     except (ImportError, OSError, SyntaxError) as e:
         raise ValueError(f"{flag} {spec!r}: cannot load {where}: {e}") from None
-    hook = getattr(module, name, None)
-    if isinstance(hook, type):
-        try:
-            hook = hook()
-        except Exception as e:
-            raise ValueError(f"{flag} {spec!r}: {name}() failed: {e}") from None
-    if not callable(hook):
-        raise ValueError(f"{flag} {spec!r}: {where} has no callable {name!r}")
-    return hook
+    return getattr(module, name, None)
 
 
 def _from_file(path: Path) -> Any:
-    spec = importlib.util.spec_from_file_location(f"sluice_hooks.{path.stem}", path)
+    spec = importlib.util.spec_from_file_location(f"sluice_plugins.{path.stem}", path)
     if spec is None or spec.loader is None:
         raise ImportError(f"{path} is not a Python module")
     module = importlib.util.module_from_spec(spec)
@@ -132,8 +138,9 @@ def _from_file(path: Path) -> Any:
     return module
 
 
-def checked(spec: str, flag: str) -> str:
-    """`spec` once it loads (at startup: a typo fails the start, not each request), a file's path absolute."""
+def checked(spec: str, flag: str, load: Callable[[str, str], Any] = load) -> str:
+    """`spec` once it loads (at startup: a typo fails the start, not each request or worker), a file's path
+    absolute."""
     load(spec, flag)
     where, _, name = spec.rpartition(":")
     return f"{Path(where).resolve()}:{name}" if where.endswith(".py") else spec

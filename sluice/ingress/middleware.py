@@ -5,44 +5,25 @@ scope (lifespan too) and must pass on what it does not handle; what it puts in a
 "state" included) reaches the app as it left it. deploy/middleware_example.py is an example."""
 from __future__ import annotations
 
-import importlib
-import importlib.util
-from pathlib import Path
 from typing import Any, Callable
+
+from sluice.base import hooks
 
 App = Callable[..., Any]  # an ASGI app: (scope, receive, send) -> awaitable
 
 
-def load(spec: str) -> Callable[[App], App]:
+def load(spec: str, flag: str = "--middleware") -> Callable[[App], App]:
     """The factory `spec` names (ValueError, saying why, when it names none)."""
-    where, _, name = spec.rpartition(":")
-    if not where or not name:
-        raise ValueError(f"--middleware {spec!r}: give module:factory or path/to/file.py:factory")
-    try:
-        module = _from_file(Path(where)) if where.endswith(".py") else importlib.import_module(where)
-    except (ImportError, OSError, SyntaxError) as e:
-        raise ValueError(f"--middleware {spec!r}: cannot load {where}: {e}") from None
-    factory = getattr(module, name, None)
+    factory = hooks.named(spec, flag)
     if not callable(factory):
-        raise ValueError(f"--middleware {spec!r}: {where} has no callable {name!r}")
+        raise ValueError(f"{flag} {spec!r}: {spec.rpartition(':')[0]} has no callable {spec.rpartition(':')[2]!r}")
     return factory
-
-
-def _from_file(path: Path) -> Any:
-    spec = importlib.util.spec_from_file_location(f"sluice_middleware.{path.stem}", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"{path} is not a Python module")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def checked(spec: str) -> str:
     """`spec` once it loads (at startup, so that a typo fails the start rather than each ingress worker), with
     a file's path made absolute."""
-    load(spec)
-    where, _, name = spec.rpartition(":")
-    return f"{Path(where).resolve()}:{name}" if where.endswith(".py") else spec
+    return hooks.checked(spec, "--middleware", load)
 
 
 def wrapped(app: App, specs: list[str]) -> App:

@@ -77,13 +77,14 @@ fields = st.sampled_from(["model", "messages", "prompt", "max_tokens", "temperat
                           "response_format", "prompt_token_ids_b64", "echo", "min_p", "top_k", "junk"])
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
        body=st.dictionaries(fields, json_values, max_size=6), valid_model=st.booleans())
 def test_fuzzed_bodies_never_get_a_5xx(fleet, path, body, valid_model):
     if valid_model:
         body["model"] = MODEL
     body["stream"] = False
+    body.setdefault("max_tokens", 8)  # (a body that happens to be valid need not generate to the model's length)
     r = httpx.post(fleet.url + path, content=json.dumps(body), timeout=60)
     assert r.status_code < 500, (body, r.text)
     if r.status_code >= 400:

@@ -63,7 +63,7 @@ def test_lifespan_passes_through_the_example():
 
 
 @pytest.mark.parametrize("spec, why", [
-    ("no_colon", "give module:factory"),
+    ("no_colon", "give module:name"),
     ("no_such_module_here:f", "cannot load"),
     (f"{EXAMPLE}:missing", "no callable 'missing'"),
     ("/nowhere/at/all.py:f", "cannot load"),
