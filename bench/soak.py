@@ -42,7 +42,8 @@ from typing import Any
 
 import httpx
 
-from bench.faults import ingress_workers, ppid, stage_pids, wait_restarted
+from bench.faults import ingress_workers, stage_pids, wait_restarted
+from bench.procs import descendants, title
 from bench.server import Server
 
 MODEL = "builtin:tiny-chat"
@@ -189,27 +190,6 @@ def classify(kind: str, stream: bool, status: int | None, content_type: str, tex
 
 
 # ---- the processes and their memory --------------------------------------------------------------------------
-
-def descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            children.setdefault(ppid(int(p)), []).append(int(p))
-    out, todo = [], [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def title(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
 
 def memory_kib(pid: int) -> dict[str, int] | None:
     """VmRSS ("rss") and RssAnon ("anon", the private heap: where a leak shows) of a process, in KiB."""

@@ -37,8 +37,9 @@ from sluice.engine.cpu.lm_head import onednn_packed
 from sluice.engine.cpu.matmul import F32Matmul
 from sluice.engine.lm_head import lm_head
 from sluice.engine.loader import load_model
+from sluice.engine.logit_constraints import plain_greedy
 from sluice.engine.model_runner import ModelRunner
-from sluice.engine.sampler import SamplingBatch, argmax, exp_blocks, inverse_cdf, plain_greedy, sample
+from sluice.engine.sampler import SamplingBatch, argmax, exp_blocks, inverse_cdf, sample
 from sluice.engine.scheduler import Scheduler
 from sluice.engine.sequence import Sequence
 from sluice.engine.worker import keep_heap_memory
@@ -252,7 +253,8 @@ def print_causal(shapes: str, lengths: list[int]) -> None:
             sdpa = timed_ms(lambda: F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True), 1.0)
             if ops.causal_attention(q, k, v, 1.0) is None:
-                raise SystemExit("csrc/causal_attention.c does not run on this CPU (it needs AVX-512F)")
+                raise SystemExit("csrc/causal_attention.c does not run on this CPU (it needs AVX-512F, or AVX2 "
+                                 "and FMA)")
             kernel = timed_ms(lambda: ops.causal_attention(q, k, v, dim ** -0.5), 1.0)
             flops = 2 * n * (n + 1) * int(heads) * dim  # q.k and p.v over the keys each query attends
             print(f"{heads + '/' + str(kv_heads):>9} {dim:>4} {n:>6} {sdpa:>8.2f} {kernel:>9.2f} "

@@ -20,7 +20,8 @@ _SLOW = {"test_architectures", "test_moe", "test_gguf", "test_gpt_oss", "test_mo
          "test_f32_kernels", "test_cpu_kernels", "test_decoder_stack", "test_quant", "test_kernel_builds",
          "test_engine_postproc", "test_kv_handoff", "test_structured_output", "test_prefix_cache", "test_layers",
          "test_harness", "test_lint", "test_harmony", "test_structured", "test_unsatisfiable_constraints",
-         "test_health_generate", "test_thinking_budget", "test_prediction_model", "test_gptq"}
+         "test_health_generate", "test_thinking_budget", "test_prediction_model", "test_gptq", "test_w8a8",
+         "test_tool_formats_held", "test_avx2_step"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -66,12 +67,15 @@ def aclient(server):
 @pytest.fixture(scope="session")
 def trio(tiny_chat_dir, tmp_path_factory):
     """A context worker, a generation worker and an aggregated server of the real tiny model (shared by the
-    disaggregation and router tests: each leaves them as it found them). `gen_timing`: the generation worker's
-    --kv-timing-output."""
+    disaggregation and router tests: each leaves them as it found them). `gen_timing`, `ctx_timing`: the
+    workers' --kv-timing-output. The context worker takes unsigned context_only requests, as TensorRT-LLM's
+    orchestrator sends them."""
     from tests.disagg.helpers import Trio
 
     timing = tmp_path_factory.mktemp("kv-timing") / "gen.jsonl"
-    t = Trio(("--kv-lease-timeout", "3"), ("--kv-timing-output", str(timing)))
-    t.gen_timing = timing
+    ctx_timing = timing.with_name("ctx.jsonl")
+    t = Trio(("--kv-lease-timeout", "3", "--disagg-unsigned-context", "--kv-timing-output", str(ctx_timing)),
+             ("--kv-timing-output", str(timing)))
+    t.gen_timing, t.ctx_timing = timing, ctx_timing
     yield t
     t.stop()

@@ -107,6 +107,7 @@ def test_the_post_processor_hook_is_refused_at_start_where_harmony_reads_the_tok
                                        "--request-hook", "deploy/hooks_example.py:cap_sampling"]))
     shutil.rmtree(cfg.runtime_dir)
     assert (cfg.post_processor_hook, cfg.request_hook) == (f"{EXAMPLE}:upper_case", f"{EXAMPLE}:cap_sampling")
+    assert cfg.output_mode == "text"  # (the extension's: gpt-oss as text)
     with pytest.raises(ValueError, match="--request-hook 'deploy/nothing.py:f': cannot load"):
         config_from_args(parse_args(["serve", "--request-hook", "deploy/nothing.py:f"]))
     with pytest.raises(ValueError, match="--otlp-traces-endpoint 'collector:4318': give an http"):

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.procs import alive
 from sluice.base import procs
-from tests.e2e.procs import alive
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -27,11 +27,11 @@ def write_gpt_oss(
     import torch
 
     from sluice.base.harmony_vocab import ensure_vocab
-    from sluice.base.o200k_tokenizer import VOCAB_SIZE, build_tokenizer
+    from sluice.base.o200k_tokenizer import VOCAB_SIZE, save_tokenizer
     from sluice.engine.models.gpt_oss import dequantize_mxfp4
 
     out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(ensure_vocab()).save(str(out / "tokenizer.json"))
+    save_tokenizer(ensure_vocab(), out / "tokenizer.json")
     config = {
         "architectures": ["GptOssForCausalLM"],
         "model_type": "gpt_oss",

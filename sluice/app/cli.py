@@ -22,7 +22,7 @@ from sluice.base.options import add_flags, config_file_values, flag_table, valid
 from sluice.engine import gptq_config
 from sluice.ingress import grpc as grpc_door
 from sluice.ingress import middleware
-from sluice.render.extensions import ExtensionOptions, check_parsers
+from sluice.render.extensions import ServingExtension, extension_class, options_of
 from sluice.render.tokenizer import chat_template
 
 log = logging.getLogger("sluice")
@@ -86,8 +86,8 @@ def config_from_args(args: dict) -> ServerConfig:
         gptq_config.scheme(hf)
     if cfg.grpc_port is not None:
         grpc_door.check_options(cfg.tool_parser, cfg.reasoning_parser)
-    check_parsers(hf, ExtensionOptions(cfg.tool_parser, cfg.reasoning_parser, cfg.harmony,
-                                       cfg.trust_request_chat_template))
+    extension = extension_class(hf, options_of(cfg))
+    extension.check_options(options_of(cfg))
     cfg = msgspec.structs.replace(
         cfg,
         model_path=str(path),
@@ -98,7 +98,8 @@ def config_from_args(args: dict) -> ServerConfig:
         state_dir=str(Path(cfg.state_dir or envs.state_dir()).resolve()),
         middleware=[middleware.checked(spec) for spec in cfg.middleware],
         request_hook=hooks.checked(cfg.request_hook, "--request-hook") if cfg.request_hook else None,
-        post_processor_hook=checked_post_processor_hook(cfg, hf),
+        post_processor_hook=checked_post_processor_hook(cfg, extension),
+        output_mode=extension.output_mode,
     )
     if cfg.chat_template is not None:  # (checked now; a file is read by each render worker, as it is then)
         chat_template(path, cfg.chat_template)
@@ -117,7 +118,7 @@ def config_from_args(args: dict) -> ServerConfig:
     return msgspec.structs.replace(cfg, runtime_dir=make_runtime_dir())
 
 
-def checked_post_processor_hook(cfg: ServerConfig, hf: dict) -> str | None:
+def checked_post_processor_hook(cfg: ServerConfig, extension: type[ServingExtension]) -> str | None:
     """--post-processor-hook once it loads, where it can apply; and --otlp-traces-endpoint checked with it."""
     if cfg.otlp_traces_endpoint:
         tracing.traces_url(cfg.otlp_traces_endpoint)
@@ -126,10 +127,8 @@ def checked_post_processor_hook(cfg: ServerConfig, hf: dict) -> str | None:
                              "install 'sluice[tracing]'")
     if not cfg.post_processor_hook:
         return None
-    if hf.get("model_type") == "gpt_oss" and cfg.harmony:
-        raise ValueError("--post-processor-hook cannot apply to a gpt-oss model served through harmony: its output "
-                         "is parsed from the token ids, so a hook on the text would be bypassed; drop the hook, or "
-                         "serve the model as text with --no-harmony")
+    if extension.post_processor_hook_refusal is not None:
+        raise ValueError(f"--post-processor-hook cannot apply to {extension.post_processor_hook_refusal}")
     return hooks.checked(cfg.post_processor_hook, "--post-processor-hook")
 
 

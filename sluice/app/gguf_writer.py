@@ -7,7 +7,7 @@ per-frequency factors (no rope.scaling.* keys). A checkpoint with a SentencePiec
 written as tokenizer.ggml.model `llama` (pieces, scores, token types, as llama.cpp writes it), else its
 tokenizer.json's byte-level BPE as `gpt2`.
 
-Q8_0, Q4_0 and Q4_1 are the checkpoint's weights quantized by the gguf package. The gguf package cannot
+Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 are the checkpoint's weights quantized by the gguf package. The gguf package cannot
 quantize to the K-quants, so a Q4_K / Q5_K / Q6_K tensor holds random blocks of about the weight's
 magnitude instead (the file is then its own model: a reference reads the file, not the checkpoint).
 """
@@ -105,8 +105,11 @@ def write_gguf(checkpoint: Path, out: Path, types: dict[str, str], default: str 
             n, k = w.shape
             writer.add_tensor(target, random_blocks(qname, n, k, float(w.abs().max()), seed + i),
                               raw_dtype=gguf.GGMLQuantizationType[qname])
-        else:
+        elif qname in BY_NAME:
             writer.add_tensor(target, quantize(w, qname).data.numpy(), raw_dtype=gguf.GGMLQuantizationType[qname])
+        else:  # (a type no kernel reads, Q5_0 / Q5_1: the gguf package's quantization of it)
+            qtype = gguf.GGMLQuantizationType[qname]
+            writer.add_tensor(target, gguf.quants.quantize(w.float().numpy(), qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

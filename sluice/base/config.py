@@ -51,6 +51,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
                                                     default_text="--model as given")] = []
     model_path: Annotated[str, option("the checkpoint's local directory", derived=True)] = ""
     runtime_dir: Annotated[str, option("this server's private directory of IPC sockets", derived=True)] = ""
+    output_mode: Annotated[Literal["text", "tokens"], option(
+        "how the model's serving extension reads its output: detokenized text, or token ids (gpt-oss through "
+        "harmony)", derived=True)] = "text"
     host: Annotated[str, option("address to listen on")] = "127.0.0.1"
     port: Annotated[int, option("port to listen on", ge=0, le=65535)] = 8000
     ingress_workers: Annotated[int, option("HTTP worker processes (0: from the core count)", ge=0,
@@ -199,6 +202,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         "x-sluice-disagg-secret header, or with TensorRT-LLM's orchestrator's x-trtllm-disagg-auth signature made "
         "with it (required with a context or generation --role; also SLUICE_DISAGG_SECRET, which keeps it out of "
         "the process list)")] = None
+    disagg_unsigned_context: Annotated[bool, option(
+        "a context worker takes context_only requests without the secret, as TensorRT-LLM's orchestrator sends "
+        "them (unsigned); their answers' opaque state is sealed, so only a caller with the secret can use it. "
+        "Anyone who reaches the worker can then hold KV blocks for --kv-lease-timeout: let only the "
+        "orchestrator reach it")] = False
     kv_transfer: Annotated[Literal["shm", "mooncake"], option(
         "how a generation worker reads a context worker's KV blocks: shm (one host), mooncake (Mooncake's "
         "transfer engine over TCP: across hosts); the same on every worker")] = "shm"

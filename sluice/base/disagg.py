@@ -14,6 +14,7 @@ import msgspec
 import zmq
 
 from sluice.base.config import ServerConfig
+from sluice.base.sealing import Sealer, Unsealable
 from sluice.ipc.messages import Failure
 from sluice.schemas.openai import DisaggregatedParams
 
@@ -35,6 +36,7 @@ class _Envelope(msgspec.Struct):
 
 
 _envelope = msgspec.json.Decoder(_Envelope)
+_SEALED = "v1."  # (sealing.Sealer's prefix: a plain state is base64, which has no ".")
 
 
 def accepted(request, headers: list[tuple[bytes, bytes]], cfg: ServerConfig,
@@ -48,7 +50,10 @@ def accepted(request, headers: list[tuple[bytes, bytes]], cfg: ServerConfig,
     if params is None or isinstance(params, Failure):
         return params
     _log_unknown(request, headers, body)
-    return refusal(params, headers, cfg) or (None if params.request_type == "context_and_generation" else params)
+    refused = refusal(params, headers, cfg)
+    if refused is not None or params.request_type == "context_and_generation":
+        return refused
+    return _opened(params, cfg)
 
 
 def params_of(request, headers: list[tuple[bytes, bytes]]) -> DisaggregatedParams | None | Failure:
@@ -68,7 +73,7 @@ def params_of(request, headers: list[tuple[bytes, bytes]]) -> DisaggregatedParam
 
 def refusal(params: DisaggregatedParams, headers: list[tuple[bytes, bytes]], cfg: ServerConfig) -> Failure | None:
     """Why this server does not take the disaggregated request, if it does not."""
-    if not _from_orchestrator(params, headers, cfg):
+    if not _from_orchestrator(params, headers, cfg) and not _unsigned_context(params, headers, cfg):
         return Failure(403, "disaggregated_params are accepted only from this server's orchestrator",
                        "forbidden", "disaggregated_params")
     if params.request_type == "context_and_generation":  # (the whole request, here: any role serves it)
@@ -107,6 +112,38 @@ def _from_orchestrator(params: DisaggregatedParams | None, headers: list[tuple[b
         return True
     signed = _header(headers, TRTLLM_AUTH_HEADER)
     return signed is not None and hmac.compare_digest(signed, trtllm_signature(cfg.disagg_secret, params))
+
+
+def _unsigned_context(params: DisaggregatedParams, headers: list[tuple[bytes, bytes]], cfg: ServerConfig) -> bool:
+    """Whether this is a context_only request as TensorRT-LLM's orchestrator sends it, unsigned (it carries no
+    state to sign), to a context worker that takes those (--disagg-unsigned-context). A request with a proof
+    that fails is refused all the same: its orchestrator holds another secret."""
+    return (cfg.disagg_unsigned_context and cfg.role == "context" and params.request_type == "context_only"
+            and params.encoded_opaque_state is None and params.ctx_info_endpoint is None
+            and _header(headers, SECRET_HEADER) is None and _header(headers, TRTLLM_AUTH_HEADER) is None)
+
+
+def _state_sealer(secret: str) -> Sealer:
+    """The sealer of opaque states: its key is the shared secret's, for this use only."""
+    return Sealer(hmac.new(secret.encode(), b"sluice disaggregated opaque state v1", hashlib.sha256).digest())
+
+
+def seal_state(secret: str, state: str) -> str:
+    """A context worker's encoded_opaque_state sealed (encrypted and authenticated) under the shared secret: its
+    caller learns nothing of the KV handle in it, and only a holder of the secret opens it."""
+    return _state_sealer(secret).seal(state)
+
+
+def _opened(params: DisaggregatedParams, cfg: ServerConfig) -> DisaggregatedParams | Failure:
+    """The params with their opaque state opened, where a context worker sealed it."""
+    state = params.encoded_opaque_state
+    if state is None or not state.startswith(_SEALED) or params.request_type != "generation_only":
+        return params
+    try:
+        return msgspec.structs.replace(params, encoded_opaque_state=_state_sealer(cfg.disagg_secret or "").open(state))
+    except Unsealable:
+        return Failure(400, "disaggregated_params.encoded_opaque_state was sealed with another secret, or altered",
+                       param="disaggregated_params.encoded_opaque_state")
 
 
 def _log_unknown(request, headers: list[tuple[bytes, bytes]], body: bytes) -> None:

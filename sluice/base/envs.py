@@ -100,11 +100,11 @@ def cpu_hidden_isa() -> frozenset[str]:
 
 def quant_activations() -> str | None:
     """SLUICE_QUANT_ACTIVATIONS: how the CPU's quantized linears take their rows, `int8` (quantized per block
-    of 32, llama.cpp's way) or `float` (float32, the weight dequantized in the kernel); unset: float (why:
-    engine/cpu/quant.py)."""
+    of 32, llama.cpp's way), `float` (float32, the weight dequantized in the kernel) or `auto` (whichever
+    measures faster here, at start); unset: float (why: engine/cpu/quant.py)."""
     value = os.environ.get("SLUICE_QUANT_ACTIVATIONS", "").strip().lower()
-    if value not in ("", "int8", "float"):
-        raise ValueError(f"SLUICE_QUANT_ACTIVATIONS={value!r}: expected int8 or float")
+    if value not in ("", "int8", "float", "auto"):
+        raise ValueError(f"SLUICE_QUANT_ACTIVATIONS={value!r}: expected int8, float or auto")
     return value or None
 
 

@@ -7,6 +7,11 @@ and the harmony special tokens take ids 199998..201087.
 from __future__ import annotations
 
 import base64
+import hashlib
+import os
+import shutil
+import tempfile
+from importlib import metadata
 from pathlib import Path
 
 O200K_PATTERN = "|".join([
@@ -69,3 +74,30 @@ def build_tokenizer(vocab_dir: str):
     tok.add_special_tokens([AddedToken(enc.decode([i]), special=True, normalized=False)
                             for i in range(NUM_BASE_TOKENS, VOCAB_SIZE)])
     return tok
+
+
+def save_tokenizer(vocab_dir: str, path: Path) -> None:
+    """build_tokenizer(vocab_dir) saved as `path` (a tokenizer.json). A build takes seconds, so the file is kept
+    under the cache directory, keyed by this module, the vocabulary and openai-harmony's version (whose special
+    tokens it holds), and copied from there; with no writable cache it is built each time."""
+    from sluice.base import envs
+    from sluice.base.harmony_vocab import FILE_NAME
+
+    key = hashlib.sha256(Path(__file__).read_bytes() + (Path(vocab_dir) / FILE_NAME).read_bytes()
+                         + metadata.version("openai-harmony").encode()).hexdigest()[:16]
+    kept = envs.cache_dir() / "tiktoken" / f"o200k_harmony-{key}.json"
+    if not kept.exists():
+        try:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".json", dir=kept.parent)
+        except OSError:
+            build_tokenizer(vocab_dir).save(str(path))
+            return
+        os.close(fd)
+        try:
+            build_tokenizer(vocab_dir).save(tmp)
+            os.replace(tmp, kept)  # atomic: processes writing at once each install a whole file
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    shutil.copyfile(kept, path)

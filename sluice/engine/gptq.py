@@ -20,7 +20,12 @@ as there is no 4-bit block format with an integer zero point among the kernels')
 quantized kernels (engine/cpu/quant.py). Otherwise (an act-order permutation, groups not whole blocks of 32,
 other scale types, a device other than the CPU) it is dequantized to the model's dtype at load.
 
-Refused at start, naming the field: other `quant_method`s (compressed-tensors W8A8, bitsandbytes, ...),
+A mixture's experts (read by their model: engine/models/mixtures.py) have no quantized kernel: the loader hands
+it each packed expert weight dequantized (`Reader.float_weight`), in the model's dtype, and the log says how
+much memory that takes.
+
+Refused at start, naming the field: other `quant_method`s (bitsandbytes, fp8, ...; compressed-tensors int8
+is engine/compressed_tensors.py's),
 `bits` other than 4, AWQ's other packings (`version` gemv...) and `zero_point` false, other GPTQ
 `checkpoint_format`s (marlin...), GPTQModel's per-module `dynamic` overrides. (gpt-oss's "mxfp4" is read by
 its model.)
@@ -113,18 +118,23 @@ def to_blocks(w: Int4) -> QuantizedWeight | None:
     d = scales.half()
     if not torch.equal(d.float(), scales) or not bool(torch.isfinite(d).all()):
         return None
-    nblocks = k // _BLOCK
-    d = d[:, block_groups[:, 0]].contiguous().view(torch.uint8).view(n, nblocks, 2)
-    q = w.q.view(n, nblocks, _BLOCK)
+    d = d[:, block_groups[:, 0]].contiguous()
     if bool((w.zeros == 8).all()):
+        q = w.q.view(n, k // _BLOCK, _BLOCK)
         body = q[..., : _BLOCK // 2] | (q[..., _BLOCK // 2 :] << 4)
-        qtype = BY_NAME["Q4_0"]
-    else:  # (q in 0..15 and zero points in 0..16 as int8: their difference is within [-16, 15])
-        zeros = w.zeros[:, block_groups[:, 0]].to(torch.int8).unsqueeze(-1)
-        body = (q.view(torch.int8) - zeros).view(torch.uint8)
-        qtype = BY_NAME["Q8_0"]
-    data = torch.cat([d, body], dim=2).reshape(n, nblocks * qtype.block_bytes)
-    return QuantizedWeight(data.contiguous(), qtype, (n, k))
+        data = torch.cat([d.view(torch.uint8).view(n, k // _BLOCK, 2), body], dim=2).reshape(n, -1)
+        return QuantizedWeight(data.contiguous(), BY_NAME["Q4_0"], (n, k))
+    # (q in 0..15 and zero points in 0..16 as int8: their difference is within [-16, 15])
+    return q8_0(w.q.view(torch.int8) - w.zeros[:, w.groups].to(torch.int8), d)
+
+
+def q8_0(q: torch.Tensor, d: torch.Tensor) -> QuantizedWeight:
+    """Q8_0 blocks of int8 values q [N, K] and one float16 scale a block of 32 columns, d [N, K / 32]: the
+    weight d * q, exactly."""
+    n, k = q.shape
+    body = q.contiguous().view(torch.uint8).view(n, k // _BLOCK, _BLOCK)
+    data = torch.cat([d.contiguous().view(torch.uint8).view(n, k // _BLOCK, 2), body], dim=2).reshape(n, -1)
+    return QuantizedWeight(data.contiguous(), BY_NAME["Q8_0"], (n, k))
 
 
 class Reader:
@@ -133,6 +143,7 @@ class Reader:
     def __init__(self, s: Scheme, device: torch.device) -> None:
         self.scheme, self.device = s, device
         self.kinds: Counter[str] = Counter()
+        self.expert_values = 0  # of the weights `float_weight` dequantized
 
     def linear(self, model: torch.nn.Module, name: str, has: Callable[[str], bool],
                fetch: Callable[[str], torch.Tensor]) -> tuple[torch.Tensor | None, list[str]] | None:
@@ -158,10 +169,8 @@ class Reader:
             used += names.values()
             blocks = to_blocks(w) if self.device.type == "cpu" and isinstance(module, Linear) else None
             parts.append(w.dequantize() if blocks is None else blocks)
-            if getattr(module, "bias", None) is None and has(f"{prefix}.bias"):
-                if bool(fetch(f"{prefix}.bias").any()):  # (AutoGPTQ writes a zero bias for a linear without one)
-                    raise ValueError(f"{prefix}.bias: the checkpoint has a bias the model's linear does not take")
-                used.append(f"{prefix}.bias")
+            if getattr(module, "bias", None) is None:
+                used += _zero_bias(prefix, has, fetch)
         if all(isinstance(p, QuantizedWeight) for p in parts):
             set_quantized(module, tuple(parts))  # type: ignore[arg-type]
             self.kinds.update(p.qtype.name for p in parts)  # type: ignore[union-attr]
@@ -169,8 +178,35 @@ class Reader:
         self.kinds["dequantized"] += len(parts)
         return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]), used
 
-    def summary(self) -> None:
+    def float_weight(self, prefix: str, has: Callable[[str], bool],
+                     fetch: Callable[[str], torch.Tensor]) -> tuple[torch.Tensor, list[str]] | None:
+        """The float32 values [N, K] of a packed linear that a model reads itself (a mixture's experts: no
+        kernel runs them in a block format, so they are dequantized at load, and `summary` says how much memory
+        that takes) and the tensors used; None where `prefix` is not stored packed."""
+        if not has(f"{prefix}.qweight"):
+            return None
+        names = {sfx: f"{prefix}.{sfx}" for sfx in _SUFFIXES if has(f"{prefix}.{sfx}")}
+        values = unpack(self.scheme, {sfx: fetch(full) for sfx, full in names.items()}).dequantize()
+        self.kinds["dequantized (experts)"] += 1
+        self.expert_values += values.numel()
+        return values, [*names.values(), *_zero_bias(prefix, has, fetch)]
+
+    def summary(self, dtype: torch.dtype) -> None:
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(self.kinds.items()))
         log.info("%s int4 checkpoint: linear parts %s (Q4_0: symmetric, exact; Q8_0: zero points, exact, 8 bits a "
                  "weight; dequantized: act order or groups across blocks of 32, in the model's dtype)",
                  self.scheme.method.upper(), kinds or "none")
+        if self.expert_values:
+            log.info("%s int4 experts dequantized at load (no quantized expert kernel): %d values, %.1f MiB in %s "
+                     "(%d times their 4 bits)", self.scheme.method.upper(), self.expert_values,
+                     self.expert_values * dtype.itemsize / 2**20, dtype, dtype.itemsize * 2)
+
+
+def _zero_bias(prefix: str, has: Callable[[str], bool], fetch: Callable[[str], torch.Tensor]) -> list[str]:
+    """[the bias] where a linear without one has one in the checkpoint, all zeros (AutoGPTQ writes a zero bias
+    for a linear without one); ValueError where it is not all zeros."""
+    if not has(f"{prefix}.bias"):
+        return []
+    if bool(fetch(f"{prefix}.bias").any()):
+        raise ValueError(f"{prefix}.bias: the checkpoint has a bias the model's linear does not take")
+    return [f"{prefix}.bias"]

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from sluice.base.config import ServerConfig
-from sluice.engine.kv_transfer import BlockCopy, KvReadError, LeaseTable, runs
+from sluice.engine.kv_transfer import BlockCopy, KvReadError, LeaseTable, cache_tensors, runs
 from sluice.ipc.kv import KvHandle, KvLayout
 
 
@@ -67,7 +67,7 @@ class MooncakeImporter:
         self.layout = layout
         self.tag = np.zeros(1, dtype=np.uint64)  # where a lease's tag is read to
         for addr, size in [(self.tag.ctypes.data, 8)] + [(t.data_ptr(), t.numel() * t.element_size())
-                                                         for kv in caches for t in kv]:
+                                                         for _, t in cache_tensors(caches)]:
             self.engine.register_memory(addr, size)
 
     def _holds(self, handle: KvHandle) -> bool:
@@ -84,19 +84,19 @@ class MooncakeImporter:
         if self.layout is None:
             return 0
         remote = [int(a) for a in handle.location["tensors"].split(",")]
-        if len(remote) != 2 * len(self.caches):
+        tensors = cache_tensors(self.caches)
+        if len(remote) != len(tensors):
             raise KvReadError("the context worker's KV tensors do not match this model")
         local_addrs, remote_addrs, lengths = [], [], []
-        for layer, (k, v) in enumerate(self.caches):
-            width = self.layout.block_elements * k.element_size()
-            for kind, dst in ((0, k), (1, v)):
-                for c in copies:
-                    if c.pool != self.layout.pools[layer]:
-                        continue
-                    for s, d, n in runs(c.src, c.dst):
-                        local_addrs.append(dst.data_ptr() + d * width)
-                        remote_addrs.append(remote[2 * layer + kind] + s * width)
-                        lengths.append(n * width)
+        for peer_addr, (layer, dst) in zip(remote, tensors):
+            width = self.layout.block_elements * dst.element_size()
+            for c in copies:
+                if c.pool != self.layout.pools[layer]:
+                    continue
+                for s, d, n in runs(c.src, c.dst):
+                    local_addrs.append(dst.data_ptr() + d * width)
+                    remote_addrs.append(peer_addr + s * width)
+                    lengths.append(n * width)
         if local_addrs and self.engine.batch_transfer_sync_read(handle.location["peer"], local_addrs, remote_addrs,
                                                                 lengths) != 0:
             raise KvReadError(f"reading the blocks from {handle.location['peer']} failed")

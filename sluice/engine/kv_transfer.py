@@ -13,10 +13,11 @@ that may have been reused.
 """
 from __future__ import annotations
 
+import json
 import mmap
 import os
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Protocol, TextIO
 
 import numpy as np
 import torch
@@ -48,6 +49,23 @@ def layout_of(runner) -> KvLayout | None:
     _, heads, dim = caches[0][0].shape
     pools = tuple(runner.tables[w] for w in runner.model.layer_windows)
     return KvLayout(runner.block_size, str(caches[0][0].dtype).removeprefix("torch."), pools, heads, dim)
+
+
+def cache_tensors(caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+    """(layer, tensor) of each cache tensor, in the order the context engine allocated them: K then V of each
+    layer, or the one tensor of a latent cache (multi-head latent attention: K and V are one tensor)."""
+    return [(layer, t) for layer, (k, v) in enumerate(caches) for t in ((k,) if v is k else (k, v))]
+
+
+def log_transfer(timing: TextIO | None, request_id: str, side: str, backend: str | None, start: float, end: float,
+                 moved: int, blocks: int, outcome: str) -> None:
+    """One --kv-timing-output line for a KV transfer, on the side that sent it (its lease's life) or read it.
+    `start`/`end` are TensorRT-LLM's kv_cache_transfer_start/_end, `bytes` its kv_cache_size (its rank's
+    send/recv files under TRTLLM_KVCACHE_TIME_OUTPUT_PATH split the sides as `side` does)."""
+    if timing is not None:
+        timing.write(json.dumps({"request_id": request_id, "kv_transfer": {
+            "side": side, "backend": backend, "start": start, "end": end, "bytes": moved, "blocks": blocks,
+            "outcome": outcome}}) + "\n")
 
 
 def runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
@@ -209,7 +227,7 @@ class ShmImporter:
             raise KvReadError("the context worker's lease on these blocks has ended")
         moved = 0
         if self.layout is not None:
-            if len(peer.tensors) != 2 * len(self.caches):
+            if len(peer.tensors) != len(cache_tensors(self.caches)):
                 raise KvReadError("the context worker's KV files do not match this model")
             moved = self._copy(peer, copies)
         if not peer.leases.holds(handle.lease_slot, handle.lease_tag):  # ended while copying: the copy may be torn
@@ -219,16 +237,14 @@ class ShmImporter:
     def _copy(self, peer: _Peer, copies: list[BlockCopy]) -> int:
         assert self.layout is not None
         moved = 0
-        for layer, (k, v) in enumerate(self.caches):
+        for src, (layer, dst) in zip(peer.tensors, cache_tensors(self.caches)):
             pool = self.layout.pools[layer]
-            width = self.layout.block_elements * k.element_size()  # bytes of one block of this tensor
-            for kind, dst in ((0, k), (1, v)):
-                src = peer.tensors[2 * layer + kind]
-                dst_bytes = dst.view(-1).view(torch.uint8).numpy()  # this engine's cache, as bytes
-                for c in copies:
-                    if c.pool != pool:
-                        continue
-                    for s, d, n in runs(c.src, c.dst):
-                        dst_bytes[d * width:(d + n) * width] = src[s * width:(s + n) * width]
-                        moved += n * width
+            width = self.layout.block_elements * dst.element_size()  # bytes of one block of this tensor
+            dst_bytes = dst.view(-1).view(torch.uint8).numpy()  # this engine's cache, as bytes
+            for c in copies:
+                if c.pool != pool:
+                    continue
+                for s, d, n in runs(c.src, c.dst):
+                    dst_bytes[d * width:(d + n) * width] = src[s * width:(s + n) * width]
+                    moved += n * width
         return moved

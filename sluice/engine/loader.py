@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from sluice.base.gguf_checkpoint import is_gguf_checkpoint
-from sluice.engine import gptq, gptq_config
+from sluice.engine import compressed_tensors, gptq, gptq_config
 from sluice.engine.layers import stacked_parts
 from sluice.engine.models.registry import model_class
 
@@ -58,22 +58,36 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
 
 def _load_safetensors(path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     hf_config = json.loads((path / "config.json").read_text())
-    packed = gptq_config.scheme(hf_config)  # GPTQ / AWQ int4 linears (engine/gptq.py); refuses what it cannot read
-    reader = None if packed is None else gptq.Reader(packed, device)
+    # GPTQ / AWQ int4 linears (engine/gptq.py), compressed-tensors int8 ones (engine/compressed_tensors.py);
+    # refuses what it cannot read
+    packed = gptq_config.scheme(hf_config)
+    reader: gptq.Reader | compressed_tensors.Reader | None = None
+    if isinstance(packed, gptq_config.Int8Scheme):
+        reader = compressed_tensors.Reader(packed, device)
+    elif packed is not None:
+        reader = gptq.Reader(packed, device)
     model = empty_model(hf_config, dtype, device)
     params = dict(model.named_parameters())
     files = {name: file for file in checkpoint_files(path) for name in _tensor_names(file)}
     handles: dict[Path, Any] = {}
 
-    def fetch(name: str) -> torch.Tensor:
+    def stored(name: str) -> torch.Tensor:
         file = files[name]  # KeyError: the checkpoint has no such tensor
         if file not in handles:
             handles[file] = safe_open(str(file), framework="pt")
         return handles[file].get_tensor(name)
 
+    def fetch(name: str) -> torch.Tensor:
+        """A tensor; a quantized linear's weight (one a model reads itself: a mixture's expert) dequantized."""
+        if reader is not None and name.endswith(".weight") and (
+                found := reader.float_weight(name.removesuffix(".weight"), files.__contains__, stored)) is not None:
+            consumed.update(found[1])
+            return found[0]
+        return stored(name)
+
     consumed = {n for n in files if n.endswith(_IGNORED_SUFFIXES)}
     for name, target in params.items():
-        if reader is not None and (found := reader.linear(model, name, files.__contains__, fetch)) is not None:
+        if reader is not None and (found := reader.linear(model, name, files.__contains__, stored)) is not None:
             tensor, used = found
             if tensor is None:  # the layer holds its weight in a block format now
                 consumed.update(used)
@@ -92,13 +106,15 @@ def _load_safetensors(path: Path, dtype: torch.dtype, device: torch.device) -> t
         if tensor.shape != target.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
         with torch.no_grad():
-            target.copy_(tensor.to(dtype))
+            target.copy_(tensor.to(target.dtype))  # (the model's dtype, but where a model keeps float32)
         consumed.update(used)
+    if hasattr(model, "unused_tensors"):  # tensors a model knows it does not run (DeepSeek's MTP layers)
+        consumed.update(model.unused_tensors(set(files) - consumed))
     unexpected = sorted(set(files) - consumed)
     if unexpected:
         raise ValueError(f"checkpoint {path} has tensors the model does not use: {unexpected[:5]}")
     if reader is not None:
-        reader.summary()
+        reader.summary(dtype)
     return model.eval()
 
 

@@ -11,8 +11,9 @@ import torch
 
 from sluice.engine.attention import AttentionGroup, AttentionMetadata
 from sluice.engine.backend import select_backend
+from sluice.engine.logit_constraints import greedy_held, plain_greedy
 from sluice.engine.prediction import verified
-from sluice.engine.sampler import SamplingBatch, TokenLogprobs, greedy_held, logprobs_of, plain_greedy, sample
+from sluice.engine.sampler import SamplingBatch, TokenLogprobs, logprobs_of, sample
 from sluice.engine.scheduler import ScheduledBatch
 from sluice.engine.sequence import Sequence
 from sluice.ipc.messages import SamplingParams

@@ -1,7 +1,7 @@
 """Batched sampling: one pass over [B, V] logits, no per-request loop over the vocabulary.
 
-Order (as vLLM): allowed_token_ids, the structured-output grammar, bad words, min_tokens, logit_bias, the
-repetition / frequency / presence penalties, temperature, top-k, top-p, min-p.
+Order (as vLLM): each request's constraints and penalties (sluice/engine/logit_constraints.py), then
+temperature, top-k, top-p, min-p.
 Sampling is inverse-CDF with one uniform number per row, drawn from a hash of
 (request seed, output position): a seeded request gets the same tokens alone,
 in any batch, and after a preemption. Logprobs are those of the model's raw
@@ -15,11 +15,8 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from sluice.engine.grammar import GrammarState, apply_grammars
+from sluice.engine.logit_constraints import GREEDY_EPS, NEG_INF, Constraints, process_logits
 from sluice.engine.sequence import Sequence
-
-_GREEDY_EPS = 1e-5
-_NEG_INF = float("-inf")
 
 
 def uniform_from(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
@@ -30,14 +27,6 @@ def uniform_from(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         z = z ^ (z >> np.uint64(31))
     return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
-
-
-def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
-    width = max(1, max(map(len, rows)))
-    out = np.full((len(rows), width), pad, dtype=np.int64)
-    for r, ids in enumerate(rows):
-        out[r, : len(ids)] = ids
-    return torch.from_numpy(out).to(device)
 
 
 @dataclass
@@ -73,7 +62,7 @@ class SamplingBatch:
     def build(cls, params: list, seeds: list[int], steps: list[int], device: torch.device,
               seqs: list[Sequence] | None = None, exp: ExpKernels | None = None) -> "SamplingBatch":
         temp = np.array([p.temperature for p in params], dtype=np.float32)
-        if (temp < _GREEDY_EPS).all():  # nothing below reads the per-row tensors of an all-greedy batch
+        if (temp < GREEDY_EPS).all():  # nothing below reads the per-row tensors of an all-greedy batch
             return cls(None, None, None, None, None, all_greedy=True, any_top_p=False, any_top_k=False,
                        any_min_p=False, seqs=seqs, exp=exp)
         top_p = np.array([p.top_p for p in params], dtype=np.float32)
@@ -86,7 +75,7 @@ class SamplingBatch:
             top_k=torch.from_numpy(top_k).to(device),
             min_p=torch.from_numpy(min_p).to(device),
             uniform=torch.from_numpy(u).to(device),
-            all_greedy=bool((temp < _GREEDY_EPS).all()),
+            all_greedy=bool((temp < GREEDY_EPS).all()),
             any_top_p=bool((top_p < 1.0).any()),
             any_top_k=bool((top_k > 0).any()),
             any_min_p=bool((min_p > 0.0).any()),
@@ -105,149 +94,12 @@ class SamplingBatch:
         return cls.build([s.sampling for s in seqs], [s.seed for s in seqs], steps, device, seqs, exp)
 
 
-def plain_greedy(seq: Sequence) -> bool:
-    """True when the sequence's next token is the argmax of its raw logits and nothing else reads them:
-    greedy, no logprobs, and none of `process_logits`'s constraints or penalties can apply."""
-    sp = seq.sampling
-    return (sp.temperature < _GREEDY_EPS and sp.logprobs is None and seq.grammar is None
-            and not (sp.allowed_token_ids or sp.bad_words_ids or sp.logit_bias or sp.needs_penalties)
-            and not (len(seq.output_ids) < sp.min_tokens and sp.stop_token_ids))
-
-
-def greedy_held(seq: Sequence) -> bool:
-    """True when the sequence's next token is the argmax of its raw logits over what its grammar allows, and
-    nothing else reads them: then the plain argmax, if the grammar allows it, is that token."""
-    sp = seq.sampling
-    return (sp.temperature < _GREEDY_EPS and sp.logprobs is None and seq.grammar is not None
-            and seq.grammar.active and not (sp.allowed_token_ids or sp.bad_words_ids or sp.logit_bias
-                                            or sp.needs_penalties))
-
-
-@dataclass
-class _Constraints:
-    """What `process_logits` does to a batch, row by row."""
-
-    allowed: list[tuple[int, list[int]]]
-    grammar_rows: list[int]
-    banned_rows: list[int]
-    banned_ids: list[int]
-    bias_rows: list[int]
-    bias_ids: list[int]
-    bias_vals: list[float]
-    penalized: list[int]
-
-    @classmethod
-    def of(cls, seqs: list[Sequence]) -> "_Constraints":
-        c = cls([(r, s.sampling.allowed_token_ids) for r, s in enumerate(seqs) if s.sampling.allowed_token_ids],
-                [r for r, s in enumerate(seqs) if s.grammar is not None and s.grammar.active], [], [], [], [], [], [])
-        grammar_rows = set(c.grammar_rows)
-        for r, s in enumerate(seqs):
-            sp = s.sampling
-            out = s.output_ids
-            for word in sp.bad_words_ids:
-                if len(word) == 1 or out[len(out) - len(word) + 1 :] == word[:-1]:
-                    c.banned_rows.append(r)
-                    c.banned_ids.append(word[-1])
-            if len(out) < sp.min_tokens and r not in grammar_rows:  # a grammar decides where its output ends
-                c.banned_rows += [r] * len(sp.stop_token_ids)
-                c.banned_ids += sp.stop_token_ids
-            for tok, bias in sp.logit_bias.items():
-                c.bias_rows.append(r)
-                c.bias_ids.append(tok)
-                c.bias_vals.append(bias)
-            if sp.needs_penalties:
-                c.penalized.append(r)
-        return c
-
-    def masks_only(self) -> bool:
-        """Whether every constraint only rules tokens out: -inf is exact in any dtype, so they can go in place
-        on the model's logits (no float32 copy of the whole batch for one held row)."""
-        return not (self.bias_rows or self.penalized)
-
-    def __bool__(self) -> bool:
-        """Whether any constraint applies."""
-        return bool(self.allowed or self.grammar_rows or self.banned_rows or self.bias_rows or self.penalized)
-
-    def rows(self) -> list[int]:
-        return sorted({r for r, _ in self.allowed} | set(self.grammar_rows) | set(self.banned_rows)
-                      | set(self.bias_rows) | set(self.penalized))
-
-    def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """In place, in vLLM's order."""
-        vocab, dev = logits.shape[1], logits.device
-        if self.grammar_rows:
-            apply_grammars(logits, self.grammar_rows, [_grammar(seqs[r]) for r in self.grammar_rows])
-        if self.allowed:
-            rows = torch.tensor([r for r, _ in self.allowed], device=dev)
-            keep = torch.zeros(len(self.allowed), vocab + 1, dtype=torch.bool, device=dev)
-            keep.scatter_(1, _padded([ids for _, ids in self.allowed], vocab, dev).clamp_(max=vocab), True)
-            logits[rows] = logits[rows].masked_fill(~keep[:, :vocab], _NEG_INF)
-            self._starve(logits, seqs, [r for r, _ in self.allowed], "allowed_token_ids")
-        if self.banned_rows:
-            ids = torch.tensor(self.banned_ids, device=dev)
-            ok = ids < vocab
-            logits[torch.tensor(self.banned_rows, device=dev)[ok], ids[ok]] = _NEG_INF
-            self._starve(logits, seqs, self.banned_rows, "bad_words")
-        if self.bias_rows:
-            ids = torch.tensor(self.bias_ids, device=dev)
-            ok = ids < vocab
-            logits[torch.tensor(self.bias_rows, device=dev)[ok], ids[ok]] += \
-                torch.tensor(self.bias_vals, device=dev)[ok]
-        if self.penalized:
-            _apply_penalties(logits, [seqs[r] for r in self.penalized], torch.tensor(self.penalized, device=dev))
-
-    def _starve(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], field: str) -> None:
-        """Fails the grammar rows among `rows` that `field` has left no token (the client's constraints
-        contradict each other), rather than let them sample one their grammar refuses."""
-        held = sorted(set(rows).intersection(self.grammar_rows))
-        if not held:
-            return
-        alive = torch.isfinite(logits[torch.tensor(held, device=logits.device)]).any(1).tolist()
-        for r, ok in zip(held, alive):
-            if not ok:
-                _grammar(seqs[r]).starve(field)
-
-
-def _grammar(seq: Sequence) -> GrammarState:
-    assert seq.grammar is not None  # (a grammar row's)
-    return seq.grammar
-
-
-def process_logits(logits: torch.Tensor, seqs: list[Sequence], c: _Constraints | None = None) -> torch.Tensor:
-    """Applies each request's constraints and penalties to logits [B, V] (a new float32 tensor when any
-    applies)."""
-    if c is None:
-        c = _Constraints.of(seqs)
-    if not c:
-        return logits
-    logits = logits.to(torch.float32, copy=True)
-    c.apply(logits, seqs)
-    return logits
-
-
-def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: torch.Tensor) -> None:
-    vocab, dev = logits.shape[1], logits.device
-    out_ids = _padded([s.output_ids for s in seqs], vocab, dev)
-    counts = torch.zeros(len(seqs), vocab + 1, device=dev).scatter_add_(1, out_ids, torch.ones_like(
-        out_ids, dtype=torch.float32))[:, :vocab]  # [R, V] output token counts
-    prompt_ids = _padded([s.token_ids[: s.num_prompt_tokens] for s in seqs], vocab, dev)
-    seen = torch.zeros(len(seqs), vocab + 1, dtype=torch.bool, device=dev).scatter_(1, prompt_ids, True)[:, :vocab]
-    seen |= counts > 0
-    col = lambda values: torch.tensor(values, device=dev, dtype=torch.float32).unsqueeze(1)  # noqa: E731
-    rep = col([s.sampling.repetition_penalty for s in seqs])
-    sub = logits[rows]
-    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    sub = sub - col([s.sampling.frequency_penalty for s in seqs]) * counts
-    sub = sub - col([s.sampling.presence_penalty for s in seqs]) * (counts > 0)
-    logits[rows] = sub
-
-
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """logits: [B, V] in the model's dtype (values are compared and scaled in float32) -> token ids [B].
     The request's constraints apply first; logits are as they came when it returns (logprobs read them)."""
     if sb.seqs is None:
         return _sample(logits, sb)
-    c = _Constraints.of(sb.seqs)
+    c = Constraints.of(sb.seqs)
     if not c:
         return _sample(logits, sb)
     if not c.masks_only():
@@ -265,7 +117,7 @@ def _sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     if sb.all_greedy:
         return argmax(logits)
     assert sb.temperature is not None  # (set unless all greedy)
-    is_greedy = sb.temperature < _GREEDY_EPS
+    is_greedy = sb.temperature < GREEDY_EPS
     any_greedy = bool(is_greedy.any())
     greedy = argmax(logits) if any_greedy else None
     scale = torch.where(is_greedy, 1.0, sb.temperature).unsqueeze(1)
@@ -334,8 +186,8 @@ def exp_blocks(logits: torch.Tensor, scale: torch.Tensor,
                exp: ExpKernels | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Unnormalized probabilities [R, V] (float32) of logits [R, V] at temperatures `scale` [R, 1], and
     their per-block sums as `inverse_cdf` reads them (None: not computed). With the backend's kernels (the
-    CPU's with AVX-512: csrc/exp_blocks.c, exp((x - max) / t) and the block sums in one pass, ~3x torch's
-    softmax here); elsewhere torch's softmax (its kernel reads bf16 as it goes: twice as fast here as the
+    CPU's with AVX-512F or AVX2: csrc/exp_blocks.c, exp((x - max) / t) and the block sums in one pass, ~3x
+    torch's softmax here); elsewhere torch's softmax (its kernel reads bf16 as it goes: twice as fast here as the
     same steps one op at a time)."""
     done = _exp_pass(logits, scale, exp, write_probs=True)
     if done is None:
@@ -410,7 +262,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)
     x = x.contiguous()
     maxes, c = _per_block(x, torch.amax)
-    values, cols = _block_columns(x, maxes.argmax(dim=-1), c, _NEG_INF)
+    values, cols = _block_columns(x, maxes.argmax(dim=-1), c, NEG_INF)
     return cols.gather(1, values.argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
@@ -464,7 +316,7 @@ def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     idx = (top_k.clamp(min=1, max=kth.shape[1]) - 1).unsqueeze(1)
     threshold = kth.gather(1, idx)
     threshold = torch.where(top_k.unsqueeze(1) > 0, threshold, torch.finfo(logits.dtype).min)
-    return logits.masked_fill(logits < threshold, _NEG_INF)
+    return logits.masked_fill(logits < threshold, NEG_INF)
 
 
 def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -476,5 +328,5 @@ def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     drop_sorted = before > top_p[rows].unsqueeze(1)
     drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
     logits = logits.clone()
-    logits[rows] = sub.masked_fill(drop, _NEG_INF)
+    logits[rows] = sub.masked_fill(drop, NEG_INF)
     return logits

@@ -52,12 +52,16 @@ class Ingress(Pipeline):
         raise_open_files_limit(cfg)
         self.api_keys = [k.encode() for k in cfg.api_keys]
         defaults = sampling_defaults(cfg.model_path, cfg.generation_config)
-        models = [ModelCard(n, int(time.time()), max_model_len=cfg.max_model_len, root=cfg.model_path,
+        # The checkpoint's own time, so every ingress worker and every restart shows the same card.
+        created = int(os.stat(cfg.model_path).st_mtime) if os.path.exists(cfg.model_path) else int(time.time())
+        models = [ModelCard(n, created, max_model_len=cfg.max_model_len, root=cfg.model_path,
                             sampling_defaults=defaults) for n in cfg.served_model_names]
         self.models = {m.id: msgspec.json.encode(m) for m in models}
         self._models_body = msgspec.json.encode(ModelList(models))
         self._openapi_body = msgspec.json.encode(openapi_document())
-        self._health_harmony = cfg.harmony and cfg.hf_config().get("model_type") == "gpt_oss"
+        # A model whose serving extension reads its output from the token ids (gpt-oss through harmony) is
+        # checked through a chat message: that rendering and that parsing are what could fail.
+        self._health_chat = cfg.output_mode == "tokens"
 
     # ---- ASGI ---------------------------------------------------------------
 
@@ -349,7 +353,7 @@ class Ingress(Pipeline):
         q = self.open(rid)
         t0 = time.perf_counter()
         try:
-            self.submit(rid, health_job(rid, self.cfg.served_model_names[0], self._health_harmony, self.address))
+            self.submit(rid, health_job(rid, self.cfg.served_model_names[0], self._health_chat, self.address))
             frame = await asyncio.wait_for(q.get(), _HEALTH_GENERATE_TIMEOUT_S)
             ok = isinstance(frame, Frame) and frame.error is None
         except asyncio.TimeoutError:
@@ -362,10 +366,11 @@ class Ingress(Pipeline):
         return await respond_error(send, 503, "a one-token generation did not come back")
 
 
-def health_job(rid: str, model: str, harmony: bool, reply_to: str) -> RenderJob:
-    """/health_generate's request: one token. On gpt-oss through harmony, the token of a chat message, as the
-    seeds do: rendered by harmony and read by harmony's postproc, so that a fault there fails the check."""
-    if harmony:
+def health_job(rid: str, model: str, chat: bool, reply_to: str) -> RenderJob:
+    """/health_generate's request: one token. With `chat` (a model whose output is read from its token ids:
+    gpt-oss through harmony), the token of a chat message, as the seeds do: rendered by the model's extension
+    and read by its token parser, so that a fault there fails the check."""
+    if chat:
         return RenderJob(rid, "chat", msgspec.json.encode({"model": model, "max_tokens": 1,
                                                             "messages": [{"role": "user", "content": "hi"}]}),
                          reply_to, time.time())

@@ -9,6 +9,7 @@ import hashlib
 import msgspec
 import numpy as np
 
+from sluice.ipc.messages import Logprobs
 from sluice.schemas.openai import DisaggregatedParams
 
 _WIRE = dict(array_like=True, omit_defaults=True, gc=False)
@@ -91,6 +92,7 @@ class ContextState(msgspec.Struct, **_WIRE):
     prompt_token_ids: bytes  # int32: the prompt the context worker rendered (not rendered again)
     output_prefix_len: int = 0  # the prompt's last ids that begin the output (a forced tool call)
     num_cached_tokens: int = 0  # prompt tokens the context worker found in its prefix cache
+    prompt_logprobs: Logprobs | None = None  # of prompt positions 1.., where the request asks for prompt_logprobs
 
     def encode(self) -> str:
         return base64.b64encode(_encoder.encode(self)).decode()

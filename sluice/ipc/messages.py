@@ -118,6 +118,7 @@ class KvImport(msgspec.Struct, tag=True, **_WIRE):
     # each choice's first token's logprobs, where the request asks for them: (token id, logprob, rank) of the
     # sampled token, then of each of the most likely ones, in order
     first_logprobs: list[list[tuple[int, float, int]]] = []
+    prompt_logprobs: Logprobs | None = None  # of prompt positions 1.., the context worker's (prompt_logprobs)
 
 
 class Abort(msgspec.Struct, tag=True, **_WIRE):

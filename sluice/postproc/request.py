@@ -27,6 +27,8 @@ class Choice:
         self.tokenizer = tokenizer
         self.hook, self.request_id, self.index = hook, spec.request_id, index
         self.text = ""  # the text so far as the model wrote it (with a hook)
+        self.withheld = False  # the hook withheld the last token's text: its id and logprobs go with it
+        self.withheld_at: list[int] = []  # streaming: where such tokens are in pending_ids
         self.stops = StopStrings(spec.stop, spec.include_stop_str_in_output)
         self.finish_reason: str | None = None
         self.num_tokens = 0
@@ -99,6 +101,7 @@ class Choice:
         self.text += piece.content
         verdict = hooks.vetted(self.hook, hooks.OutputChunk(self.request_id, self.index, piece.content, self.text,
                                                             token, finish_reason is not None))
+        self.withheld = not isinstance(verdict, hooks.Emit)
         if isinstance(verdict, hooks.Emit):
             piece.content = verdict.text
             return finish_reason
@@ -190,9 +193,10 @@ class RequestOutput:
             self.num_finished += 1
             if choice.stops.matched is not None:
                 self.framer.stopped_by(index, choice.stops.matched)
-        entries = [(token, logprobs)] if logprobs is not None and self.spec.logprobs else []
+        shown = not choice.withheld  # (a token whose text the hook withheld shows neither its id nor its logprobs)
+        entries = [(token, logprobs)] if logprobs is not None and self.spec.logprobs and shown else []
         if self._adds:
-            self.framer.add(index, piece, entries, [token], finish)
+            self.framer.add(index, piece, entries, [token] if shown else [], finish)
         if self.spec.stream:
             if entries:
                 choice.pending_logprobs += entries
@@ -200,6 +204,8 @@ class RequestOutput:
                 choice.pending.extend(piece)
             else:  # the first since the last frame: it is the merge (nobody else holds it)
                 choice.pending = piece
+            if not shown:
+                choice.withheld_at.append(len(choice.pending_ids))
             choice.pending_ids.append(token)
         return finish
 
@@ -223,6 +229,9 @@ class RequestOutput:
         choice.frames_sent += 1
         entries, choice.pending_logprobs = choice.pending_logprobs, []
         ids, choice.pending_ids = choice.pending_ids, []
+        if choice.withheld_at:  # (pending_ids counts every token fed; the frame shows those not withheld)
+            withheld, choice.withheld_at = set(choice.withheld_at), []
+            ids = [t for i, t in enumerate(ids) if i not in withheld]
         return self.framer.chunk(index, choice.pending, choice.finish_reason, entries, ids, self.completion_tokens)
 
     def final(self) -> Frame:

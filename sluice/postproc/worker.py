@@ -215,7 +215,7 @@ class Shard:
 
 
 def run_postproc(cfg: ServerConfig, index: int) -> None:
-    if cfg.hf_config().get("model_type") == "gpt_oss" and cfg.harmony:
+    if cfg.output_mode == "tokens":  # (gpt-oss through harmony: its token parser's vocabulary)
         from sluice.base.harmony_vocab import harmony_encoding
 
         harmony_encoding()  # now, not on the first request

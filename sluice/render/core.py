@@ -1,29 +1,25 @@
 """The shared chat core: one handler for every model and dialect."""
 from __future__ import annotations
 
-import base64
-import binascii
 import time
 from functools import cached_property
 from typing import Any, Callable, Iterator, TypeVar
 
 import msgspec
-import numpy as np
 
 from sluice.ipc.addresses import shard_of
-from sluice.ipc.kv import ContextState
-from sluice.ipc.messages import (EngineRequest, KvExport, KvImport, PostprocSpec, RenderJob, SamplingParams,
-                                 bytes_to_ids, ids_to_bytes)
+from sluice.ipc.messages import EngineRequest, PostprocSpec, RenderJob, SamplingParams, ids_to_bytes
 from sluice.render import deadline, translators
 from sluice.render.constraints import check_tool_choice, requested
 from sluice.render.diagnostics import Fingerprints
+from sluice.render.disagg import ids_from_b64, ids_to_b64, imported_prompt, kv_of
 from sluice.render.errors import RequestError
 from sluice.render.extensions import ServingExtension, message_text, tool_param_types
 from sluice.render.structured import Constraint, GrammarCompiler, response_format
 from sluice.render.tokenizer import PromptBudget, TokenizerBundle, context_length_error
 from sluice.render.truncation import Turns, fitting, guess_dropped, message_overhead
-from sluice.schemas.openai import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DisaggregatedParams,
-                                   NamedToolChoice, TokenizeResponse)
+from sluice.schemas.openai import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice,
+                                   TokenizeResponse)
 
 _DECODERS: dict[str, msgspec.json.Decoder] = {
     "chat": msgspec.json.Decoder(ChatCompletionRequest),
@@ -126,9 +122,9 @@ class ChatCore:
     def _render(self, job: RenderJob, request: ChatCompletionRequest | CompletionRequest,
                 dialect: bytes = b"") -> EngineRequest:
         chat = isinstance(request, ChatCompletionRequest)
-        imported = self._imported_prompt(job)  # a generation_only request's: rendered by its context worker
+        imported = imported_prompt(job, request, self._check_ids, self._decode)  # (its context worker's)
         if isinstance(request, ChatCompletionRequest):
-            prompt, prefix = imported or self._chat_prompt(request)
+            prompt, prefix, echo = imported or (*self._chat_prompt(request), "")
             max_tokens = request.max_completion_tokens or request.max_tokens
             max_tokens_field = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
             constraint = self._chat_constraint(request, prefix)
@@ -136,11 +132,9 @@ class ChatCore:
             if request.top_logprobs is not None and not request.logprobs:
                 raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
             top_logprobs = request.top_logprobs if request.logprobs else None
-            echo = ""
             predicted = self._prediction(request)
         else:
-            (prompt, echo), prefix = self._completion_prompt(request) if imported is None else \
-                (imported[0], _imported_echo(request, imported[0], self._decode)), []
+            (prompt, echo), prefix = (imported[::2] if imported else self._completion_prompt(request)), []
             max_tokens, top_logprobs = request.max_tokens, request.logprobs
             constraint = requested(request)
             grammar, trigger = self._grammar(request, constraint)
@@ -180,7 +174,7 @@ class ChatCore:
             n=request.n,
             logprobs=top_logprobs is not None,
             echo=echo,
-            prompt_token_ids_b64=_b64(prompt) if request.return_prompt_token_ids_b64 else None,
+            prompt_token_ids_b64=ids_to_b64(prompt) if request.return_prompt_token_ids_b64 else None,
             trace=job.trace,
         )
         return EngineRequest(
@@ -197,44 +191,9 @@ class ChatCore:
             grammar_trigger=trigger,
             grammar_param=constraint[0].param if constraint[0] is not None else "",
             render_done_time=time.time(),
-            kv=self._kv(job, request, len(prefix), top_logprobs),
+            kv=kv_of(job, request, len(prefix), top_logprobs, self._check_ids),
             prediction=ids_to_bytes(predicted) if predicted else b"",
         )
-
-    def _imported_prompt(self, job: RenderJob) -> tuple[list[int], list[int]] | None:
-        """A generation_only request's prompt ids and output prefix, as its context worker rendered them."""
-        state = _context_state(job.disagg)
-        if state is None:
-            return None
-        ids = bytes_to_ids(state.prompt_token_ids).tolist()
-        if not ids or state.output_prefix_len > len(ids):
-            raise RequestError(400, "disaggregated_params.encoded_opaque_state holds no prompt, or one shorter than "
-                               "its output prefix", param="disaggregated_params.encoded_opaque_state")
-        self._check_ids(ids, "disaggregated_params.encoded_opaque_state")
-        return ids, ids[len(ids) - state.output_prefix_len:]
-
-    def _kv(self, job: RenderJob, request: ChatCompletionRequest | CompletionRequest, prefix_len: int,
-            top_logprobs: int | None) -> KvExport | KvImport | None:
-        """Where a disaggregated request's KV goes (context_only) or comes from (generation_only)."""
-        d = job.disagg
-        if d is None or d.request_type == "context_and_generation":
-            return None
-        if request.prompt_logprobs is not None:
-            raise RequestError(400, "prompt_logprobs are not served disaggregated: send the request to one worker",
-                               param="disaggregated_params")
-        if d.request_type == "context_only":
-            return KvExport(job.reply_to, prefix_len, request.model, job.endpoint == "completions",
-                            d.disagg_request_id, d.return_prompt_token_ids_b64)
-        first = d.first_gen_tokens or []
-        if len(first) != request.n:
-            raise RequestError(400, f"disaggregated_params.first_gen_tokens has {len(first)} tokens for "
-                               f"{request.n} choices", param="disaggregated_params.first_gen_tokens")
-        self._check_ids(first, "disaggregated_params.first_gen_tokens")
-        logprobs = _first_logprobs(d, first, top_logprobs) if top_logprobs is not None else []
-        state = _context_state(d)
-        if state is None:  # (the engine finds no handle in it: it recomputes the prompt, or fails the request)
-            return KvImport(b"", ids_to_bytes(first), first_logprobs=logprobs)
-        return KvImport(_handle_bytes.encode(state.handle), ids_to_bytes(first), state.num_cached_tokens, logprobs)
 
     def _chat_prompt(self, request: ChatCompletionRequest) -> tuple[list[int], list[int]]:
         """The prompt's ids, and those of its end that begin the output (a forced tool call)."""
@@ -294,7 +253,7 @@ class ChatCore:
             if ids is not None:
                 raise RequestError(400, "send prompt_token_ids or prompt_token_ids_b64, not both",
                                    param="prompt_token_ids_b64")
-            ids, field = _from_b64(request.prompt_token_ids_b64), "prompt_token_ids_b64"
+            ids, field = ids_from_b64(request.prompt_token_ids_b64), "prompt_token_ids_b64"
         if ids is None:
             return None
         if not ids:
@@ -413,29 +372,6 @@ class ChatCore:
         return out
 
 
-def _imported_echo(request: CompletionRequest, ids: list[int], decode: Callable[[list[int]], str]) -> str:
-    """What a completion with echo starts with, for a prompt its context worker tokenized."""
-    if not request.echo:
-        return ""
-    prompt = request.prompt[0] if isinstance(request.prompt, list) and len(request.prompt) == 1 else request.prompt
-    return prompt if isinstance(prompt, str) and prompt else decode(ids)
-
-
-def _b64(ids: list[int]) -> str:
-    return base64.b64encode(np.asarray(ids, dtype="<i4").tobytes()).decode()
-
-
-def _from_b64(text: str) -> list[int]:
-    try:
-        raw = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise RequestError(400, "prompt_token_ids_b64 is not valid base64", param="prompt_token_ids_b64") from None
-    if len(raw) % 4:
-        raise RequestError(400, "prompt_token_ids_b64 must decode to little-endian int32s (a multiple of 4 bytes)",
-                           param="prompt_token_ids_b64")
-    return np.frombuffer(raw, dtype="<i4").tolist()
-
-
 def _check_nesting(request: ChatCompletionRequest) -> None:
     for field, value in _free_form_fields(request):
         if _depth(value) > MAX_JSON_DEPTH:
@@ -461,47 +397,3 @@ def _depth(value: Any) -> int:
             deepest = max(deepest, depth)
             stack.extend((child, depth + 1) for child in children)
     return deepest
-
-
-_handle_bytes = msgspec.msgpack.Encoder()
-
-
-def _context_state(d: DisaggregatedParams | None) -> ContextState | None:
-    """A generation_only request's opaque state; None where it has none, or one no context worker of ours made
-    (the prompt is rendered here then, from the request's prompt ids or messages)."""
-    if d is None or d.request_type != "generation_only":
-        return None
-    try:
-        return ContextState.decode(base64.b64decode(d.encoded_opaque_state or "", validate=True))
-    except (binascii.Error, ValueError, msgspec.MsgspecError):
-        return None
-
-
-class _WireLogprob(msgspec.Struct):
-    token_id: int
-    logprob: float
-    rank: int | None = None
-
-
-
-def _first_logprobs(d: DisaggregatedParams, first: list[int], top_logprobs: int) -> list[list[tuple[int, float, int]]]:
-    """Each first token's logprobs from the context worker (TensorRT-LLM's first_gen_log_probs: per choice, the
-    sampled token's {token_id, logprob, rank} then the most likely ones'), as many as the request asks."""
-    param = "disaggregated_params.first_gen_log_probs"
-    given = d.first_gen_log_probs or []
-    if len(given) != len(first):
-        raise RequestError(400, "a generation_only request that asks for logprobs needs its context worker's "
-                           "first_gen_log_probs, one per choice (send the context_only request with logprobs too)",
-                           param=param)
-    out = []
-    for token, position in zip(first, given):
-        try:
-            entries = msgspec.convert(position, list[_WireLogprob])
-        except msgspec.ValidationError as e:
-            raise RequestError(400, f"{param} is not a list of {{token_id, logprob, rank}} per choice: {e}",
-                               param=param) from None
-        if not entries or entries[0].token_id != token or len(entries) - 1 < top_logprobs:
-            raise RequestError(400, f"{param} does not hold the first token's logprob and {top_logprobs} most "
-                               "likely ones (send the context_only request with the same logprobs)", param=param)
-        out.append([(e.token_id, e.logprob, e.rank or i) for i, e in enumerate(entries[:top_logprobs + 1])])
-    return out

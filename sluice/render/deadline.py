@@ -128,6 +128,24 @@ class _Region:
             _raise_if_due(_job)  # a deadline that passed in a shielded stretch stops the render after it
 
 
+class excused:
+    """The server's own one-time work on a render's way (starting the grammar compiler, loading its
+    vocabulary): its time is added to the job's deadline, so no request is charged for the server's warm-up.
+    Used inside a shielded stretch (nothing raises in it)."""
+
+    __slots__ = ("_t0",)
+
+    def __enter__(self) -> None:
+        self._t0 = time.monotonic()
+
+    def __exit__(self, *exc) -> None:
+        job = _job
+        if job is not None:
+            job.deadline += time.monotonic() - self._t0
+            if job.stop == "timeout" and not job.raised and time.monotonic() < job.deadline:
+                job.stop = None  # (a tick meanwhile saw the deadline it had before)
+
+
 def interruptible() -> _Region:
     return _Region(True)
 

@@ -52,6 +52,15 @@ class Unsupported:
 
 class ServingExtension(Protocol):
     output_mode: Literal["text", "tokens"]  # "text": parse detokenized text; "tokens": parse token ids
+    # why --post-processor-hook (which sees the detokenized text) cannot apply to this model; None: it can
+    post_processor_hook_refusal: str | None
+
+    def __init__(self, bundle: TokenizerBundle, options: ExtensionOptions) -> None: ...
+
+    @staticmethod
+    def check_options(options: ExtensionOptions) -> None:
+        """Startup check: ValueError where a parser named in `options` cannot apply to this model."""
+        ...
 
     def render_prompt(self, request: ChatCompletionRequest, budget: PromptBudget) -> Rendered:
         """The prompt's ids; a context-length RequestError as soon as it is clear they cannot fit `budget`."""
@@ -80,22 +89,29 @@ class ServingExtension(Protocol):
         ...
 
 
-_REGISTRY: dict[str, Callable[[TokenizerBundle, ExtensionOptions], ServingExtension]] = {}
+# model_type -> which extension serves it under the options given
+_REGISTRY: dict[str, Callable[[ExtensionOptions], type[ServingExtension]]] = {}
 
 
 def register(*model_types: str):
-    def deco(factory):
+    def deco(choose: Callable[[ExtensionOptions], type[ServingExtension]]):
         for t in model_types:
-            _REGISTRY[t] = factory
-        return factory
+            _REGISTRY[t] = choose
+        return choose
     return deco
 
 
-def extension_for(hf_config: dict, bundle: TokenizerBundle, options: ExtensionOptions) -> ServingExtension:
+def extension_class(hf_config: dict, options: ExtensionOptions) -> type[ServingExtension]:
+    """The extension that serves this checkpoint under `options` (its class: what it says of itself, such as
+    `output_mode`, is known before a tokenizer is loaded)."""
     import sluice.render.harmony  # noqa: F401  (registers the gpt-oss extension)
 
-    factory = _REGISTRY.get(hf_config.get("model_type", ""), HfChatTemplateExtension)
-    return factory(bundle, options)
+    choose = _REGISTRY.get(hf_config.get("model_type", ""))
+    return choose(options) if choose is not None else HfChatTemplateExtension
+
+
+def extension_for(hf_config: dict, bundle: TokenizerBundle, options: ExtensionOptions) -> ServingExtension:
+    return extension_class(hf_config, options)(bundle, options)
 
 
 def options_of(cfg) -> ExtensionOptions:
@@ -105,10 +121,7 @@ def options_of(cfg) -> ExtensionOptions:
 
 def check_parsers(hf_config: dict, options: ExtensionOptions) -> None:
     """Startup check: a parser that cannot apply to this model is an error, not a silent no-op."""
-    import sluice.render.harmony  # noqa: F401
-
-    factory = _REGISTRY.get(hf_config.get("model_type", ""), HfChatTemplateExtension)
-    getattr(factory, "check_options", HfChatTemplateExtension.check_options)(options)
+    extension_class(hf_config, options).check_options(options)
 
 
 def message_text(m: ChatMessage) -> str:
@@ -227,6 +240,7 @@ class HfChatTemplateExtension:
     """Any model with a Hugging Face chat template; output parsed as text."""
 
     output_mode: Literal["text", "tokens"] = "text"
+    post_processor_hook_refusal: str | None = None
 
     def __init__(self, bundle: TokenizerBundle, options: ExtensionOptions) -> None:
         self.bundle = bundle

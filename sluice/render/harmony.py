@@ -14,8 +14,8 @@ from openai_harmony import (Author, Conversation, DeveloperContent, Message, Rea
 from sluice.base.harmony_vocab import harmony_encoding
 from sluice.ipc.messages import ParserName
 from sluice.render import tool_grammars
-from sluice.render.extensions import (ExtensionOptions, HfChatTemplateExtension, Rendered, Unsupported,
-                                      common_unsupported, forced_tool, holds_tools, message_text, register,
+from sluice.render.extensions import (ExtensionOptions, HfChatTemplateExtension, Rendered, ServingExtension,
+                                      Unsupported, common_unsupported, forced_tool, holds_tools, message_text, register,
                                       render_template)
 from sluice.render.structured import Constraint
 from sluice.render.tokenizer import PromptBudget, TokenizerBundle
@@ -133,12 +133,15 @@ def _special_ids(text: str) -> tuple[int, ...]:
 
 
 @register("gpt_oss")
-def gpt_oss_extension(bundle: TokenizerBundle, options: ExtensionOptions):
-    return HarmonyExtension(bundle, options) if options.harmony else HfChatTemplateExtension(bundle, options)
+def gpt_oss_extension(options: ExtensionOptions) -> type[ServingExtension]:
+    return HarmonyExtension if options.harmony else HfChatTemplateExtension
 
 
 class HarmonyExtension:
     output_mode: Literal["text", "tokens"] = "tokens"
+    post_processor_hook_refusal: str | None = (
+        "a gpt-oss model served through harmony: its output is parsed from the token ids, so a hook on the text "
+        "would be bypassed; drop the hook, or serve the model as text with --no-harmony")
 
     def __init__(self, bundle: TokenizerBundle, options: ExtensionOptions) -> None:
         self.bundle = bundle
@@ -198,12 +201,8 @@ class HarmonyExtension:
 
     @staticmethod
     def check_options(options: ExtensionOptions) -> None:
-        if not options.harmony:
-            return HfChatTemplateExtension.check_options(options)
         for flag, value in (("--tool-parser", options.tool_parser), ("--reasoning-parser", options.reasoning_parser)):
             if value is not None and value not in PARSER_ALIASES:
                 raise ValueError(f"{flag} {value!r} cannot apply to a gpt-oss model served with harmony; use gpt_oss "
                                  "(or --no-harmony to parse its text)")
 
-
-gpt_oss_extension.check_options = HarmonyExtension.check_options

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import numpy as np
 
 from sluice.base.grammar_errors import DEAD_END, unsatisfiable
+from sluice.render import deadline
 from sluice.render.errors import RequestError
 from sluice.schemas.openai import ResponseFormat
 
@@ -104,7 +105,8 @@ class GrammarCompiler:
 
     def _compile(self, c: Constraint) -> str:
         if self._worker is None or not self._worker.alive:
-            self._worker = _CompileWorker(self.backend, self._model_path, self._vocab_size, self.limits.memory)
+            with deadline.excused():
+                self._worker = _CompileWorker(self.backend, self._model_path, self._vocab_size, self.limits.memory)
         kind, value = self._worker.compile(c.kind, c.source, self.limits.compile_timeout)
         what = _WHAT[c.kind]
         if kind == "timeout":

@@ -49,7 +49,9 @@ class CallFormat:
     each call as `opening(name)`, its arguments and `closing` (`separator` between two), then `end`.
     `placement`: where text may stand beside the calls: between them (hermes), before them (a marker starts
     them), or nowhere (the calls are the whole output). `trigger`: the text that starts the calls, which
-    `begin` (or else each opening) starts with."""
+    `begin` (or else each opening) starts with. `bare`: first characters of text that the family's parser
+    also reads as calls without the trigger (so free text, where the calls are the whole output, never
+    starts with them: the parser would read a call the grammar never held)."""
     trigger: str
     name_before: str
     name_after: str
@@ -59,6 +61,7 @@ class CallFormat:
     end: str = ""
     placement: Kind["between", "before", "whole"] = "before"
     quote_name: bool = True
+    bare: str = ""
 
     def opening(self, name: str) -> str:
         return self.name_before + (json.dumps(name) if self.quote_name else name) + self.name_after
@@ -79,7 +82,8 @@ FORMATS: dict[str, CallFormat] = {
     "mistral": CallFormat(formats.TOOL_CALLS, '{"name": ', ', "arguments": ', "}", begin=formats.TOOL_CALLS + "[",
                           separator=", ", end="]"),
     "granite": CallFormat(formats.GRANITE_CALL, '{"name": ', ', "arguments": ', "}",
-                          begin=formats.GRANITE_CALL + "[", separator=", ", end="]", placement="whole"),
+                          begin=formats.GRANITE_CALL + "[", separator=", ", end="]", placement="whole",
+                          bare="[<"),  # (its parser reads a bare `[` and `<tool_call>[` too)
     "deepseek_v3": CallFormat(formats.DS_CALLS_BEGIN, formats.DS_CALL_BEGIN + "function" + formats.DS_SEP,
                               "\n```json\n", "\n```" + formats.DS_CALL_END, begin=formats.DS_CALLS_BEGIN,
                               separator="\n", end=formats.DS_CALLS_END, quote_name=False),
@@ -142,7 +146,7 @@ def strict(fmt: Format, tools: Sequence[Tool], lit: Literal) -> str:
         lines += [f"start: TEXT | TEXT {trigger} rest" if token else "start: TEXT | text_then_tag rest",
                   f"rest: {rest}"]
     else:  # the calls are the whole output, or there are none: free text that does not start with the trigger
-        first = "" if token else fmt.trigger[0]
+        first = ("" if token else fmt.trigger[0]) + fmt.bare
         free = f"/\\s*([^\\s{re.escape(first)}](.|\\n)*)?/" if first else "/(.|\\n)*/"
         lines += [f"start: FREE | {_seq(lit, fmt.begin)} calls {_seq(lit, fmt.end)}", f"FREE: {free}"]
     if not token and fmt.placement != "whole":
@@ -173,6 +177,7 @@ class ParamsFormat:
     end: str = ""
     placement: Kind["between", "before", "whole"] = "between"
     raw_strings: bool = False
+    bare: str = ""  # as CallFormat's
 
     def opening(self, name: str) -> str:
         return self.call_open.replace("{name}", name)
@@ -199,9 +204,13 @@ def _value(fmt: ParamsFormat, schema: dict, defs: dict, lit: Literal) -> str:
     """One argument's value and the end of the argument: the schema's JSON; qwen3_coder's strings as bare
     text, which a grammar holds only for their lengths or their listed values."""
     close = _seq(lit, fmt.param_close)
+    if fmt.raw_strings and isinstance(schema, dict):
+        schema = _as_read(schema)
     listed = schema.get("enum", [schema["const"]] if "const" in schema else None) if isinstance(schema, dict) else None
     text = isinstance(schema, dict) and (schema.get("type") == "string" or "type" not in schema and listed
                                          and all(isinstance(v, str) for v in listed))
+    if fmt.raw_strings and isinstance(schema, dict) and not text and "type" not in schema:
+        return _text_value(fmt)  # (any value: as text)
     if not (fmt.raw_strings and text):
         return "%json " + json.dumps({**schema, **({"$defs": defs} if defs else {}), "x-guidance": NO_WHITESPACE},
                                      sort_keys=True) + f" {close}"
@@ -212,6 +221,22 @@ def _value(fmt: ParamsFormat, schema: dict, defs: dict, lit: Literal) -> str:
             raise Unholdable("an enum of values that are not strings")
         return "(" + " | ".join(lit(v) for v in listed) + f") {close}"
     return _text_value(fmt, schema.get("minLength", 0), schema.get("maxLength"))
+
+
+def _as_read(schema: dict) -> dict:
+    """A value's schema as qwen3_coder's parser reads the value: by the first of its types besides null (text
+    for a string, and for no type at all); a schema it would misread cannot be held."""
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        if len(set(kind) - {"null"}) != 1:
+            raise Unholdable(f"a value of the types {kind}")
+        if "string" in kind:  # (as text: never null)
+            return {**schema, "type": "string"}
+    listed = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if kind is None and not (listed and all(isinstance(v, str) for v in listed)) \
+            and set(schema) - {"description", "title", "default", "examples"}:
+        raise Unholdable("a value with no type that is not text (the parser reads it as text)")
+    return schema
 
 
 def _text_value(fmt: ParamsFormat, low: int = 0, high: int | None = None) -> str:

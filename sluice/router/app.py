@@ -15,13 +15,12 @@ from sluice.base.auth import CHALLENGE, MISSING_KEY, authorized
 from sluice.base.disagg import PARAMS_HEADER, SECRET_HEADER
 from sluice.ingress.formats import BadMsgpack, msgpack_as_json, sends_msgpack
 from sluice.ipc.kv import block_hashes
-from sluice.router import errors
 from sluice.router.config import RouterConfig
-from sluice.router.metrics import (CACHE_HIT_TOKENS, CONTEXT_SECONDS, DECISIONS, PROMPT_TOKENS, REQUESTS,
-                                   TRANSFER_SECONDS)
+from sluice.router.metrics import CACHE_HIT_TOKENS, CONTEXT_SECONDS, DECISIONS, PROMPT_TOKENS, REQUESTS
 from sluice.router.metrics import render as render_metrics
 from sluice.router.policy import KvIndex, Policy
 from sluice.router.prompts import Prompts
+from sluice.router.relay import HOP, TRANSPORT, Failed, Relay, error, read_body, respond, str_headers
 from sluice.router.workers import Worker, Workers
 
 log = logging.getLogger("sluice.router")
@@ -30,13 +29,8 @@ GENERATION = {"/v1/chat/completions": "chat", "/v1/completions": "completions", 
 _BODY_PARAMS = ("/v1/chat/completions", "/v1/completions")  # dialects whose body has disaggregated_params
 _ORCHESTRATOR_FIELDS = ("disaggregated_params", "kv_hints")
 _MAX_PARAMS_HEADER = 16 << 10  # a longer handle (a very long prompt's ids) goes in a body, or is not split
-_HOP = {b"host", b"content-length", b"connection", b"transfer-encoding", b"keep-alive", SECRET_HEADER, PARAMS_HEADER}
 _KEYS = {b"authorization", b"x-api-key"}
 _json = msgspec.json.Encoder()
-
-
-class _Failed(Exception):
-    """A worker could not take the request (connection refused, reset before an answer)."""
 
 
 class _Refused(msgspec.Struct):
@@ -45,9 +39,6 @@ class _Refused(msgspec.Struct):
     status: int
     body: bytes
     content_type: str | None
-
-
-_TRANSPORT = (aiohttp.ClientError, asyncio.TimeoutError)  # a worker that cannot be reached, or failed mid-answer
 
 
 class Router:
@@ -61,6 +52,7 @@ class Router:
         self._worker_auth = [(b"authorization", b"Bearer " + cfg.worker_api_key.encode())] \
             if cfg.worker_api_key else []
         self.workers = Workers(kinds, self.index, cfg.health_interval, cfg.health_failures, self._worker_auth)
+        self.relay = Relay(self.workers)
         self.prompts = Prompts(cfg.model)
         self.client: aiohttp.ClientSession | None = None  # (made in the event loop, at start)
         self._started: asyncio.Future | None = None
@@ -79,7 +71,7 @@ class Router:
             timeout=aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=self.cfg.request_timeout),
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30), auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"), cookie_jar=aiohttp.DummyCookieJar())
-        self.workers.client = self.client
+        self.workers.client = self.relay.client = self.client
         await asyncio.gather(*(self.workers.check(w) for w in self.workers.all))
         self.prompts.start([w.model_root for w in self.workers.all])
         self._tasks = [asyncio.create_task(self.workers.run())]
@@ -108,14 +100,14 @@ class Router:
         status = 0
         try:
             if not authorized(path, scope["headers"], self.api_keys, self.cfg.protect_metrics):
-                status = await _error(send, path, 401, MISSING_KEY, "invalid_api_key", extra=(CHALLENGE,))
+                status = await error(send, path, 401, MISSING_KEY, "invalid_api_key", extra=(CHALLENGE,))
             elif path in GENERATION and method == "POST":
                 status = await self.generate(scope, receive, send)
             elif path in ("/health", "/ready"):
                 ok = any(w.up for w in self.workers.all)
-                status = await (_respond(send, 200, b"{}") if ok else _error(send, path, 503, "no worker"))
+                status = await (respond(send, 200, b"{}") if ok else error(send, path, 503, "no worker"))
             elif path == "/metrics":
-                status = await _respond(send, 200, render_metrics(self.workers.all), b"text/plain; version=0.0.4")
+                status = await respond(send, 200, render_metrics(self.workers.all), b"text/plain; version=0.0.4")
             else:
                 status = await self.forward(scope, receive, send)
         finally:
@@ -126,19 +118,19 @@ class Router:
 
     async def generate(self, scope, receive, send) -> int:
         path = scope["path"]
-        body = await _read(receive, self.cfg.max_request_bytes)
+        body = await read_body(receive, self.cfg.max_request_bytes)
         if body is None:
-            return await _error(send, path, 413, "request body too large")
+            return await error(send, path, 413, "request body too large")
         headers = self._to_worker(scope["headers"])
         if sends_msgpack(scope["headers"]):  # read (and sent on) as the JSON body with the same fields
             try:
                 body = msgpack_as_json(body)
             except BadMsgpack as e:
-                return await _error(send, path, 400, f"the request body is not valid msgpack: {e}")
+                return await error(send, path, 400, f"the request body is not valid msgpack: {e}")
             headers = [(k, v) for k, v in headers if k.lower() not in (b"content-type", b"x-trtllm-msgpack")]
             headers.append((b"content-type", b"application/json"))
         if (claimed := _claims_hand_off(path, body)) is not None:
-            return await _error(send, path, 403, f"{claimed} are the router's own: clients do not send them",
+            return await error(send, path, 403, f"{claimed} are the router's own: clients do not send them",
                                 "forbidden")
         ids, salt = await self.prompts.ids(GENERATION[path], body)
         affinity = _affinity(body)
@@ -149,10 +141,10 @@ class Router:
             worker, hashes, new = self._choose(candidates, ids, salt, affinity)
             tried.add(worker.url)
             try:
-                return await self._relay(worker, path, body, headers, receive, send, new)
-            except _Failed:
+                return await self.relay.relay(worker, path, body, headers, receive, send, new)
+            except Failed:
                 continue
-        return await _error(send, path, 503, "no worker is up; retry shortly", retry=True)
+        return await error(send, path, 503, "no worker is up; retry shortly", retry=True)
 
     def _choose(self, workers: list[Worker], ids: list[int] | None, salt: str,
                 affinity: str | None = None) -> tuple[Worker, list[bytes], int]:
@@ -173,27 +165,27 @@ class Router:
         when it cannot be split (the Responses API, a stored conversation), or when no context worker can."""
         gens = self.workers.up("generation")
         if not gens:
-            return await _error(send, path, 503, "no generation worker is up", retry=True)
+            return await error(send, path, 503, "no generation worker is up", retry=True)
         gen, hashes, new = self._choose(gens, ids, salt)
         uncached = len(ids) - (len(hashes) + 1 - new) * gen.block_size if ids else None
         ctxs = self.workers.up("context")
         if uncached is None or uncached <= self.cfg.max_local_prefill or not ctxs or path == "/v1/responses":
             DECISIONS.labels("local_prefill").inc()
-            return await self._relay_or_fail(gen, path, body, headers, receive, send, new)
+            return await self.relay.relay_or_fail(gen, path, body, headers, receive, send, new)
         ctx, _, ctx_new = self._choose(ctxs, ids, salt)
         params = await self._context(ctx, path, body, headers, ctx_new)
         if isinstance(params, _Refused):  # the request itself is wrong: the client hears why
-            return await _respond(send, params.status, params.body, params.content_type)
+            return await respond(send, params.status, params.body, params.content_type)
         if params is None:  # the context worker failed: the generation worker does it all
             DECISIONS.labels("context_failed").inc()
-            return await self._relay_or_fail(gen, path, body, headers, receive, send, new)
+            return await self.relay.relay_or_fail(gen, path, body, headers, receive, send, new)
         DECISIONS.labels("disaggregated").inc()
         params["request_type"] = "generation_only"
         gen_body, gen_headers = _with_params(path, body, headers, params)
         if gen_body is None:
             DECISIONS.labels("local_prefill").inc()
-            return await self._relay_or_fail(gen, path, body, headers, receive, send, new)
-        return await self._relay_or_fail(gen, path, gen_body, gen_headers + self._secret(), receive, send, 1,
+            return await self.relay.relay_or_fail(gen, path, body, headers, receive, send, new)
+        return await self.relay.relay_or_fail(gen, path, gen_body, gen_headers + self._secret(), receive, send, 1,
                                          transfer=True, plain=body)
 
     async def _context(self, ctx: Worker, path: str, body: bytes, headers: list,
@@ -205,9 +197,9 @@ class Router:
         t0 = time.perf_counter()
         ctx.load.add(blocks)
         try:
-            async with self._post(ctx.url + path, ctx_body, ctx_headers + self._secret()) as r:
+            async with self.relay.post(ctx.url + path, ctx_body, ctx_headers + self._secret()) as r:
                 status, content, ctype = r.status, await r.read(), r.headers.get("content-type")
-        except _TRANSPORT as e:
+        except TRANSPORT as e:
             self.workers.take_out(ctx, f"a request failed: {e!r}")
             return None
         finally:
@@ -221,83 +213,13 @@ class Router:
         except (msgspec.DecodeError, KeyError, IndexError, TypeError):
             return None
 
-    def _post(self, url: str, body: bytes, headers: list[tuple[bytes, bytes]]):
-        assert self.client is not None
-        return self.client.post(url, data=body, headers=_str_headers(headers))
-
     def _secret(self) -> list[tuple[bytes, bytes]]:
         return [(SECRET_HEADER, (self.cfg.disagg_secret or "").encode())]
-
-    async def _relay_or_fail(self, worker: Worker, path: str, body: bytes, headers: list, receive, send,
-                             blocks: int, transfer: bool = False, plain: bytes | None = None) -> int:
-        try:
-            return await self._relay(worker, path, body, headers, receive, send, blocks, transfer, plain)
-        except _Failed:
-            return await _error(send, path, 503, f"worker {worker.url} failed; retry", retry=True)
-
-    async def _relay(self, worker: Worker, path: str, body: bytes, headers: list, receive, send, blocks: int,
-                     transfer: bool = False, plain: bytes | None = None) -> int:
-        """Sends the request to `worker` and its response, as it comes, to the client. _Failed when the worker
-        failed before answering (nothing was sent to the client: another may take it). `plain`: the request
-        without the hand-off, for a worker that refuses disaggregated_params (an older version)."""
-        worker.load.add(blocks)
-        t0 = time.perf_counter()
-        try:
-            try:
-                resp = await self._post(worker.url + path, body, headers)
-            except _TRANSPORT as e:
-                self.workers.take_out(worker, f"a request failed: {e!r}")
-                raise _Failed() from e
-            if transfer:
-                TRANSFER_SECONDS.observe(time.perf_counter() - t0)  # the KV read and the first token
-            first = b""
-            if plain is not None and resp.status in (400, 403):
-                first = await resp.read()
-                if b"disaggregated_params" in first:
-                    resp.release()
-                    DECISIONS.labels("handoff_refused").inc()
-                    headers = [(k, v) for k, v in headers if k not in (SECRET_HEADER, PARAMS_HEADER)]
-                    return await self._relay(worker, path, plain, headers, receive, send, 0)
-            return await self._stream(resp, first, path, receive, send)
-        finally:
-            worker.load.done(blocks)
-
-    async def _stream(self, resp: aiohttp.ClientResponse, first: bytes, path: str, receive, send) -> int:
-        """Relays a response's bytes; a client that leaves closes the worker's connection (the worker aborts)."""
-        relay = asyncio.create_task(self._copy(resp, first, path, send))
-        gone = asyncio.create_task(_disconnected(receive))
-        try:
-            await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if relay.done():
-                return relay.result()
-            relay.cancel()
-            resp.close()  # (not released to the pool: the worker sees the connection close)
-            return resp.status
-        finally:
-            gone.cancel()
-            resp.release()
-
-    async def _copy(self, resp: aiohttp.ClientResponse, first: bytes, path: str, send) -> int:
-        headers = [(k, v) for k, v in resp.raw_headers if k.lower() not in _HOP]
-        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
-        if first:  # (read already: an error body looked at)
-            await send({"type": "http.response.body", "body": first, "more_body": False})
-            return resp.status
-        try:
-            async for chunk in resp.content.iter_any():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except _TRANSPORT:  # the worker died mid-response: the client hears it in its dialect
-            log.warning("a worker failed mid-response on %s", path)
-            await send({"type": "http.response.body", "more_body": False, "body": errors.stream_event(
-                path, 502, "the worker serving this request failed; retry it", "worker_failed")})
-            return resp.status
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        return resp.status
 
     def _to_worker(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
         """The client's headers a worker gets: never a client's own disaggregation headers, and the router's
         --worker-api-key in place of the client's key where it has one."""
-        drop = _HOP | _KEYS if self._worker_auth else _HOP
+        drop = HOP | _KEYS if self._worker_auth else HOP
         return [(k, v) for k, v in headers if k.lower() not in drop] + self._worker_auth
 
     # ---- everything else --------------------------------------------------------------------------------------
@@ -306,7 +228,7 @@ class Router:
         """/v1/models, stored responses, batches, count_tokens...: to a worker as they are. A path that names
         an object (a 404 from one worker) is tried on the next."""
         path, method = scope["path"], scope["method"]
-        body = await _read(receive, self.cfg.max_request_bytes) or b""
+        body = await read_body(receive, self.cfg.max_request_bytes) or b""
         query = scope.get("query_string", b"").decode("latin-1")
         url_path = path + ("?" + query if query else "")
         workers = self.workers.up("replica") or self.workers.up("generation")
@@ -315,15 +237,15 @@ class Router:
         for w in workers:
             try:
                 async with self.client.request(method, w.url + url_path, data=body,
-                                               headers=_str_headers(self._to_worker(scope["headers"]))) as r:
-                    answer = r.status, [(k, v) for k, v in r.raw_headers if k.lower() not in _HOP], await r.read()
-            except _TRANSPORT as e:
+                                               headers=str_headers(self._to_worker(scope["headers"]))) as r:
+                    answer = r.status, [(k, v) for k, v in r.raw_headers if k.lower() not in HOP], await r.read()
+            except TRANSPORT as e:
                 self.workers.take_out(w, f"a request failed: {e!r}")
                 continue
             if answer[0] != 404:
                 break
         if answer is None:
-            return await _error(send, path, 503, "no worker is up; retry shortly", retry=True)
+            return await error(send, path, 503, "no worker is up; retry shortly", retry=True)
         await send({"type": "http.response.start", "status": answer[0], "headers": answer[1]})
         await send({"type": "http.response.body", "body": answer[2]})
         return answer[0]
@@ -342,12 +264,6 @@ def _affinity(body: bytes) -> str | None:
         return _affinity_of.decode(body).prompt_cache_key
     except msgspec.MsgspecError:  # (the worker answers what is wrong with it)
         return None
-
-
-def _str_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
-    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
-
-
 
 
 def _claims_hand_off(path: str, body: bytes) -> str | None:
@@ -374,42 +290,6 @@ def _with_params(path: str, body: bytes, headers: list, params: dict) -> tuple[b
     if len(raw) > _MAX_PARAMS_HEADER:
         return None, headers
     return body, headers + [(PARAMS_HEADER, raw)]
-
-
-async def _read(receive, limit: int) -> bytes | None:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return b"".join(chunks)
-        chunks.append(msg.get("body", b""))
-        size += len(chunks[-1])
-        if size > limit:
-            return None
-        if not msg.get("more_body"):
-            return b"".join(chunks)
-
-
-async def _disconnected(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _error(send, path: str, status: int, message: str, code: str | None = None, retry: bool = False,
-                 extra: tuple[tuple[bytes, bytes], ...] = ()) -> int:
-    """An error the router answers itself, in the dialect of the route (its body, its status)."""
-    return await _respond(send, errors.status(path, status), errors.body(path, status, message, code), retry=retry,
-                          extra=extra)
-
-
-async def _respond(send, status: int, body: bytes, content_type: str | bytes | None = None,
-                   retry: bool = False, extra: tuple[tuple[bytes, bytes], ...] = ()) -> int:
-    ctype = content_type.encode() if isinstance(content_type, str) else content_type or b"application/json"
-    headers = [(b"content-type", ctype)] + ([(b"retry-after", b"1")] if retry else []) + list(extra)
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-    return status
 
 
 def create_app() -> Router:

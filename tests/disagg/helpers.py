@@ -14,15 +14,17 @@ HEADERS = {"x-sluice-disagg-secret": SECRET}
 
 
 class Trio:
-    def __init__(self, ctx_args: tuple = (), gen_args: tuple = (), common: tuple = ()) -> None:
+    def __init__(self, ctx_args: tuple = (), gen_args: tuple = (), common: tuple = (), agg: bool = True) -> None:
+        """`agg=False`: no aggregated server (the test compares with another one, or with known tokens)."""
         self.ctx = Server("--role", "context", "--disagg-secret", SECRET, *common, *ctx_args)
         self.gen = Server("--role", "generation", "--disagg-secret", SECRET, *common, *gen_args)
-        self.agg = Server(*common)
+        self.agg = Server(*common) if agg else None
         self.gen_timing: Path | None = None  # the generation worker's --kv-timing-output, where it has one
+        self.ctx_timing: Path | None = None  # the context worker's
 
     def stop(self) -> None:
         for s in (self.ctx, self.gen, self.agg):
-            assert s.stop() == 0, s.output()
+            assert s is None or s.stop() == 0, s.output()
 
 
 def context_answer(url: str, path: str, body: dict, params: dict | None = None) -> dict:

@@ -93,7 +93,11 @@ def test_kv_hints_are_the_orchestrators_alone(trio):
 
 @pytest.mark.parametrize("headers, status", [({}, 403), ({"x-sluice-disagg-secret": "guess"}, 403)])
 def test_clients_cannot_send_disaggregated_params(trio, headers, status):
-    for server, kind in ((trio.ctx, "context_only"), (trio.gen, "generation_only"), (trio.agg, "context_only")):
+    """(The context worker takes unsigned context_only requests, as TensorRT-LLM's orchestrator sends them:
+    test_trtllm_orchestrator.py; not with a proof that fails.)"""
+    servers = [(trio.gen, "generation_only"), (trio.agg, "context_only")]
+    servers += [(trio.ctx, "context_only")] if headers else []
+    for server, kind in servers:
         r = httpx.post(server.url + "/v1/chat/completions", headers=headers, timeout=30,
                        json={**CHAT, "disaggregated_params": {"request_type": kind}})
         assert r.status_code == status and r.json()["error"]["param"] == "disaggregated_params", r.text
@@ -113,9 +117,27 @@ def test_a_worker_takes_only_its_roles_request_type(trio):
     r = httpx.post(trio.gen.url + "/v1/chat/completions", headers=HEADERS, timeout=30,
                    json={**CHAT, "disaggregated_params": {"request_type": "generation_only"}})
     assert r.status_code == 400 and "opaque_state" in r.json()["error"]["message"]
-    r = httpx.post(trio.ctx.url + "/v1/chat/completions", headers=HEADERS, timeout=30,
-                   json={**CHAT, "prompt_logprobs": 1, "disaggregated_params": {"request_type": "context_only"}})
-    assert r.status_code == 400 and "prompt_logprobs" in r.json()["error"]["message"]
+
+
+def test_prompt_logprobs_come_from_the_context_worker_through_the_generation_workers_answer(trio):
+    """The context worker scores the prompt and its opaque state carries the scores; the generation worker's
+    answer has them where the aggregated server's are (a completion choice's; a chat completion's, top level,
+    from the same engine output), and the same."""
+    path, body = "/v1/completions", {**COMPLETION, "echo": True}
+    req = {**body, "prompt_logprobs": 2, "temperature": 0, "max_tokens": 4, "return_token_ids": True}
+    want = httpx.post(trio.agg.url + path, json=req, timeout=60)
+    got = two_hop(trio.ctx, trio.gen, path, req)
+    assert comparable(got, False) == comparable(want, False)
+    w, g = (r.json()["choices"][0]["prompt_logprobs"] for r in (want, got))
+    assert w[0] is None and g[0] is None and len(g) == len(w) > 10
+    for a, b in zip(w[1:], g[1:]):
+        assert {t: (e["rank"], e["decoded_token"]) for t, e in a.items()} == \
+            {t: (e["rank"], e["decoded_token"]) for t, e in b.items()}
+        assert all(abs(a[t]["logprob"] - b[t]["logprob"]) < 1e-4 for t in a)
+    params = context(trio.ctx.url, path, {**req, "prompt_logprobs": 1})
+    r = generation(trio.gen.url, path, req, params)  # (asks for more than the context worker scored)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+    assert generation(trio.gen.url, path, {**req, "prompt_logprobs": 1}, params).status_code == 200
 
 
 def _logprobs(r: httpx.Response, chat: bool) -> list:
@@ -153,18 +175,27 @@ def test_logprobs_are_served_as_a_pair_the_first_tokens_carried(trio, path, body
     assert generation(trio.gen.url, path, without, plain).status_code == 200  # (its lease read: none left to expire)
 
 
-def test_the_kv_timing_output_records_each_transfers_start_and_end(trio):
-    def transfers() -> list[dict]:
-        lines = trio.gen_timing.read_text().splitlines() if trio.gen_timing.exists() else []
+def test_the_kv_timing_output_records_each_transfers_start_and_end_on_both_sides(trio):
+    """The generation worker's line: its read; the context worker's: the lease, from its answer to the release
+    (TensorRT-LLM's send and recv sides)."""
+    def transfers(path) -> list[dict]:
+        lines = path.read_text().splitlines() if path.exists() else []
         return [r["kv_transfer"] for r in map(json.loads, lines) if "kv_transfer" in r]
 
-    before = len(transfers())
+    before, sent_before = len(transfers(trio.gen_timing)), len(transfers(trio.ctx_timing))
     t0 = time.time()
     unique = {**CHAT, "temperature": 0, "messages": [{"role": "user", "content": f"Timed at {t0}. " * 20}]}
     assert two_hop(trio.ctx, trio.gen, "/v1/chat/completions", unique).status_code == 200  # (nothing cached)
-    new = transfers()[before:]
-    assert len(new) == 1 and new[0]["outcome"] == "read" and new[0]["backend"] == "shm"
+    new = transfers(trio.gen_timing)[before:]
+    assert len(new) == 1 and new[0]["outcome"] == "read" and new[0]["backend"] == "shm" and new[0]["side"] == "recv"
     assert t0 <= new[0]["start"] <= new[0]["end"] <= time.time() and new[0]["bytes"] > 0 and new[0]["blocks"] > 0
+    deadline = time.monotonic() + 10
+    while not (sent := [t for t in transfers(trio.ctx_timing)[sent_before:] if t["outcome"] == "released"
+                        and t["start"] >= t0]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(sent) == 1 and sent[0]["side"] == "send" and sent[0]["backend"] == "shm", sent
+    assert t0 <= sent[0]["start"] <= new[0]["start"] <= new[0]["end"] <= sent[0]["end"]
+    assert sent[0]["bytes"] >= new[0]["bytes"] and sent[0]["blocks"] >= new[0]["blocks"]
 
 
 def _expired_leases(server) -> float:

@@ -22,10 +22,8 @@ def _client(server):
 
 
 @pytest.fixture(scope="module")
-def real():
-    s = Server("--model", MODEL, "--max-model-len", "4096", "--tool-parser", "gpt_oss", "--reasoning-parser", "gpt_oss")
-    yield s
-    assert s.stop() == 0, s.output()
+def real(gpt_oss_server):
+    return gpt_oss_server
 
 
 def test_tiny_gpt_oss_serves_chat_and_completions(real):

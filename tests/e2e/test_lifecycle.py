@@ -11,6 +11,7 @@ import httpx
 
 from bench.server import Server
 from tests.e2e.conftest import MODEL
+from tests.e2e.test_orphans import _assert_all_gone, _kill_all, _start
 
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "stream": True, "ignore_eos": True,
         "stream_options": {"include_usage": True}}
@@ -53,8 +54,8 @@ def _start_streams(url: str, body: dict, count: int) -> tuple[list, list]:
     return results, threads
 
 
-def test_engine_death_fails_in_flight_requests_and_exits_nonzero():
-    server = Server("--kv-cache-memory", "64MiB")
+def test_engine_death_fails_in_flight_requests_and_exits_1_leaving_no_process_behind():
+    server, pids = _start("--kv-cache-memory", "64MiB")
     try:
         # tiny-chat: 2 layers x (K, V) x 16 tokens x 2 heads x 16 dims x 4 bytes = 8 KiB per block
         assert server.metrics()["sluice:kv_cache_total_blocks"] == (64 << 20) // (8 << 10)
@@ -75,9 +76,10 @@ def test_engine_death_fails_in_flight_requests_and_exits_nonzero():
             t.join(15)
             assert not t.is_alive(), "a request was left hanging"
         assert [r[0] for r in results] == ["error"] * 4, results
-        assert server.proc.wait(30) != 0
+        assert server.proc.wait(30) == 1, server.output()
+        _assert_all_gone(server, pids)
     finally:
-        server.stop(signal.SIGKILL)
+        _kill_all(server, pids)
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_zero():

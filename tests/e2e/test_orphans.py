@@ -1,5 +1,6 @@
 """Every process a server starts dies with it, however the supervisor dies: nothing is left holding the
-port (granian's workers listen with SO_REUSEPORT, so an orphan would share a restarted server's port)."""
+port (granian's workers listen with SO_REUSEPORT, so an orphan would share a restarted server's port). A
+supervisor exiting after the engine died: test_lifecycle's engine death."""
 from __future__ import annotations
 
 import errno
@@ -9,15 +10,15 @@ import socket
 import time
 
 from bench.faults import ingress_workers
+from bench.procs import alive, descendants, title
 from bench.server import Server
-from tests.e2e.procs import alive, descendants, title
 
 _GONE_WITHIN_S = 5.0
 
 
-def _start() -> tuple[Server, set[int]]:
+def _start(*flags: str) -> tuple[Server, set[int]]:
     """A server and its processes, once both ingress workers run (granian starts them one by one)."""
-    server = Server("--ingress-workers", "2", "--render-workers", "2", "--postproc-workers", "2")
+    server = Server("--ingress-workers", "2", "--render-workers", "2", "--postproc-workers", "2", *flags)
     deadline = time.monotonic() + 60
     while len(ingress_workers(server)) < 2:
         if time.monotonic() > deadline:
@@ -70,12 +71,3 @@ def test_a_sigkilled_supervisor_takes_every_process_of_its_server_with_it():
     finally:
         _kill_all(server, pids)
 
-
-def test_a_supervisor_exiting_after_the_engine_died_leaves_no_process_behind():
-    server, pids = _start()
-    try:
-        os.kill(server.stage_pid("engine"), signal.SIGKILL)
-        assert server.proc.wait(30) == 1, server.output()
-        _assert_all_gone(server, pids)
-    finally:
-        _kill_all(server, pids)

@@ -7,9 +7,9 @@ from collections import Counter
 
 import pytest
 
+from bench.procs import descendants, environ, title
 from bench.server import Server
 from sluice.base import procs
-from tests.e2e.procs import descendants, environ, title
 
 pytestmark = pytest.mark.skipif(not procs.titles_supported(), reason="setproctitle is not installed")
 

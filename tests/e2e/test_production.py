@@ -35,9 +35,10 @@ def prod(notify):
     s.stop(signal.SIGKILL)
 
 
-def _messages(sock, seconds: float) -> list[str]:
+def _messages(sock, seconds: float, enough=lambda out: False) -> list[str]:
+    """What the socket got, read until `enough(out)` or for `seconds`."""
     out, deadline = [], time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not enough(out):
         try:
             out.append(sock.recv(4096).decode())
         except socket.timeout:
@@ -125,9 +126,9 @@ def test_health_generate_and_a_stuck_engine(prod):
 
 def test_systemd_notifications(prod, notify):
     _, sock = notify
-    seen = _messages(sock, 1.5)  # everything sent since startup is queued on the socket
+    seen = _messages(sock, 5, lambda out: out.count("WATCHDOG=1") >= 2)  # (queued on the socket since startup)
     assert seen[0] == "READY=1"
     assert seen.count("WATCHDOG=1") >= 2  # every WatchdogSec/2 while the engine is fine
     prod.proc.send_signal(signal.SIGTERM)
     assert prod.proc.wait(30) == 0
-    assert "STOPPING=1" in _messages(sock, 0.5) + seen
+    assert "STOPPING=1" in _messages(sock, 2, lambda out: "STOPPING=1" in out) + seen

@@ -63,42 +63,13 @@ def test_a_grammar_finished_before_min_tokens_ends_the_output(client):
     assert r.choices[0].message.content == "1" and r.choices[0].finish_reason == "stop"
 
 
-def test_a_drain_that_times_out_says_so():
-    """--shutdown-timeout expiring used to tell clients 'the engine process died'."""
-    server = Server("--runner", "replay", "--replay-step-ms", "50", "--shutdown-timeout", "1")
-    try:
-        lines: list[str] = []
-        started = threading.Event()
-
-        def stream() -> None:
-            body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2000, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as r:
-                for line in r.iter_lines():
-                    started.set()
-                    lines.append(line)
-
-        t = threading.Thread(target=stream, daemon=True)
-        t.start()
-        assert started.wait(30)
-        server.proc.send_signal(signal.SIGTERM)
-        t.join(20)
-        assert not t.is_alive()
-        events = [x for x in lines if x]
-        errors = [json.loads(x[6:])["error"] for x in events if x.startswith("data: {\"error\"")]
-        assert len(errors) == 1 and events[-1] == "data: [DONE]", events[-3:]
-        assert "drain timeout" in errors[0]["message"] and "engine" not in errors[0]["message"]
-        assert errors[0]["code"] == "shutting_down"
-        assert server.proc.wait(30) == 0
-    finally:
-        server.stop(signal.SIGKILL)
-
-
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("a", "b")]
 
 
 @pytest.fixture(scope="module")
 def two_calls(tmp_path_factory, tiny_chat_dir):
-    """A replay server whose model answers with two hermes tool calls, then text."""
+    """A replay server whose model answers with two hermes tool calls, then text, 5 ms a token (the drain
+    test, the last, stops it with a long stream in flight)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tiny_chat_dir / "tokenizer.json"))
@@ -107,12 +78,14 @@ def two_calls(tmp_path_factory, tiny_chat_dir):
     ids = tok.encode(text, add_special_tokens=False).ids + [tok.token_to_id("<|im_end|>")]
     path = tmp_path_factory.mktemp("replay") / "calls.jsonl"
     path.write_text(json.dumps(ids) + "\n")
-    s = Server("--runner", "replay", "--replay-file", str(path), "--tool-parser", "hermes")
-    yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    s = Server("--runner", "replay", "--replay-file", str(path), "--tool-parser", "hermes", "--replay-step-ms", "5",
+               "--shutdown-timeout", "1")
+    yield s
     assert s.stop() == 0, s.output()
 
 
-def _calls(client, stream: bool, **kw) -> tuple[list[tuple[str, dict]], str]:
+def _calls(server: Server, stream: bool, **kw) -> tuple[list[tuple[str, dict]], str]:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30)
     kw = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200, **kw)
     if not stream:
         r = client.chat.completions.create(**kw)
@@ -146,3 +119,34 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
     plain = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, stream=True,
                                                 stream_options={"include_usage": True}))
     assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage is not None
+
+
+def test_a_drain_that_times_out_says_so(two_calls):
+    """--shutdown-timeout expiring used to tell clients 'the engine process died'. A stream of 10 s, a drain
+    of 1 s: last in the module, it stops `two_calls`."""
+    server = two_calls
+    try:
+        lines: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as r:
+                for line in r.iter_lines():
+                    started.set()
+                    lines.append(line)
+
+        t = threading.Thread(target=stream, daemon=True)
+        t.start()
+        assert started.wait(30)
+        server.proc.send_signal(signal.SIGTERM)
+        t.join(20)
+        assert not t.is_alive()
+        events = [x for x in lines if x]
+        errors = [json.loads(x[6:])["error"] for x in events if x.startswith("data: {\"error\"")]
+        assert len(errors) == 1 and events[-1] == "data: [DONE]", events[-3:]
+        assert "drain timeout" in errors[0]["message"] and "engine" not in errors[0]["message"]
+        assert errors[0]["code"] == "shutting_down"
+        assert server.proc.wait(30) == 0
+    finally:
+        server.stop(signal.SIGKILL)

@@ -262,39 +262,22 @@ def _slow_server(state_dir, *flags: str) -> Server:
                   str(state_dir), "--background-concurrency", "1", *flags)
 
 
-def test_cancel_stops_the_engine_work_is_idempotent_and_ends_the_stream(tmp_path):
-    server = _slow_server(tmp_path, "--request-timeout", "3")
-    try:
-        client = _client(server)
-        b = client.responses.create(model=MODEL, input="go", max_output_tokens=3000, background=True)
-        _wait(client, b.id, until=("in_progress",))
-        assert client.responses.cancel(b.id).status == "cancelled"
-        assert client.responses.cancel(b.id).status == "cancelled"
-        deadline = time.monotonic() + 10
-        while server.metrics()["sluice:num_requests_running"] > 0:
-            assert time.monotonic() < deadline, "the engine still runs the cancelled response"
-            time.sleep(0.05)
-        events = list(client.responses.retrieve(b.id, stream=True))
-        assert events[-1].type == "error" and events[-1].code == "response_cancelled"
-        assert client.responses.retrieve(b.id).status == "cancelled"
-        quick = client.responses.create(model=MODEL, input="go", max_output_tokens=3, background=True)
-        assert _wait(client, quick.id).status == "incomplete"  # the slot it held is free
-        _a_stream_cut_by_its_deadline_ends_failed_and_stored(client)
-    finally:
-        assert server.stop() == 0, server.output()
+@pytest.fixture(scope="module")
+def slow_state(tmp_path_factory):
+    return tmp_path_factory.mktemp("slow-state")
 
 
-def _a_stream_cut_by_its_deadline_ends_failed_and_stored(client):
-    events = list(client.responses.create(model=MODEL, input="go", max_output_tokens=3000, stream=True))
-    assert [e.sequence_number for e in events] == list(range(len(events)))
-    error, failed = events[-2:]
-    assert (error.type, error.code, failed.type) == ("error", "timeout", "response.failed")
-    assert failed.response.error.code == "timeout" and failed.response.id == events[0].response.id
-    assert client.responses.retrieve(failed.response.id).status == "failed"
+@pytest.fixture(scope="module")
+def slow(slow_state):
+    """The slow server with a 3 s deadline: the restart test's second start, then the cancel test's server."""
+    s = _slow_server(slow_state, "--request-timeout", "3")
+    yield s
+    assert s.stop() == 0, s.output()
 
 
-def test_a_restart_keeps_stored_responses_fails_what_it_cut_and_runs_what_was_queued(tmp_path):
-    server = _slow_server(tmp_path)
+def test_a_restart_keeps_stored_responses_fails_what_it_cut_and_runs_what_was_queued(slow_state, request):
+    """Before any test that starts `slow`: that start, on this state directory, is the restart."""
+    server = _slow_server(slow_state)
     try:
         client = _client(server)
         kept = client.responses.create(model=MODEL, input="Remember this.", max_output_tokens=4)
@@ -304,18 +287,41 @@ def test_a_restart_keeps_stored_responses_fails_what_it_cut_and_runs_what_was_qu
         assert client.responses.retrieve(queued.id).status == "queued"  # (one at a time)
     finally:
         assert server.stop() == 0, server.output()
-    server = _slow_server(tmp_path)
-    try:
-        client = _client(server)
-        failed = _wait(client, cut.id)
-        assert failed.status == "failed" and failed.error.code == "server_restarted"
-        assert _wait(client, queued.id).status == "incomplete"
-        chained = client.responses.create(model=MODEL, input="And now?", previous_response_id=kept.id,
-                                          max_output_tokens=2)
-        assert chained.usage.input_tokens > kept.usage.input_tokens + kept.usage.output_tokens
-        assert [i.content[0].text for i in client.responses.input_items.list(kept.id)] == ["Remember this."]
-    finally:
-        assert server.stop() == 0, server.output()
+    client = _client(request.getfixturevalue("slow"))
+    failed = _wait(client, cut.id)
+    assert failed.status == "failed" and failed.error.code == "server_restarted"
+    assert _wait(client, queued.id).status == "incomplete"
+    chained = client.responses.create(model=MODEL, input="And now?", previous_response_id=kept.id,
+                                      max_output_tokens=2)
+    assert chained.usage.input_tokens > kept.usage.input_tokens + kept.usage.output_tokens
+    assert [i.content[0].text for i in client.responses.input_items.list(kept.id)] == ["Remember this."]
+
+
+def test_cancel_stops_the_engine_work_is_idempotent_and_ends_the_stream(slow):
+    client = _client(slow)
+    b = client.responses.create(model=MODEL, input="go", max_output_tokens=3000, background=True)
+    _wait(client, b.id, until=("in_progress",))
+    assert client.responses.cancel(b.id).status == "cancelled"
+    assert client.responses.cancel(b.id).status == "cancelled"
+    deadline = time.monotonic() + 10
+    while slow.metrics()["sluice:num_requests_running"] > 0:
+        assert time.monotonic() < deadline, "the engine still runs the cancelled response"
+        time.sleep(0.05)
+    events = list(client.responses.retrieve(b.id, stream=True))
+    assert events[-1].type == "error" and events[-1].code == "response_cancelled"
+    assert client.responses.retrieve(b.id).status == "cancelled"
+    quick = client.responses.create(model=MODEL, input="go", max_output_tokens=3, background=True)
+    assert _wait(client, quick.id).status == "incomplete"  # the slot it held is free
+    _a_stream_cut_by_its_deadline_ends_failed_and_stored(client)
+
+
+def _a_stream_cut_by_its_deadline_ends_failed_and_stored(client):
+    events = list(client.responses.create(model=MODEL, input="go", max_output_tokens=3000, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    error, failed = events[-2:]
+    assert (error.type, error.code, failed.type) == ("error", "timeout", "response.failed")
+    assert failed.response.error.code == "timeout" and failed.response.id == events[0].response.id
+    assert client.responses.retrieve(failed.response.id).status == "failed"
 
 
 # ---- gpt-oss: harmony recordings ------------------------------------------------
@@ -380,15 +386,13 @@ def test_codex_on_gpt_oss_gets_sealed_reasoning_back_and_harmony_renders_it_as_t
     assert sealed.usage.input_tokens == without.usage.input_tokens + len(analysis) + 2  # (+ <|start|>assistant)
 
 
-def test_truncation_auto_drops_the_oldest_turns_until_the_prompt_fits(tmp_path):
-    s = Server("--runner", "replay", "--max-model-len", "256", "--state-dir", str(tmp_path))
-    try:
-        client = _client(s)
-        turns = [{"role": role, "content": f"turn {i}: " + "words and more words " * 12}
-                 for i, role in enumerate(["user", "assistant"] * 3 + ["user"])]
-        with pytest.raises(openai.BadRequestError, match="context length"):
-            client.responses.create(model=MODEL, input=turns, max_output_tokens=8, store=False)
-        r = client.responses.create(model=MODEL, input=turns, max_output_tokens=8, store=False, truncation="auto")
-        assert r.status in ("completed", "incomplete") and 0 < r.usage.input_tokens <= 256 - 8
-    finally:
-        assert s.stop() == 0, s.output()
+def test_truncation_auto_drops_the_oldest_turns_until_the_prompt_fits(client):
+    """The session's server (store: false): seven turns, each as long beside its context as 12 repeats
+    beside 256 tokens."""
+    limit = client.models.list().data[0].model_extra["max_model_len"]
+    turns = [{"role": role, "content": f"turn {i}: " + "words and more words " * (12 * limit // 256)}
+             for i, role in enumerate(["user", "assistant"] * 3 + ["user"])]
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.responses.create(model=MODEL, input=turns, max_output_tokens=8, store=False)
+    r = client.responses.create(model=MODEL, input=turns, max_output_tokens=8, store=False, truncation="auto")
+    assert r.status in ("completed", "incomplete") and 0 < r.usage.input_tokens <= limit - 8

@@ -129,28 +129,17 @@ def test_a_worker_that_dies_is_taken_out_and_put_back(trio, monkeypatch):
         b.stop()
 
 
-def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error(tiny_chat_dir):
-    slow = Server("--runner", "replay", "--replay-step-ms", "50")
-    router = RouterProc("--workers", slow.url, "--model", MODEL)
-    try:
-        with httpx.stream("POST", router.url + "/v1/chat/completions", timeout=60, json={
-                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 500,
-                "ignore_eos": True, "stream": True}) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")
-            slow.stop(signal.SIGKILL)
-            rest = list(lines)
-        rest = [line for line in rest if line]
-        assert any('"worker_failed"' in line for line in rest) and rest[-1] == "data: [DONE]"
-    finally:
-        router.stop()
-        slow.stop()
+@pytest.fixture(scope="module")
+def slow():
+    """One replay server that steps every 50 ms, shared by the tests below in their order: the last one kills it."""
+    server = Server("--runner", "replay", "--replay-step-ms", "50")
+    yield server
+    server.stop()
 
 
-def test_a_client_that_leaves_mid_stream_frees_the_workers_request(tiny_chat_dir):
+def test_a_client_that_leaves_mid_stream_frees_the_workers_request(slow):
     """The router closes its connection to the worker when its client goes: the worker aborts the request and
     frees its blocks, and the router serves the next request on a fresh connection."""
-    slow = Server("--runner", "replay", "--replay-step-ms", "50")
     router = RouterProc("--workers", slow.url, "--model", MODEL)
     try:
         with httpx.stream("POST", router.url + "/v1/completions", timeout=60, json={
@@ -169,7 +158,6 @@ def test_a_client_that_leaves_mid_stream_frees_the_workers_request(tiny_chat_dir
         assert _chat(router.url, "again").status_code == 200
     finally:
         router.stop()
-        slow.stop()
 
 
 def _running(pid: int) -> bool:
@@ -181,8 +169,7 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_a_killed_router_frees_its_requests_and_its_workers(tiny_chat_dir):
-    slow = Server("--runner", "replay", "--replay-step-ms", "50")
+def test_a_killed_router_frees_its_requests_and_its_workers(slow):
     router = RouterProc("--workers", slow.url, "--model", MODEL)
     try:
         with httpx.stream("POST", router.url + "/v1/completions", timeout=60, json={
@@ -202,7 +189,22 @@ def test_a_killed_router_frees_its_requests_and_its_workers(tiny_chat_dir):
             time.sleep(0.1)
     finally:
         router.stop()
-        slow.stop()
+
+
+def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error(slow):
+    router = RouterProc("--workers", slow.url, "--model", MODEL)
+    try:
+        with httpx.stream("POST", router.url + "/v1/chat/completions", timeout=60, json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 500,
+                "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            slow.stop(signal.SIGKILL)
+            rest = list(lines)
+        rest = [line for line in rest if line]
+        assert any('"worker_failed"' in line for line in rest) and rest[-1] == "data: [DONE]"
+    finally:
+        router.stop()
 
 
 # ---- disaggregated serving through the router ------------------------------------------------------------------

@@ -86,10 +86,8 @@ def test_strict_tools_hold_a_call_the_model_starts_on_its_own(hermes):
 
 
 @pytest.fixture(scope="module")
-def gpt_oss():
-    s = Server("--model", "builtin:tiny-gpt-oss", "--max-model-len", "4096")
-    yield client_of(s)
-    assert s.stop() == 0, s.output()
+def gpt_oss(gpt_oss_server):
+    return client_of(gpt_oss_server)
 
 
 def test_gpt_oss_forced_calls_hold_and_its_reasoning_stays_free(gpt_oss):

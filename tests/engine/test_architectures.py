@@ -1,20 +1,27 @@
-"""The decoder families beyond Llama (Gemma 2 and 3, Phi-3, OLMo 2, Granite, SmolLM3, GLM-4, DeepSeek-V2) against
+"""The decoder families beyond Llama (Gemma 2 and 3, Phi-3, OLMo 2, Granite, SmolLM3, GLM-4, DeepSeek-V2 and V3) against
 transformers, on tiny random checkpoints that transformers itself writes, run on the default CPU backend."""
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
+import math
+import shutil
 from typing import Any
 
 import pytest
 import torch
 import transformers
+from safetensors.torch import save_file
 
 from sluice.app.builtin_models import write_llama_family
 from sluice.engine.cpu import kernels
 from sluice.engine.cpu.backend import decode_layer
 from sluice.engine.layers import GeGLU, OffsetRMSNorm
+from sluice.engine.loader import empty_model, load_model
 from sluice.engine.model_runner import kv_block_bytes
 from sluice.engine.models.registry import MODELS, model_class
-from sluice.engine.moe import route
+from sluice.engine.moe import SparseMoE, route
 from sluice.engine.rope import Rotary
 from tests.engine.helpers import generate, make_engine, seq
 
@@ -23,6 +30,19 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_lay
             bos_token_id=1, eos_token_id=2)
 
 # name -> (transformers config class, its arguments beyond TINY, whether the layers may run in one C call)
+# Kimi-K2-Instruct's config.json, less its tokenizer's and quantization's keys
+KIMI_K2 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "vocab_size": 163840, "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 64,
+    "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 384, "routed_scaling_factor": 2.827,
+    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+    "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8, "moe_layer_freq": 1,
+    "first_k_dense_replace": 1, "norm_topk_prob": True, "scoring_func": "sigmoid", "hidden_act": "silu",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-06, "rope_theta": 50000.0, "num_nextn_predict_layers": 0,
+    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "tie_word_embeddings": False}
+
 VARIANTS: dict[str, tuple[str, dict[str, Any], bool]] = {
     "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=12,
                                     attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
@@ -58,6 +78,15 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], bool]] = {
         topk_method="group_limited_greedy", n_group=4, topk_group=2,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
                          "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.8}), False),
+    # V3's router: sigmoid scores, a score-correction bias (random here: write_checkpoint) for the choice, the
+    # best 2 of 4 groups by their top-2 sums, the weights renormalised and scaled; YaRN as V3 ships it
+    "deepseek-v3": ("DeepseekV3Config", dict(
+        num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=20, kv_lora_rank=40, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
+        moe_intermediate_size=24, first_k_dense_replace=1, routed_scaling_factor=2.5, n_group=4, topk_group=2,
+        norm_topk_prob=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
+                         "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 1.0}), False),
 }
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 57)), list(range(100, 171, 2)), [200] * 3]
 
@@ -74,6 +103,9 @@ def write_checkpoint(path, config_class: str, **overrides) -> None:
                 p.uniform_(0.5, 1.5)
             else:
                 p.normal_(0.0, 0.5 if "embed" in name or "lm_head" in name else 0.15)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # (a buffer to transformers, zero unless trained)
+                b.normal_(0.0, 0.2)
     model.save_pretrained(path)
 
 
@@ -113,11 +145,13 @@ def transformers_logits(hf, tokens: list[int], forwards: list[tuple[int, int]] |
                              position_ids=torch.arange(a, a + n).unsqueeze(0)).logits[0] for a, n in forwards]).float()
 
 
-@pytest.mark.parametrize("budget", [2048, 16])  # one prefill step, or chunked prefill
-def test_logits_match_through_prefill_and_decode(checkpoint, budget):
+# each in one prefill step, or chunked prefill (V2-Lite's chunks take the kernels' latent attention as V3's do)
+@pytest.mark.parametrize(("name", "budget"), [(name, budget) for name in sorted(VARIANTS) for budget in (2048, 16)
+                                              if (name, budget) != ("deepseek-v2-lite", 16)])
+def test_logits_match_through_prefill_and_decode(checkpoints, name, budget):
     """Every row the engine scores, against transformers' logits at that position of the whole sequence; for
     LongRoPE, of transformers computing the sequence in the same forwards as the engine's steps."""
-    path, hf, _ = checkpoint
+    path, hf, _ = checkpoints(name)
     runner, sched = make_engine(path, budget=budget, block_size=8)
     seqs = [seq(f"r{i}", p, max_tokens=6, temperature=0.0) for i, p in enumerate(PROMPTS)]
     for s in seqs:
@@ -139,8 +173,10 @@ def test_logits_match_through_prefill_and_decode(checkpoint, budget):
             torch.testing.assert_close(got, ref[position], rtol=1e-4, atol=1e-4)
 
 
-def test_greedy_tokens_batched_and_preempted_equal_alone_and_prefix_cached(checkpoint):
-    path, _, _ = checkpoint
+# (V2-Lite's cache and attention path, a 48-wide latent through the kernels, is V3's: its logits above suffice)
+@pytest.mark.parametrize("name", sorted(set(VARIANTS) - {"deepseek-v2-lite"}))
+def test_greedy_tokens_batched_and_preempted_equal_alone_and_prefix_cached(checkpoints, name):
+    path, _, _ = checkpoints(name)
     prompts = {f"r{i}": p for i, p in enumerate(PROMPTS)}
     runner, sched = make_engine(path, block_size=4, num_blocks=14)  # 56 slots: the four cannot all stay
     batched = generate(runner, sched, [seq(r, p, max_tokens=10, temperature=0.0) for r, p in prompts.items()])
@@ -162,7 +198,7 @@ def test_only_layers_the_kernels_compute_run_in_one_call(checkpoint):
     assert runner.one_call == (one_call and kernels.f32_step() is not None)  # (the kernel needs AVX-512F or AVX2)
 
 
-@pytest.mark.parametrize("name", ["deepseek-v2-lite", "deepseek-v2"])
+@pytest.mark.parametrize("name", ["deepseek-v2-lite", "deepseek-v2", "deepseek-v3"])
 def test_the_latent_cache_holds_one_latent_and_rotary_key_per_token_per_layer(checkpoints, name):
     """Multi-head latent attention's cache: kv_lora_rank + qk_rope_head_dim values a token a layer, in one
     tensor that is both the keys and the values, not the heads' expanded keys and values (here 4 heads of
@@ -187,6 +223,127 @@ def test_group_limited_routing_chooses_only_among_the_best_groups():
     weights, chosen = route(logits, 3, renormalize=False, groups=(4, 2), scale=1.5)
     assert chosen.tolist() == [[0, 2, 1]]
     torch.testing.assert_close(weights, probs[:, [0, 2, 1]] * 1.5)
+
+
+def test_v3_routing_chooses_by_corrected_sigmoid_scores_among_the_groups_whose_best_two_sum_highest():
+    """DeepSeek-V3's noaux_tc: sigmoid scores plus the correction bias choose, among the 2 of 4 groups whose two
+    best corrected scores sum highest; the chosen get their uncorrected scores, renormalised and scaled."""
+    logits = torch.tensor([[3.0, -3.0, 1.0, 0.9, 2.0, -3.0, 0.0, 0.0]])  # groups (0 1) (2 3) (4 5) (6 7)
+    bias = torch.tensor([0.0] * 7 + [0.5])  # expert 7: 0.5 + 0.5
+
+    def chosen(**kw) -> list[int]:
+        return sorted(route(logits, 3, renormalize=True, sigmoid=True, **kw)[1][0].tolist())
+
+    assert chosen() == [0, 2, 4]
+    assert chosen(correction=bias) == [0, 4, 7]
+    # the groups by their best two: (6 7) 1.5, (2 3) 1.44, (0 1) 1.0, (4 5) 0.93; by their best one, (6 7) and
+    # (0 1) would be kept, and 0 and 6 chosen with 7
+    assert chosen(correction=bias, groups=(4, 2)) == [2, 3, 7]
+    weights, experts = route(logits, 3, renormalize=True, groups=(4, 2), scale=2.5, sigmoid=True, correction=bias)
+    scores = logits.sigmoid()[0, experts[0]]
+    torch.testing.assert_close(weights[0], scores / scores.sum() * 2.5)
+
+
+def test_the_v3_checkpoints_experts_depend_on_the_correction_and_the_groups(checkpoints):
+    """In the tiny V3 checkpoint both change the experts tokens choose: its mixture equals transformers' with
+    both, and neither without one (so the logits test above fails where the engine ignores either)."""
+    path, hf, _ = checkpoints("deepseek-v3")
+    moe = load_model(path, torch.float32, torch.device("cpu")).model.layers[1].mlp
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))  # [T, D], as the norm before it gives
+    with torch.no_grad():
+        ref = hf.model.layers[1].mlp(x.unsqueeze(0))[0]
+        torch.testing.assert_close(moe(x), ref, rtol=1e-4, atol=1e-4)
+        chosen = moe_choices(moe, x)
+        bias, moe.gate.e_score_correction_bias = moe.gate.e_score_correction_bias, None
+        assert moe_choices(moe, x) != chosen and not torch.allclose(moe(x), ref, rtol=1e-3, atol=1e-3)
+        moe.gate.e_score_correction_bias, moe.groups = bias, None
+        assert moe_choices(moe, x) != chosen and not torch.allclose(moe(x), ref, rtol=1e-3, atol=1e-3)
+
+
+def moe_choices(moe: SparseMoE, x: torch.Tensor) -> list[set[int]]:
+    return [set(row) for row in moe.choose(x)[1].tolist()]
+
+
+@pytest.mark.parametrize("name", ["deepseek-v2", "deepseek-v3"])
+def test_yarn_tables_and_the_mscale_score_scale_equal_transformers(checkpoints, name):
+    """YaRN as DeepSeek configures it: the rotary tables scaled by mscale / mscale_all_dim's ratio (0.8 in the
+    V2 checkpoint: not 1) and the scores by mscale_all_dim's temperature squared, as transformers' are."""
+    path, hf, _ = checkpoints(name)
+    model = empty_model(json.loads((path / "config.json").read_text()), torch.float32, torch.device("cpu"))
+    attn = hf.model.layers[0].self_attn
+    assert model.model.layers[0].self_attn.scale == pytest.approx(attn.scaling, rel=1e-12)
+    assert attn.scaling != pytest.approx(attn.qk_head_dim ** -0.5)
+    positions = torch.arange(256).unsqueeze(0)
+    half = hf.config.qk_rope_head_dim // 2
+    if name == "deepseek-v2":  # (cos + i sin, times the ratio)
+        table = hf.model.rotary_emb(torch.zeros(1), positions)[0]
+        cos, sin = table.real, table.imag
+    else:  # (the halves repeated)
+        cos, sin = (t[0, :, :half] for t in hf.model.rotary_emb(torch.zeros(1), positions))
+    torch.testing.assert_close(model.rotary.cos, cos, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.rotary.sin, sin, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_v3_rotary_gives_transformers_scores_with_or_without_rope_interleave(checkpoints, interleave):
+    """V3's `rope_interleave` (pairs 2i / 2i + 1, its default) or not (i / i + rope/2): the rotated queries'
+    and keys' dot products at every pair of positions are transformers' (its interleaved form returns the
+    dimensions permuted, the same for queries and keys)."""
+    path, hf, _ = checkpoints("deepseek-v3")
+    config = {**json.loads((path / "config.json").read_text()), "rope_interleave": interleave}
+    rotary = empty_model(config, torch.float32, torch.device("cpu")).rotary
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(40, 2, 8, generator=g), torch.randn(40, 2, 8, generator=g)  # [T, H, rope]
+    positions = torch.arange(40)
+    ours = torch.einsum("thd,shd->hts", rotary(q, positions), rotary(k, positions))
+    cos, sin = hf.model.rotary_emb(torch.zeros(1), positions.unsqueeze(0))
+    v3 = transformers.models.deepseek_v3.modeling_deepseek_v3
+    rotate = v3.apply_rotary_pos_emb_interleave if interleave else v3.apply_rotary_pos_emb
+    hq, hk = rotate(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), cos, sin)  # [1, H, T, rope]
+    torch.testing.assert_close(ours, hq[0] @ hk[0].transpose(1, 2), rtol=1e-4, atol=1e-4)
+
+
+def test_a_bf16_v3_keeps_the_routers_correction_bias_in_float32(checkpoints):
+    """As transformers and vLLM do: the bias tells apart experts whose sigmoid scores differ by less than bf16
+    resolves near 1."""
+    path, hf, _ = checkpoints("deepseek-v3")
+    model = load_model(path, torch.bfloat16, torch.device("cpu"))
+    bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+    assert bias.dtype == torch.float32 and model.model.layers[1].mlp.gate.weight.dtype == torch.bfloat16
+    assert torch.equal(bias, hf.model.layers[1].mlp.gate.e_score_correction_bias)
+
+
+def test_deepseek_v3s_multi_token_prediction_layers_are_skipped_at_load_with_a_log_line(checkpoints, tmp_path,
+                                                                                        caplog):
+    """V3 and R1 checkpoints hold `num_nextn_predict_layers` more layers after the last (model.layers.61 of
+    61): the model loads without them, saying so; a checkpoint whose config declares none is still refused."""
+    path, _, _ = checkpoints("deepseek-v3")
+    shutil.copytree(path, tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    save_file({"model.layers.3.eh_proj.weight": torch.zeros(64, 128), "model.layers.3.enorm.weight": torch.ones(64)},
+              tmp_path / "m" / "mtp.safetensors")
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ValueError, match="tensors the model does not use"):
+        load_model(tmp_path / "m", torch.float32, torch.device("cpu"))
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    with caplog.at_level(logging.INFO, logger="sluice.engine"):
+        load_model(tmp_path / "m", torch.float32, torch.device("cpu"))
+    assert "skipping the 2 tensors of 1 multi-token prediction layer(s) (model.layers.3...)" in caplog.text
+
+
+def test_kimi_k2s_config_is_deepseek_v3s_with_one_group():
+    """Kimi-K2 (model_type kimi_k2) names DeepseekV3ForCausalLM: 384 experts in one group (every token
+    choosing among all), sigmoid scores with the correction, renormalised, times 2.827; one dense layer;
+    YaRN x32 as `type` (the classic key) with its mscale in the scores."""
+    c = model_class(KIMI_K2).config_class.from_hf(KIMI_K2)
+    assert (c.num_experts, c.experts_per_token, c.groups, c.sigmoid, c.corrected, c.renormalize) == \
+        (384, 8, None, True, True, True)
+    assert c.routed_scale == 2.827 and c.sparse_layers == (False,) + (True,) * 60 and c.mtp_layers == 0
+    assert c.rope_scaling["rope_type"] == "yarn"
+    assert c.scale == pytest.approx(192 ** -0.5 * (0.1 * math.log(32) + 1) ** 2)
+    with torch.device("meta"):  # (two of its layers: the dense one and a mixture)
+        model = model_class(KIMI_K2)(dataclasses.replace(c, num_layers=2, sparse_layers=(False, True)))
+    assert model.model.layers[1].mlp.gate.e_score_correction_bias.shape == (384,)
 
 
 def test_an_unknown_architecture_is_refused_with_the_served_ones():

@@ -3,7 +3,8 @@ that has them) runs a float32 step through the layers in one call, on csrc/f32_l
 linears csrc/f32_matmul_avx2.c's): the path taken is that build's, and its values are torch's float32 path's
 within float32 rounding (hidden states, cache, logits), with the same greedy tokens, batched and alone,
 decode steps and steps that carry prefill chunks, grouped-query heads, Qwen3's q/k norms, biases, a sliding
-window and attention sinks."""
+window and attention sinks. Prompts too long for the step in one call attend on csrc/causal_attention.c built for
+AVX2 (torch's values, the same tokens), and the sampler's exp pass runs csrc/exp_blocks.c's AVX2 build."""
 from __future__ import annotations
 
 import os
@@ -14,9 +15,11 @@ import torch
 from torch import nn
 
 from sluice.engine.cpu import build as kernel_build
-from sluice.engine.cpu import kernels
+from sluice.engine.cpu import kernels, ops
+from sluice.engine.cpu.backend import CpuBackend
 from sluice.engine.cpu.matmul import F32Matmul
 from sluice.engine.cpu.stack import DecoderStack
+from tests.engine import test_f32_kernels as f32_tests
 from tests.engine.helpers import seq
 from tests.engine.test_f32_kernels import PROMPTS, VARIANTS, _bf16_checkpoint, _close, _engines, decode_step_is_torchs
 
@@ -122,3 +125,55 @@ def test_avx2_steps_with_attention_sinks_are_torchs(tmp_path):
     with _one_call_spy(calls):
         _lockstep(fast, plain, PROMPTS, max_tokens=10)
     assert calls and all(ran for _, ran in calls) and any(rows > len(PROMPTS) for rows, _ in calls)
+
+
+def test_prompts_attention_and_the_exp_pass_take_their_avx2_builds(caplog):
+    with caplog.at_level("INFO", logger="sluice.engine"):
+        causal, exp = kernels.causal_library(), kernels.exp_library()
+    assert causal is kernels.causal_library(kernel_build._AVX2) is not None
+    assert exp is kernels.exp_library(kernel_build._AVX2) is not None
+    assert kernels.causal_attention_f32() is causal.sluice_f32_causal_attention
+    assert CpuBackend(torch.float32).exp_kernels() == (exp.sluice_exp_blocks, exp.sluice_exp_block)
+    assert "CPU kernel causal_attention: AVX2 and FMA" in caplog.text
+    assert "CPU kernel exp_blocks: AVX2 and FMA" in caplog.text
+
+
+# (chunks (start, length), kv heads, query heads per kv head, head dim, seed): whole prompts and chunks from later
+# positions, padded to the longest; tails of the kernel's 64-key blocks and 16-position tiles; every run of
+# vectors the AVX2 build's value products take (head dims of 2, 4 + 2 and 4 x 8 vectors); 1 to 16 query heads
+# a kv head
+_CAUSAL_CASES = [([(0, 150)], 1, 16, 256, 1), ([(37, 90), (0, 5), (150, 61)], 3, 3, 48, 2),
+                 ([(5, 70)], 2, 5, 16, 3), ([(64, 64), (1, 1)], 1, 1, 128, 4), ([(0, 1)], 2, 2, 32, 5)]
+
+
+@pytest.mark.parametrize("chunks, kv_heads, group, dim, seed", _CAUSAL_CASES)
+def test_avx2_prompts_attention_is_the_masked_torch_path(chunks, kv_heads, group, dim, seed):
+    """test_f32_kernels' test of csrc/causal_attention.c (torch's values within float32 rounding), on its AVX2
+    build."""
+    assert kernels.causal_attention_f32() is kernels.causal_library(kernel_build._AVX2).sluice_f32_causal_attention
+    f32_tests.test_float32_causal_attention_is_the_masked_torch_path.hypothesis.inner_test(
+        chunks=chunks, kv_heads=kv_heads, group=group, dim=dim, seed=seed)
+
+
+def test_avx2_paged_prompts_attention_reads_queries_and_keys_where_they_lie():
+    f32_tests.test_paged_causal_attention_reads_queries_and_keys_where_they_lie.hypothesis.inner_test(
+        chunks=[(37, 70), (0, 5), (100, 61)], kv_heads=3, group=3, dim=64, seed=7)
+
+
+def test_avx2_long_prompts_attend_on_the_causal_kernel_with_torchs_logits_and_tokens(tmp_path):
+    """A prompt too long for the step in one call (rows x keys past 65,536), its first chunk from position 0 and
+    its second from 260: its attention on causal_attention.c's AVX2 build, every step's logits torch's within
+    float32 rounding and its greedy tokens."""
+    path = _bf16_checkpoint(tmp_path / "m", **VARIANTS["llama-gqa"])
+    run, starts = ops.paged_causal_attention, []
+
+    def spy(*args):
+        ran = run(*args)
+        starts.append(int(args[7].max()) if ran else -1)
+        return ran
+
+    with mock.patch.object(ops, "paged_causal_attention", side_effect=spy):
+        _lockstep(*_engines(path, block_size=16, num_blocks=128, budget=260),
+                  [[(3 * i) % 390 + 5 for i in range(520)]], max_tokens=4)
+    assert kernels.causal_attention_f32() is kernels.causal_library(kernel_build._AVX2).sluice_f32_causal_attention
+    assert sorted(set(starts)) == [0, 260]  # each layer's attention of both chunks on the kernel

@@ -1,10 +1,9 @@
 """Sluice's C kernels for the CPU. The bf16 matmul (engine/csrc/bf16_matmul.c), as the LM head and the
 small linears: its products are F.linear's, its argmax is the argmax of those logits (first index of a
-tie). Sampling's exp pass
-(engine/csrc/exp_blocks.c): torch's exp within float32 rounding, masked tokens exactly 0, block sums as
-the sampler reads them. Decode attention over the paged cache, rotary with the KV store, and RMSNorm:
-the torch paths' values within bf16 rounding. A row's result never depends on its batch, and the engine
-falls back to torch when a kernel cannot be built."""
+tie). Sampling's exp pass (engine/csrc/exp_blocks.c, built for AVX-512F and for AVX2): torch's exp within
+float32 rounding, masked tokens exactly 0, block sums as the sampler reads them. Decode attention over the
+paged cache, rotary with the KV store, and RMSNorm: the torch paths' values within bf16 rounding. A row's
+result never depends on its batch, and the engine falls back to torch when a kernel cannot be built."""
 from __future__ import annotations
 
 import ast
@@ -19,22 +18,33 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluice.engine.cpu import build as kernel_build
-from sluice.engine.cpu import ops
+from sluice.engine.cpu import kernels, ops
 from sluice.engine.cpu.backend import CpuBackend
 from sluice.engine.cpu.matmul import Bf16Matmul, Int8Argmax
 from sluice.engine.layers import Linear
 from sluice.engine.lm_head import lm_head
-from sluice.engine.sampler import SamplingBatch, _draw_from_sums, _per_block, argmax, exp_blocks, inverse_cdf, sample
+from sluice.engine.sampler import (ExpKernels, SamplingBatch, _draw_from_sums, _per_block, argmax, exp_blocks,
+                                   inverse_cdf, sample)
 from tests.engine.helpers import generate, make_engine, seq
 
 _ISA = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
-def _exp():
-    """The CPU backend's kernels for the sampler's exp pass (None where they cannot run)."""
-    return CpuBackend(torch.float32).exp_kernels()
+def _exp(isa: tuple[str, ...] | None = None) -> ExpKernels | None:
+    """The CPU backend's kernels for the sampler's exp pass (None where they cannot run), or csrc/exp_blocks.c
+    built for `isa` (what a CPU whose widest is that runs: the build, not the choice, is under test)."""
+    if isa is None:
+        return CpuBackend(torch.float32).exp_kernels()
+    lib = kernels.exp_library(isa)
+    assert lib is not None, f"exp_blocks.c did not build for {isa}"
+    return ExpKernels(lib.sluice_exp_blocks, lib.sluice_exp_block)
 
 
 needs_kernel = pytest.mark.skipif(not _ISA <= kernel_build.cpu_flags(), reason="this CPU lacks AVX512-BF16")
 needs_avx512 = pytest.mark.skipif(not {"avx512f", "avx512bw"} <= kernel_build.cpu_flags(), reason="no AVX-512")
+needs_avx2 = pytest.mark.skipif(not {"avx2", "fma"} <= kernel_build.cpu_flags(), reason="this CPU lacks AVX2/FMA")
+# the exp pass's builds (csrc/f32_vec.h's vectors): each test of them runs on every one this CPU has, each at
+# half the examples the AVX-512 build alone had (the suite's time)
+EXP_ISAS = [pytest.param(kernel_build._AVX512, id="AVX-512F", marks=needs_avx512),
+            pytest.param(kernel_build._AVX2, id="AVX2", marks=needs_avx2)]
 
 
 @pytest.fixture
@@ -293,17 +303,17 @@ def test_greedy_rows_beside_sampled_ones_take_the_argmax_path_with_the_same_toke
     assert together == alone
 
 
-@needs_avx512
-@settings(max_examples=30, deadline=None)
+@pytest.mark.parametrize("isa", EXP_ISAS)
+@settings(max_examples=15, deadline=None)
 @given(vocab=st.integers(1, 3000), rows=st.integers(1, 9), masked=st.integers(0, 50),
        dtype=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2**16))
-def test_exp_blocks_are_torch_exp_and_block_sums(vocab, rows, masked, dtype, seed):
+def test_exp_blocks_are_torch_exp_and_block_sums(isa, vocab, rows, masked, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(rows, vocab, generator=g) * 8).to(dtype)
     logits.view(-1)[torch.randint(0, rows * vocab, (masked,), generator=g)] = float("-inf")
     logits[:, 0] = 1.0  # no row entirely masked
     temperature = torch.rand(rows, 1, generator=g) * 2 + 0.05
-    probs, sums = exp_blocks(logits, temperature, _exp())
+    probs, sums = exp_blocks(logits, temperature, _exp(isa))
     assert sums is not None, "the kernel did not load"
     x = logits.double() / temperature.double()
     y = x - x.amax(dim=-1, keepdim=True)  # exact here; in float32 it carries ~|y| ulps of rounding
@@ -314,15 +324,15 @@ def test_exp_blocks_are_torch_exp_and_block_sums(vocab, rows, masked, dtype, see
     assert (probs[tiny] <= ref[tiny] + 1e-37).all() and (probs[logits == float("-inf")] == 0).all()
     torch.testing.assert_close(sums, _per_block(probs, torch.sum)[0], rtol=1e-5, atol=1e-30)
     for r in range(rows):  # a row alone gives the same bits
-        alone, alone_sums = exp_blocks(logits[r : r + 1], temperature[r : r + 1], _exp())
+        alone, alone_sums = exp_blocks(logits[r : r + 1], temperature[r : r + 1], _exp(isa))
         assert torch.equal(alone[0], probs[r]) and torch.equal(alone_sums[0], sums[r])
 
 
-@needs_avx512
-@settings(max_examples=40, deadline=None)
+@pytest.mark.parametrize("isa", EXP_ISAS)
+@settings(max_examples=20, deadline=None)
 @given(vocab=st.integers(1, 5000), rows=st.integers(1, 12), masked=st.integers(0, 3000), peaked=st.booleans(),
        dtype=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2**16))
-def test_drawing_from_block_sums_is_drawing_from_the_written_probs(vocab, rows, masked, peaked, dtype, seed):
+def test_drawing_from_block_sums_is_drawing_from_the_written_probs(isa, vocab, rows, masked, peaked, dtype, seed):
     """The sampler's plain-temperature path (the kernel's block sums, then one block's probs a row) draws
     the tokens of the inverse CDF over every prob written, for any uniform: the same bits."""
     g = torch.Generator().manual_seed(seed)
@@ -334,9 +344,9 @@ def test_drawing_from_block_sums_is_drawing_from_the_written_probs(vocab, rows, 
     u[0] = 1 - 2**-53  # the last token with mass
     if rows > 1:
         u[1] = 0.0
-    tokens = _draw_from_sums(logits, temperature, u, _exp())
+    tokens = _draw_from_sums(logits, temperature, u, _exp(isa))
     assert tokens is not None, "the kernel did not load"
-    probs, sums = exp_blocks(logits, temperature, _exp())
+    probs, sums = exp_blocks(logits, temperature, _exp(isa))
     assert torch.equal(tokens, inverse_cdf(probs, u.float(), sums))
 
 

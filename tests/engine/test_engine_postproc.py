@@ -26,9 +26,10 @@ _examples = itertools.count()  # request ids are unique in a server's life (an e
 
 
 def make_engine(model_dir, tmp_path, runner: str, **kw) -> Engine:
-    cfg = ServerConfig(model="m", model_path=str(model_dir), served_model_names=["m"], runtime_dir=str(tmp_path),
-                       max_model_len=128, runner=runner, postproc_workers=SHARDS, max_num_seqs=16,
-                       max_num_batched_tokens=256, **kw)
+    """A small engine in process (`kw`: more ServerConfig fields, or others than these defaults)."""
+    cfg = ServerConfig(**{**dict(model="m", model_path=str(model_dir), served_model_names=["m"],
+                                 runtime_dir=str(tmp_path), max_model_len=128, runner=runner, postproc_workers=SHARDS,
+                                 max_num_seqs=16, max_num_batched_tokens=256), **kw})
     return Engine(cfg)
 
 

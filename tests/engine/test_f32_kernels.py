@@ -51,9 +51,9 @@ needs_amx = pytest.mark.skipif(not AMX, reason="this CPU lacks AMX-BF16")
 
 
 @pytest.fixture
-def fresh_kernels(tmp_path, monkeypatch):
-    """A cache directory of its own and no kernel loaded yet."""
-    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "cache"))
+def fresh_kernels():
+    """No kernel loaded yet (the builds stay cached: a build's key holds its instruction sets, so a CPU with
+    some hidden finds only builds it could have made)."""
     kernel_build.clear()
     yield
     kernel_build.clear()
@@ -685,8 +685,17 @@ def test_float32_rope_store_is_torchs_rotary_and_the_cache_writes(build, tokens,
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])  # (nothing written)
 
 
+@pytest.fixture(scope="module")
+def best_path_tokens(tmp_path_factory):
+    """A checkpoint and its greedy tokens on the best path this CPU has."""
+    path = _bf16_checkpoint(tmp_path_factory.mktemp("hidden") / "m", **VARIANTS["qwen3-qk-norm"])
+    runner, sched = make_engine(path)
+    return path, generate(runner, sched, [seq(f"r{i}", p, max_tokens=16, temperature=0.0)
+                                          for i, p in enumerate(PROMPTS)])
+
+
 @pytest.mark.parametrize("hide", ["amx_bf16", "avx512f", "avx512f,avx2", "all"])
-def test_cpus_without_the_instructions_run_other_paths_with_the_same_tokens(hide, tmp_path, fresh_kernels,
+def test_cpus_without_the_instructions_run_other_paths_with_the_same_tokens(hide, best_path_tokens, fresh_kernels,
                                                                           monkeypatch):
     """SLUICE_CPU_HIDE stands for a CPU without those instructions (amx_bf16: AVX-512 without AMX; avx512f: AVX2
     alone; avx512f,avx2: neither) and SLUICE_CPU_KERNELS=0 for kernels turned off. What runs follows from what
@@ -695,9 +704,7 @@ def test_cpus_without_the_instructions_run_other_paths_with_the_same_tokens(hide
     at all otherwise. The tokens are those of the best path the host has."""
     if hide != "all" and not set(hide.split(",")) & kernel_build.cpu_flags():
         pytest.skip(f"this CPU has none of {hide}: hiding them is the run without hiding")
-    path = _bf16_checkpoint(tmp_path / "m", **VARIANTS["qwen3-qk-norm"])
-    runner, sched = make_engine(path)
-    tokens = generate(runner, sched, [seq(f"r{i}", p, max_tokens=16, temperature=0.0) for i, p in enumerate(PROMPTS)])
+    path, tokens = best_path_tokens
     if hide == "all":
         monkeypatch.setenv("SLUICE_CPU_KERNELS", "0")
     else:  # (beside what the run hides already: a whole suite run as a smaller CPU)

@@ -1,11 +1,14 @@
 """One GGUF file served as a model (sluice/gguf_checkpoint.py, engine/gguf.py) against transformers reading the
 same file (it dequantizes every tensor: the reference), for tiny random Llama, Qwen2 and Qwen3 checkpoints
-written as GGUF files with every block format the kernels read."""
+written as GGUF files with every block format the kernels read, and (Llama) the Q5_0 / Q5_1 that are repacked
+to Q8_0 at load."""
 from __future__ import annotations
 
 import copy
 import json
 
+import gguf
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -16,6 +19,8 @@ from sluice.app.gguf_writer import write_gguf
 from sluice.base.gguf_checkpoint import gguf_checkpoint, is_gguf_checkpoint
 from sluice.engine.cpu import build as kernel_build
 from sluice.engine.cpu.quant import QuantMatmul
+from sluice.engine.gguf import hf_name
+from sluice.engine.layers import stacked_parts
 from sluice.engine.loader import load_model
 from sluice.engine.quant import dequantized
 from tests.engine.helpers import generate, make_engine, seq
@@ -29,6 +34,9 @@ VARIANTS = {
 # every type the kernels read, a stacked projection's parts of different types (as in Q4_K_M files)
 TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q4_0", "ffn_gate": "Q4_1",
          "ffn_up": "Q8_0", "ffn_down": "Q6_K"}
+# ... and in the Llama file the fallbacks of llama-quantize's Q4_K_M / Q5_K_M for rows of 576 (Q8_0 is the
+# tables' default type; Q4_0 stays in the others)
+Q5_TYPES = {"llama": {"attn_output": "Q5_0", "ffn_up": "Q5_1"}}
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 57)), list(range(100, 171, 2)), [300] * 3]
 
 
@@ -38,9 +46,25 @@ def gguf_model(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     checkpoint = write_llama_family(root / "checkpoint", hidden_size=256, num_heads=4, num_kv_heads=2,
                                     intermediate_size=512, num_shards=1, **VARIANTS[request.param])
-    file = write_gguf(checkpoint, root / "model.gguf", TYPES)
+    file = write_gguf(checkpoint, root / "model.gguf", {**TYPES, **Q5_TYPES.get(request.param, {})})
     hf = transformers.AutoModelForCausalLM.from_pretrained(root, gguf_file="model.gguf", dtype=torch.float32).eval()
+    assert not {"attn_q", "attn_k"} & set(Q5_TYPES.get(request.param, {}))  # (rows the loader permutes)
+    for t in gguf.GGUFReader(str(file)).tensors:  # (the reference of a Q5_1 tensor: its values rounded to Q8_0)
+        if t.tensor_type.name == "Q5_1":
+            hf.get_parameter(hf_name(t.name)).data.copy_(torch.from_numpy(_q8_0_of(_exact(t))))
     return checkpoint, file, gguf_checkpoint(file, root / "meta"), hf
+
+
+def _exact(t) -> np.ndarray:
+    """A GGUF tensor's values [N, K] as the gguf package dequantizes it (llama.cpp's definitions)."""
+    return gguf.quants.dequantize(t.data, t.tensor_type).reshape(int(t.shape[1]), int(t.shape[0]))
+
+
+def _q8_0_of(values: np.ndarray) -> np.ndarray:
+    """Values [N, K] rounded to Q8_0: each block of 32 to the nearest multiple of its float16 max |value| / 127."""
+    blocks = values.reshape(-1, 32)
+    d = (np.abs(blocks).max(axis=1, keepdims=True) / 127).astype(np.float16).astype(np.float32)
+    return (np.rint(blocks / np.where(d > 0, d, 1)) * d).reshape(values.shape)
 
 
 @pytest.fixture
@@ -91,6 +115,31 @@ def test_linears_and_tables_stay_quantized_and_dequantize_to_transformers_weight
     # the unpermuted (Llama) q / k rows are copies; the other parts lie in the file's memory map
     v = quantized["model.layers.0.self_attn.qkv_proj"].quant[2]
     assert not v.data.numpy().flags.owndata
+    _assert_q5_repacked(file, model, hf.config.model_type)
+
+
+def _assert_q5_repacked(file, model, variant: str) -> None:
+    """Q5_0 tensors are held as Q8_0 blocks of exactly their values; Q5_1 ones as Q8_0 blocks within half a Q8_0
+    step (the float16 scale's rounding aside) of theirs, i.e. an eighth of Q5_1's own step or less."""
+    parts = {part: q for name, m in model.named_modules() if getattr(m, "quant", None) is not None
+             for part, q in zip(stacked_parts(f"{name}.weight") or [f"{name}.weight"], m.quant)}
+    seen = set()
+    for t in gguf.GGUFReader(str(file)).tensors:
+        kind = t.tensor_type.name
+        if kind not in ("Q5_0", "Q5_1"):
+            continue
+        part, exact = parts[hf_name(t.name)], _exact(t)
+        assert part.qtype.name == "Q8_0"
+        ours = part.dequantize().numpy()
+        if kind == "Q5_0":
+            assert np.array_equal(ours, exact), t.name
+        else:
+            err = np.abs(ours - exact).reshape(-1, 32).max(1)
+            step = np.abs(exact).reshape(-1, 32).max(1) / 127
+            d = np.asarray(t.data).reshape(-1, 24)[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]
+            assert (err <= 0.501 * step).all() and (err <= 0.13 * d).all(), t.name
+        seen.add(kind)
+    assert seen == set(Q5_TYPES.get(variant, {}).values())
 
 
 @pytest.mark.parametrize("budget", [2048, 16])  # one prefill step, or chunked prefill

@@ -136,7 +136,7 @@ def test_act_order_is_dequantized_exactly():
 
 
 @pytest.mark.parametrize("config, field", [
-    ({"quant_method": "compressed-tensors", "format": "int-quantized"}, "quant_method"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "quant_method"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method"),
     ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits"),
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "bits"),
@@ -260,3 +260,41 @@ def test_a_refused_checkpoint_fails_at_start_naming_the_field(checkpoints, tmp_p
         config_from_args(parse_args(["serve", "--model", str(tmp_path)]))
     with pytest.raises(ValueError, match="quantization_config.bits = 3"):
         load_model(tmp_path, torch.float32, torch.device("cpu"))
+
+
+def test_a_mixtures_packed_experts_are_dequantized_at_load(tmp_path, caplog):
+    """A GPTQ Qwen3-MoE checkpoint (every expert and attention linear packed): the attention linears held in
+    a block format, each expert's weights dequantized into the stacked expert tensors (no quantized expert
+    kernel), the memory that takes logged."""
+    from tests.engine.test_moe import write_checkpoint
+
+    write_checkpoint(tmp_path, "qwen3-moe")
+    tensors, dequant = _tensors(tmp_path), {}
+    for file in checkpoint_files(tmp_path):
+        file.unlink()
+    packed = {}
+    for name, w in tensors.items():
+        prefix = name.removesuffix(".weight")
+        if prefix.rpartition(".")[2] not in {n.split(".")[1] for n in LINEARS}:
+            packed[name] = w
+            continue
+        q, zeros, scales, groups = quantize_rtn(w, 32, False)
+        dequant[prefix] = reference(q, zeros, scales, groups).float()
+        packed.update({f"{prefix}.{sfx}": t for sfx, t in pack_gptq(q, zeros, scales, None, v1=True).items()})
+    save_sharded(tmp_path, packed, 1)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        "quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False, "desc_act": False}}))
+    with caplog.at_level("INFO", logger="sluice.engine"):
+        model = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    experts = model.get_submodule("model.layers.0.mlp.experts")
+    for e in range(8):
+        block = f"model.layers.0.mlp.experts.{e}"
+        assert torch.equal(experts.gate_up_proj[e], torch.cat([dequant[f"{block}.gate_proj"],
+                                                               dequant[f"{block}.up_proj"]]))
+        assert torch.equal(experts.down_proj[e], dequant[f"{block}.down_proj"])
+    qkv = model.get_submodule("model.layers.0.self_attn.qkv_proj")
+    assert [p.qtype.name for p in qkv.quant] == ["Q8_0"] * 3
+    values = 2 * 8 * 3 * 32 * 64  # (two mixture layers of 8 experts)
+    assert (f"GPTQ int4 experts dequantized at load (no quantized expert kernel): {values} values, "
+            f"{values * 4 / 2**20:.1f} MiB in torch.float32 (8 times their 4 bits)") in caplog.text

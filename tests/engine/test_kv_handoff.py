@@ -6,9 +6,14 @@ from __future__ import annotations
 import base64
 import itertools
 import os
+import shutil
 import time
+import uuid
 
 import msgspec
+import numpy as np
+import pytest
+import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,24 +21,28 @@ from sluice.base.config import ServerConfig
 from sluice.engine.engine import Engine
 from sluice.engine.kv_handoff import IMPORTS
 from sluice.ipc.kv import ContextState
-from sluice.ipc.messages import Abort, EngineRequest, KvExport, KvImport, PostprocSpec, SamplingParams, ids_to_bytes
+from sluice.ipc.messages import (Abort, EngineRequest, IngressInput, KvExport, KvImport, PostprocSpec, SamplingParams,
+                                 ids_to_bytes)
+from sluice.ipc.transport import PullChannel
 
 _ids = itertools.count()
 LEASE_S = 0.3
 
 
 def make_engine(model_dir, tmp_path, **kw) -> Engine:
+    kw = {"max_num_batched_tokens": 64, "num_kv_blocks": 96, "max_num_seqs": 16, **kw}
     cfg = ServerConfig(model="m", model_path=str(model_dir), served_model_names=["m"], runtime_dir=str(tmp_path),
-                       max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, num_kv_blocks=96,
-                       block_size=4, disagg_secret="s", kv_lease_timeout=LEASE_S, **kw)
+                       max_model_len=256, block_size=4, disagg_secret="s", kv_lease_timeout=LEASE_S, **kw)
     os.makedirs(cfg.addresses.shm_dir, exist_ok=True)
     return Engine(cfg)
 
 
-def request(rid: str, prompt: list[int], n: int, max_tokens: int, seed: int | None, kv=None) -> EngineRequest:
+def request(rid: str, prompt: list[int], n: int, max_tokens: int, seed: int | None, kv=None,
+            temperature: float = 0.9) -> EngineRequest:
     spec = PostprocSpec(request_id=rid, endpoint="completions", model="m", created=0, reply_to="", n=n)
-    return EngineRequest(rid, ids_to_bytes(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.9, seed=seed),
-                         0, msgspec.msgpack.encode(spec), n=n, kv=kv)
+    return EngineRequest(rid, ids_to_bytes(prompt), SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                                                   seed=seed), 0, msgspec.msgpack.encode(spec), n=n,
+                         kv=kv)
 
 
 def run(engine: Engine, outputs: dict, ended: dict, steps: int = 400) -> None:
@@ -45,7 +54,7 @@ def run(engine: Engine, outputs: dict, ended: dict, steps: int = 400) -> None:
         got = engine.take_ended()
         for seq, failed in got.failed:
             ended[seq.request_id] = failed.message
-        if not len(engine.scheduler) and not engine.kv._imports and not result.new_tokens:
+        if not len(engine.scheduler) and not engine.kv.imports.pending and not result.new_tokens:
             return
     raise AssertionError("the engine did not settle")
 
@@ -112,4 +121,70 @@ def test_blocks_are_accounted_for_whatever_becomes_of_the_lease(engines, prompts
         run(ctx, {}, {})
     for engine in (ctx, gen, strict, agg):
         assert held(engine) == 0 and not any(engine.scheduler.bm.ref_count)
-    assert not ctx.kv._leases and not ctx.kv._exports and not gen.kv._imports
+    assert not ctx.kv._leases and not ctx.kv._exports and not gen.kv.imports.pending
+
+
+def checkpoint(path, name: str):
+    """A tiny checkpoint: test_architectures' variant `name`, written by transformers, or Mistral's layout with
+    a window on every layer (one pool)."""
+    if name == "mistral-window":
+        from tokenizers import Tokenizer
+
+        from sluice.app.builtin_models import ensure_builtin, write_llama_family
+
+        tokenizer = Tokenizer.from_file(str(ensure_builtin("tiny-chat") / "tokenizer.json"))
+        return write_llama_family(path, architecture="MistralForCausalLM", sliding_window=12, num_shards=1,
+                                  tokenizer=tokenizer)
+    from tests.engine.test_architectures import VARIANTS, write_checkpoint
+
+    config_class, overrides, _ = VARIANTS[name]
+    write_checkpoint(path, config_class, **overrides)
+    return path
+
+
+@pytest.mark.parametrize("model", ["gemma3", "mistral-window", "deepseek-v2-lite"])
+def test_window_pools_and_latent_caches_are_read_whole_and_decode_as_one_server_does(model, tmp_path):
+    """Gemma 3 (sliding-window layers beside full-attention ones, as gpt-oss: their blocks in a pool of their
+    own, window 12), Mistral's window on every layer (one pool) and DeepSeek-V2 (a latent cache, one tensor a
+    layer): the context engine prefills in chunks (the window slides past the prompt's first blocks, which it
+    frees), the generation engine reads every block the next token attends to, in each pool, and its greedy
+    tokens (n=2) are those of the prompt served whole (by the context engine, under another cache salt:
+    nothing of the hand-off reused); no prompt is recomputed."""
+    path = checkpoint(tmp_path / "ckpt", model)
+    tag = uuid.uuid4().hex[:8]
+    small = dict(max_num_batched_tokens=16, num_kv_blocks=64, max_num_seqs=4)
+    ctx = make_engine(path, tmp_path / f"sluice-ctx-{tag}", role="context", **small)
+    gen = make_engine(path, tmp_path / f"sluice-gen-{tag}", role="generation", kv_load_failure="fail", **small)
+    reply_to = f"ipc://{tmp_path}/ingress"
+    inbox: PullChannel[IngressInput] = PullChannel(zmq.Context.instance(), reply_to, IngressInput)
+    try:
+        prompt = [(37 * i) % 200 + 5 for i in range(31)]
+        ctx.accept(request("r", prompt, 2, 10, None, KvExport(reply_to), temperature=0.0))
+        run(ctx, {}, {})
+        (frame,) = inbox.get(timeout=5).frames
+        params = msgspec.json.decode(frame.data)["choices"][0]["disaggregated_params"]
+        handle = ContextState.decode(base64.b64decode(params["encoded_opaque_state"])).handle
+        if ctx.runner.sliding_window:  # the window's blocks travel, none before it (freed: -1)
+            window = np.frombuffer((handle.window_blocks or handle.blocks)[0], dtype="<i4")
+            freed = (16 - ctx.runner.sliding_window + 1) // 4  # (by the last chunk's step, from position 16)
+            assert len(window) == 8 and freed and (window[:freed] == -1).all() and (window[freed:] >= 0).all()
+        reads, recomputed = IMPORTS.labels("read")._value.get(), IMPORTS.labels("recomputed")._value.get()
+        outputs, want, failed = {}, {}, {}
+        gen.accept(request("r", prompt, 2, 10, None, KvImport(handle_of(params), ids_to_bytes(
+            params["first_gen_tokens"])), temperature=0.0))
+        run(gen, outputs, failed)
+        whole = request("r", prompt, 2, 10, None, temperature=0.0)
+        whole.cache_salt = "served whole"
+        ctx.accept(whole)
+        run(ctx, want, {})
+        assert not failed and outputs == want and len(want[("r", 0)]) == 10
+        assert IMPORTS.labels("read")._value.get() == reads + 1
+        assert IMPORTS.labels("recomputed")._value.get() == recomputed
+        run(ctx, {}, {})  # the release arrives
+        for engine in (ctx, gen):
+            pools = [engine.scheduler.bm] + ([engine.scheduler.window_pool] if engine.scheduler.window_pool else [])
+            assert all(pool.num_used == 0 for pool in pools)
+    finally:
+        inbox.close()
+        for engine in (ctx, gen):
+            shutil.rmtree(engine.cfg.addresses.shm_dir, ignore_errors=True)

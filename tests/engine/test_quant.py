@@ -15,6 +15,7 @@ from sluice.engine.cpu.backend import CpuBackend
 from sluice.engine.cpu.quant import QuantLMHead, QuantMatmul, quant_linear
 from sluice.engine.layers import Embedding
 from sluice.engine.quant import BY_NAME, QuantizedWeight, dequantized, quantize, set_quantized
+from sluice.engine.sampler import argmax
 
 VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= kernel_build.cpu_flags()
 AVX2 = {"avx2", "fma"} <= kernel_build.cpu_flags()
@@ -149,6 +150,23 @@ def test_a_quantized_lm_head_multiplies_by_the_table_as_it_lies(isa, name):
     torch_head = TORCH.lm_head(table)
     assert torch.equal(torch_head.weight, table.dequantize())
     assert torch.equal(head.argmax(hidden), torch_head.argmax(hidden))
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("name", ["Q8_0"])
+def test_a_quantized_lm_heads_screened_argmax_is_its_logits_argmax_on_near_ties(isa, name):
+    """Greedy rows are screened with int8 activations, then only the candidates' float logits computed: each
+    row's token is the first index of the maximum of the full float logits, where rows of the table tie
+    exactly (copies) and nearly (one value a step apart), and on a row of zeros (every logit 0)."""
+    base = random_weight(name, 64, 128, seed=3)
+    rows = torch.arange(64).repeat(4)  # (every row four times: exact ties, first index wins)
+    table = QuantizedWeight(base.data[rows].clone(), base.qtype, (256, 128))
+    table.data[70, -1] ^= 1  # (a copy a nibble or a step off its original: a near tie)
+    head = CpuBackend(torch.float32).lm_head(table)
+    assert isinstance(head, QuantLMHead) and head.screen is not None
+    hidden = torch.cat([torch.randn(6, 128), torch.zeros(1, 128)])
+    assert torch.equal(head.argmax(hidden), argmax(head(hidden)))
+    assert head.argmax(hidden)[-1] == 0
 
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
@@ -305,4 +323,69 @@ def test_a_quantized_model_decodes_in_one_call_with_the_dequantized_weights_logi
             sched.update(batch, tokens)
             ref_sched.update(ref_batch, tokens)
     assert calls and all(calls)
+    kernel_build.clear()
+
+
+@pytest.mark.parametrize("isa", ISAS[:1], indirect=True)
+def test_int8_activations_run_in_one_call_as_they_do_op_by_op(isa, tmp_path, monkeypatch):
+    """With int8 activations the one-call step (csrc/f32_layers.c) quantizes each linear's rows as the op-by-op
+    kernel does: every step's logits within float32 rounding of the same model run op by op, the same greedy
+    tokens, batched (prefill chunks beside decodes), on Q4_1 linears (a min per block) and a Q8_0 table. (The
+    AVX2 build's int8 tiles are the kernel tests' above; the step's glue is the same source.)"""
+    from unittest import mock
+
+    from sluice.app.builtin_models import write_llama_family
+    from sluice.engine.cpu.stack import DecoderStack
+    from sluice.engine.loader import load_model
+    from tests.engine.helpers import seq
+
+    monkeypatch.setenv("SLUICE_QUANT_ACTIVATIONS", "int8")
+    path = write_llama_family(tmp_path / "m", architecture="Qwen2ForCausalLM", num_heads=4, num_kv_heads=2,
+                              head_dim=32, intermediate_size=128, num_shards=1)
+    model = load_model(path, torch.float32, torch.device("cpu"), "q4")
+    for module in model.modules():  # (Q4_0 -> Q4_1: the path with a min)
+        if getattr(module, "quant", None) is not None:
+            module.quant = tuple(quantize(dequantized((p,)), "Q4_1") for p in module.quant)
+    ref = load_model(path, torch.float32, torch.device("cpu"), "q4")
+    for module, ref_module in zip(model.modules(), ref.modules()):
+        if getattr(module, "quant", None) is not None:
+            ref_module.quant = module.quant
+    runner, sched = _engine_of(model)
+    with mock.patch.object(DecoderStack, "build", return_value=None):
+        ref_runner, ref_sched = _engine_of(ref)
+    assert runner.one_call and not ref_runner.one_call
+    kinds = {(type(k).__name__, k.int8) for layer in runner.model.model.stack.stack._layers for k in (layer.qkv,
+                                                                                                     layer.down)}
+    assert kinds == {("QuantMatmul", True)}
+    for i, p in enumerate([[5, 6, 7, 8, 9], list(range(20, 57)), [300] * 3]):
+        sched.add(seq(f"r{i}", p, max_tokens=4, temperature=0.0))
+        ref_sched.add(seq(f"r{i}", p, max_tokens=4, temperature=0.0))
+    while (batch := sched.schedule()) is not None:
+        ref_batch = ref_sched.schedule()
+        logits, _ = runner.forward(batch)
+        ref_logits, _ = ref_runner.forward(ref_batch)
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+        tokens = logits.argmax(-1).tolist()
+        assert ref_logits.argmax(-1).tolist() == tokens
+        sched.update(batch, tokens)
+        ref_sched.update(ref_batch, tokens)
+
+
+def test_auto_activations_are_the_path_measured_faster_and_logged(monkeypatch, caplog):
+    """SLUICE_QUANT_ACTIVATIONS=auto: int8 or float, whichever ran a decode row's product faster at start, the
+    choice and the ratio logged once (the kernels built for this CPU; without them, float)."""
+    import logging
+
+    monkeypatch.setenv("SLUICE_QUANT_ACTIVATIONS", "auto")
+    kernel_build.clear()
+    with caplog.at_level(logging.INFO, logger="sluice.engine"):
+        chosen = cpu_quant.activations()
+        assert cpu_quant.activations() == chosen
+    measured = [r.getMessage() for r in caplog.records if "measured" in r.getMessage()]
+    if cpu_quant.library() is None:
+        assert chosen == "float" and not measured
+    else:
+        assert len(measured) == 1 and measured[0].startswith(f"quantized linears: {chosen} activations, measured")
+        ratio = float(measured[0].split("int8 at ")[1].split("x")[0])
+        assert ratio >= 1 if chosen == "int8" else ratio <= 1
     kernel_build.clear()

@@ -70,14 +70,14 @@ def _seq(output=(), prompt=(1, 2), **kw):
 
 
 def test_processors_leave_untouched_rows_alone():
-    from sluice.engine.sampler import process_logits
+    from sluice.engine.logit_constraints import process_logits
 
     logits = torch.randn(2, 10)
     assert process_logits(logits, [_seq(), _seq()]) is logits
 
 
 def test_bias_bans_and_allowed_ids():
-    from sluice.engine.sampler import process_logits
+    from sluice.engine.logit_constraints import process_logits
 
     logits = torch.zeros(4, 8)
     seqs = [
@@ -95,7 +95,7 @@ def test_bias_bans_and_allowed_ids():
 
 
 def test_penalties():
-    from sluice.engine.sampler import process_logits
+    from sluice.engine.logit_constraints import process_logits
 
     logits = torch.tensor([[2.0, -2.0, 1.0, 1.0]]).repeat(3, 1)
     seqs = [
@@ -116,7 +116,7 @@ def test_penalties():
 def test_masks_go_in_place_and_leave_the_logits_as_they_came(kinds, temperature, seed, dtype):
     """Rows whose constraints only rule tokens out are masked on the model's logits, not on a float32 copy of
     the batch: the same tokens as that copy gives, and the logits (logprobs read them) come back unchanged."""
-    from sluice.engine.sampler import process_logits
+    from sluice.engine.logit_constraints import process_logits
 
     vocab = 1500
     per_kind = {"free": {}, "allowed": {"allowed_token_ids": [3, 700, 1499]},

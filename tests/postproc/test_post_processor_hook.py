@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
 from sluice.base import hooks
+from sluice.ipc.messages import Finished, Logprobs, StepOutputs, bytes_to_ids, ids_to_bytes
+from sluice.ipc.token_frames import decode_chunks
 from sluice.postproc.worker import Shard
 from tests.postproc.test_shard import feed, sse_events, start
 
@@ -62,9 +65,66 @@ def test_suppress_withholds_the_text(tiny_chat_dir):
 def test_a_hook_that_fails_or_answers_wrong_fails_its_request_closed(tiny_chat_dir, hook, caplog):
     shard = shard_with(tiny_chat_dir, hook)
     ids = shard.tokenizer.encode("Hello", add_special_tokens=False).ids
-    from sluice.ipc.messages import StepOutputs, ids_to_bytes
     out, to_engine = shard.on_steps([StepOutputs([start(shard, "r1")], ["r1"], ids_to_bytes([0]),
                                                  ids_to_bytes(ids[:1]), [])])
     (frame,) = out["ipc://r"]
     assert frame.done and frame.data == b"" and frame.error is not None and frame.error.status == 500
     assert shard.requests == {} and "post-processor hook" in caplog.text
+
+
+def scored_steps(shard, rid, ids, started):
+    """One step a token, each with its logprob (token i: -(i + 1) / 8, exact in float32) and itself as top 1."""
+    steps = []
+    for i, tok in enumerate(ids):
+        lp = np.array([-(i + 1) / 8], dtype=np.float32)
+        scored = Logprobs(lp.tobytes(), ids_to_bytes([1]), ids_to_bytes([tok]), lp.tobytes(), 1)
+        steps.append(StepOutputs([started] if i == 0 else [], [rid], ids_to_bytes([0]), ids_to_bytes([tok]),
+                                 [Finished(rid, 0, "length")] if i == len(ids) - 1 else [], logprobs=[(0, scored)]))
+    data = []
+    for step in steps:
+        out, _ = shard.on_steps([step])
+        data += [f.data for f in out.get("ipc://r", [])]
+    return data
+
+
+def shown(choices, chat):
+    """The token ids and logprobs a body's or a stream's choices show, in order."""
+    ids, lps = [], []
+    for c in choices:
+        ids += c.get("token_ids") or []
+        if c.get("logprobs"):
+            lps += [e["logprob"] for e in c["logprobs"]["content"]] if chat else c["logprobs"]["token_logprobs"]
+    return ids, lps
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_suppressed_text_withholds_its_token_ids_and_logprobs_too(tiny_chat_dir, endpoint):
+    shard = shard_with(tiny_chat_dir, lambda c: hooks.suppress() if "river" in c.text_diff else hooks.emit(c.text_diff))
+    ids = shard.tokenizer.encode("The river runs by", add_special_tokens=False).ids
+    kept = [i for i, t in enumerate(ids) if "river" not in shard.tokenizer.decode([t])]
+    assert 0 < len(kept) < len(ids)
+    data = scored_steps(shard, "r1", ids, start(shard, "r1", endpoint=endpoint, logprobs=True, return_token_ids=True))
+    choice = json.loads(data[-1])["choices"][0]
+    text = choice["message"]["content"] if endpoint == "chat" else choice["text"]
+    assert "river" not in text
+    assert shown([choice], endpoint == "chat") == ([ids[i] for i in kept], [-(i + 1) / 8 for i in kept])
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions", "generate"])
+def test_a_terminated_stream_shows_no_id_nor_logprob_of_the_withheld_chunk(tiny_chat_dir, endpoint):
+    shard = shard_with(tiny_chat_dir, hooks.load(f"{EXAMPLE}:BannedPhraseGuard", "--post-processor-hook"))
+    ids = shard.tokenizer.encode("The key is swordfish and more", add_special_tokens=False).ids
+    end = next(i for i in range(len(ids)) if "swordfish" in shard.tokenizer.decode(ids[:i + 1]).lower())
+    # (frames every 3 tokens: the withheld token shares its frame's window with shown ones)
+    data = scored_steps(shard, "r1", ids, start(shard, "r1", endpoint=endpoint, stream=True, stream_interval=3,
+                                                logprobs=True, return_token_ids=True))
+    if endpoint == "generate":
+        chunks = [c for d in data for c in decode_chunks(d)]
+        got = ([t for c in chunks for t in bytes_to_ids(c.token_ids).tolist()],
+               [lp for c in chunks for lp, *_ in c.logprobs])
+        assert chunks[-1].finish_reason == "stop"
+    else:
+        events = [e for e in sse_events(data) if e != "[DONE]" and e["choices"]]
+        got = shown([e["choices"][0] for e in events], endpoint == "chat")
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    assert got == (ids[:end], [-(i + 1) / 8 for i in range(end)])

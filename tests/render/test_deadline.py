@@ -76,6 +76,23 @@ def test_a_shielded_step_runs_to_its_end_and_the_render_stops_after_it():
     assert steps == ["shielded"]
 
 
+def test_the_servers_own_warm_up_is_not_charged_to_the_render():
+    """A grammar compiler started on a request's way (render/structured.py) is the server's one-time cost: the
+    time spent in `excused` moves the deadline, so the render's own work still has its whole allowance."""
+    steps = []
+    with deadline.watched("r1", 0.3, lambda: None):
+        with deadline.shielded(), deadline.excused():
+            busy(0.5)
+        busy(0.2)
+        steps.append("done")
+    assert steps == ["done"]
+    with pytest.raises(deadline.RenderStopped):  # (without the excuse the same work is past its deadline)
+        with deadline.watched("r2", 0.3, lambda: None):
+            with deadline.shielded():
+                busy(0.5)
+            busy(0.2)
+
+
 def test_an_abort_stops_the_render_it_names_and_no_other():
     with pytest.raises(deadline.RenderStopped) as e:
         with deadline.watched("r1", 30, lambda: deadline.abort("r1")):

@@ -16,7 +16,7 @@ from sluice.base.config import ServerConfig
 from sluice.base.harmony_vocab import harmony_encoding
 from sluice.ipc.messages import RenderJob, bytes_to_ids
 from sluice.render.errors import RequestError
-from sluice.render.extensions import ExtensionOptions, check_parsers
+from sluice.render.extensions import ExtensionOptions, HfChatTemplateExtension, check_parsers, extension_class
 from sluice.render.harmony import (developer_instructions, developer_message, function_tools, harmony_prompt_ids,
                                    system_message, turn_messages)
 from sluice.render.worker import build_core
@@ -40,6 +40,12 @@ CONVERSATION = [
 @pytest.fixture(scope="module")
 def gpt_oss_dir():
     return ensure_builtin("tiny-gpt-oss")
+
+
+@pytest.fixture(scope="module")
+def core(gpt_oss_dir):
+    """The default options' render core (its tokenizer and grammar compiler take seconds to start: one for all)."""
+    return make_core(gpt_oss_dir)
 
 
 def make_core(path, **options):
@@ -73,17 +79,15 @@ def expected_ids(effort=ReasoningEffort.HIGH) -> list[int]:
     return enc.render_conversation_for_completion(Conversation.from_messages(msgs), Role.ASSISTANT)
 
 
-def test_prompt_equals_openai_harmony_rendering(gpt_oss_dir):
-    core = make_core(gpt_oss_dir)
+def test_prompt_equals_openai_harmony_rendering(core):
     req = core.render(job(messages=CONVERSATION, tools=TOOLS, reasoning_effort="high"))
     assert bytes_to_ids(req.prompt_token_ids).tolist() == expected_ids()
     assert {200002, 200012} <= set(req.sampling.stop_token_ids)  # <|return|>, <|call|>
 
 
-def test_the_apis_other_efforts_are_the_nearest_of_gpt_osss_three(gpt_oss_dir):
+def test_the_apis_other_efforts_are_the_nearest_of_gpt_osss_three(core):
     """none and minimal render as low, xhigh and max as high (what Codex and today's SDKs may send; the
     Responses API's reasoning.effort and Anthropic's output_config.effort become this field)."""
-    core = make_core(gpt_oss_dir)
 
     def prompt(**fields) -> list[int]:
         return bytes_to_ids(core.render(job(messages=CONVERSATION[:2], **fields)).prompt_token_ids).tolist()
@@ -93,8 +97,7 @@ def test_the_apis_other_efforts_are_the_nearest_of_gpt_osss_three(gpt_oss_dir):
     assert "Reasoning: high" in harmony_encoding().decode(prompt(reasoning_effort="xhigh"))
 
 
-def test_named_tool_choice_forces_the_call(gpt_oss_dir):
-    core = make_core(gpt_oss_dir)
+def test_named_tool_choice_forces_the_call(core):
     req = core.render(job(messages=CONVERSATION[:2], tools=TOOLS,
                           tool_choice={"type": "function", "function": {"name": "get_weather"}}))
     text = harmony_encoding().decode(bytes_to_ids(req.prompt_token_ids).tolist())
@@ -107,8 +110,7 @@ def test_named_tool_choice_forces_the_call(gpt_oss_dir):
     ({"chat_template": "{{ messages }}"}, "request_chat_template"),
     ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),
 ])
-def test_what_gpt_oss_rejects_and_why(gpt_oss_dir, body, feature):
-    core = make_core(gpt_oss_dir)
+def test_what_gpt_oss_rejects_and_why(core, body, feature):
     with pytest.raises(RequestError) as e:
         core.render(job(messages=CONVERSATION[:2], **body))
     assert e.value.status == 400 and feature in e.value.message and e.value.code == "unsupported_feature"
@@ -147,9 +149,27 @@ def test_parser_flags_are_checked_at_startup(model_type, options, ok):
             check_parsers({"model_type": model_type}, ExtensionOptions(**options))
 
 
+def test_what_is_model_specific_is_asked_of_the_extension_that_serves_the_model():
+    import shutil
+
+    from sluice.app.cli import config_from_args, parse_args
+
+    harmony = extension_class({"model_type": "gpt_oss"}, ExtensionOptions())
+    as_text = extension_class({"model_type": "gpt_oss"}, ExtensionOptions(harmony=False))
+    assert (harmony.output_mode, as_text.output_mode) == ("tokens", "text")
+    assert "harmony" in (harmony.post_processor_hook_refusal or "")
+    assert as_text is extension_class({"model_type": "llama"}, ExtensionOptions()) is HfChatTemplateExtension
+    assert as_text.post_processor_hook_refusal is None
+    # (what the other stages, which do not load the extensions, read of it: the ingress's health check, the
+    # postproc's preload)
+    cfg = config_from_args(parse_args(["serve", "builtin:tiny-gpt-oss"]))
+    shutil.rmtree(cfg.runtime_dir)
+    assert cfg.output_mode == "tokens"
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_gpt_oss_forced_calls_are_held_by_a_grammar_over_the_whole_output(gpt_oss_dir, choice):
-    req = make_core(gpt_oss_dir).render(job(messages=CONVERSATION[:2], tools=TOOLS, tool_choice=choice))
+def test_gpt_oss_forced_calls_are_held_by_a_grammar_over_the_whole_output(core, choice):
+    req = core.render(job(messages=CONVERSATION[:2], tools=TOOLS, tool_choice=choice))
     assert req.grammar and req.grammar_trigger == []  # (reasoning stays free inside the grammar)
 
 

@@ -106,9 +106,10 @@ def _config(path, **options) -> ServerConfig:
                         max_model_len=4096, **options)
 
 
-def _render(core, **body):
+def render(core, rid: str = "r1", reply_to: str = "ipc://r", **body):
+    """The EngineRequest the render stage makes of a chat request for the weather (and the time) with TOOLS."""
     body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS, **body}
-    return core.render(RenderJob("r1", "chat", json.dumps(body).encode(), "ipc://r", 1.0))
+    return core.render(RenderJob(rid, "chat", json.dumps(body).encode(), reply_to, 1.0))
 
 
 def _fits(path, request, text: str) -> bool:
@@ -125,21 +126,30 @@ def _message(path, request, text: str, stream: bool) -> tuple[list, str | None]:
     spec = msgspec.structs.replace(msgspec.msgpack.decode(request.postproc_spec, type=PostprocSpec),
                                    reply_to="ipc://r", stream=stream)
     data, _ = feed(shard, text, started=Started("r1", msgspec.msgpack.encode(spec), 5, 0), final="grammar")
+    calls, finish, _ = read_answer(data, stream)
+    return calls, finish
+
+
+def read_answer(data: list[bytes], stream: bool) -> tuple[list, str | None, str]:
+    """(calls as (name, arguments), finish_reason, content) of a chat answer's frames: the body, or the SSE
+    events merged as a client merges them (each call's name and arguments by its index)."""
     if not stream:
         choice = json.loads(data[-1])["choices"][0]
         calls = choice["message"].get("tool_calls") or []
-        return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls], choice["finish_reason"]
+        return ([(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls],
+                choice["finish_reason"], choice["message"].get("content") or "")
     merged: dict[int, list] = {}
-    finish = None
+    finish, content = None, ""
     for event in sse_events(data):
         if event == "[DONE]" or not event["choices"]:
             continue
         finish = event["choices"][0]["finish_reason"] or finish
+        content += event["choices"][0]["delta"].get("content") or ""
         for delta in event["choices"][0]["delta"].get("tool_calls") or []:
             call = merged.setdefault(delta["index"], ["", ""])
             call[0] += delta["function"].get("name") or ""
             call[1] += delta["function"].get("arguments") or ""
-    return [(name, json.loads(args)) for name, args in merged.values()], finish
+    return [(name, json.loads(args)) for name, args in merged.values()], finish, content
 
 
 def test_auto_chooses_each_format_from_the_template_and_says_so(checkpoints, caplog):
@@ -167,12 +177,12 @@ def test_auto_reads_a_template_only_where_it_is_unambiguous(template, tool, reas
 def test_required_holds_calls_in_the_format_and_the_postproc_reads_them(parser, checkpoints, cores):
     path, core = checkpoints[parser], cores[parser]
     text = _output(parser, 0)
-    request = _render(core, tool_choice="required")
+    request = render(core, tool_choice="required")
     assert _fits(path, request, text) and not _fits(path, request, _output(parser, 1))
     assert not _fits(path, request, "I will not call a tool.")
     for stream in (False, True):
         assert _message(path, request, text, stream) == (CALLS, "tool_calls")
-    one = _render(core, tool_choice="required", parallel_tool_calls=False)
+    one = render(core, tool_choice="required", parallel_tool_calls=False)
     assert not _fits(path, one, text)
     for stream in (False, True):  # (a second call is not read)
         assert _message(path, one, text, stream) == (CALLS[:1], "tool_calls")
@@ -181,7 +191,7 @@ def test_required_holds_calls_in_the_format_and_the_postproc_reads_them(parser, 
 @pytest.mark.parametrize("parser", FORMATS)
 def test_a_named_function_is_forced_by_the_prompt_and_held_by_the_grammar(parser, checkpoints, cores):
     path, core = checkpoints[parser], cores[parser]
-    request = _render(core, tool_choice=NAMED)
+    request = render(core, tool_choice=NAMED)
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     prompt = tokenizer.decode(bytes_to_ids(request.prompt_token_ids).tolist(), skip_special_tokens=False)
     assert prompt.endswith(core.ext.call_format.forced_prefix("get_time"))
@@ -194,7 +204,7 @@ def test_a_named_function_is_forced_by_the_prompt_and_held_by_the_grammar(parser
 @pytest.mark.parametrize("parser", FORMATS)
 def test_strict_tools_leave_text_free_and_hold_a_call_once_it_starts(parser, checkpoints, cores):
     path, core = checkpoints[parser], cores[parser]
-    request = _render(core)
+    request = render(core)
     text = _output(parser, 0)
     lead = "" if parser in ("llama3_json", "granite", "pythonic") else "Let me check. "  # (else the whole output)
     assert _fits(path, request, "Paris is sunny.") and _fits(path, request, lead + text)
@@ -204,12 +214,24 @@ def test_strict_tools_leave_text_free_and_hold_a_call_once_it_starts(parser, che
         assert _message(path, request, "Paris is sunny.", stream) == ([], "stop")
 
 
+@pytest.mark.parametrize("parser", FORMATS)
+def test_strict_free_text_is_never_a_call_the_parser_reads(parser, checkpoints, cores):
+    """Calls that break a schema, written without the format's tokens (granite's parser reads a bare `[` list
+    too): the grammar refuses them, or the parser reads no call in them."""
+    path, request = checkpoints[parser], render(cores[parser])
+    bare = _output(parser, 1)
+    for token in FORMATS[parser][0]:
+        bare = bare.replace(token, "")
+    for text in (bare, " \n" + bare):
+        assert not _fits(path, request, text) or _message(path, request, text, False)[0] == [], text
+
+
 @pytest.mark.parametrize("choice", ["required", NAMED, "auto"])
 def test_a_schema_qwen3_coder_cannot_hold_as_text_is_a_400_naming_tools(choice, cores):
     pattern = {**TIME, "properties": {"tz": {"type": "string", "pattern": "^[a-z]+$"}}}
     tools = [TOOLS[0], {"type": "function", "function": {"name": "get_time", "parameters": pattern, "strict": True}}]
     with pytest.raises(RequestError) as e:
-        _render(cores["qwen3_coder"], tool_choice=choice, tools=tools)
+        render(cores["qwen3_coder"], tool_choice=choice, tools=tools)
     assert e.value.status == 400 and e.value.param == "tools" and "qwen3_coder" in str(e.value), str(e.value)
 
 
@@ -217,21 +239,47 @@ def test_a_server_without_a_tool_parser_says_what_forcing_a_call_needs(checkpoin
     core = build_core(_config(checkpoints["hermes"]))
     for choice, field in (("required", "tool_choice"), (NAMED, "tool_choice"), ("auto", "tools")):
         with pytest.raises(RequestError) as e:
-            _render(core, tool_choice=choice)
+            render(core, tool_choice=choice)
         assert e.value.status == 400 and e.value.param == field and "--tool-parser" in str(e.value)
 
 
 def test_qwen3_coder_calls_come_back_with_their_schema_types(checkpoints, cores):
     path = checkpoints["qwen3_coder"]
-    request = _render(cores["qwen3_coder"], tools=[{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": False}}])
+    request = render(cores["qwen3_coder"], tools=[{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": False}}])
     text = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
             "</parameter>\n</function>\n</tool_call>")
     for stream in (False, True):
         assert _message(path, request, text, stream) == (CALLS[:1], "tool_calls")
 
 
+def test_qwen3_coder_holds_each_value_as_its_parser_reads_it(checkpoints, cores):
+    """A nullable string is text (never null), a nullable integer JSON (null too), a value with no type any
+    text; a value the parser would misread (no type but not text, two types) is a 400."""
+    path, core = checkpoints["qwen3_coder"], cores["qwen3_coder"]
+    props = {"s": {"type": ["string", "null"], "maxLength": 5}, "n": {"type": ["integer", "null"]}, "any": {}}
+    tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": props, "required": list(props), "additionalProperties": False}}}
+    request = render(core, tools=[tool], tool_choice="required")
+
+    def call(s: str, n: str) -> str:
+        return (f"<tool_call>\n<function=f>\n<parameter=s>\n{s}\n</parameter>\n<parameter=n>\n{n}\n</parameter>\n"
+                "<parameter=any>\n[1, 2]\n</parameter>\n</function>\n</tool_call>")
+
+    assert _fits(path, request, call("null", "null")) and _fits(path, request, call("hi", "7"))
+    assert not _fits(path, request, call("hi", "x")) and not _fits(path, request, call("toolong", "7"))
+    for stream in (False, True):
+        assert _message(path, request, call("null", "null"), stream)[0] == [("f", {"s": "null", "n": None,
+                                                                                "any": "[1, 2]"})]
+    for bad in ({"enum": [1, 2]}, {"type": ["integer", "string"]}, {"anyOf": [{"type": "integer"}]}):
+        unholdable = {**tool, "function": {**tool["function"], "parameters": {"type": "object",
+                                                                              "properties": {"x": bad}}}}
+        with pytest.raises(RequestError) as e:
+            render(core, tools=[unholdable], tool_choice="required")
+        assert e.value.status == 400 and e.value.param == "tools"
+
+
 def test_mistral_markers_survive_detokenization(checkpoints, cores):
     """[TOOL_CALLS] is a special token in Mistral's vocabulary: its output keeps special tokens to be read."""
-    request = _render(cores["mistral"], tools=[{**TOOLS[1], "function": {**TOOLS[1]["function"], "strict": False}}])
+    request = render(cores["mistral"], tools=[{**TOOLS[1], "function": {**TOOLS[1]["function"], "strict": False}}])
     text = '[TOOL_CALLS]get_time[ARGS]{"tz": "utc"}'
     assert _message(checkpoints["mistral"], request, text, False) == (CALLS[1:], "tool_calls")

@@ -11,7 +11,8 @@ Which CPUs get which path (chosen at run time from /proc/cpuinfo, logged once a 
   product's epilogue (the [T, 2I] product never written).
 - float32 activations, AVX2 and FMA without AVX-512F: the linears and the LM head on csrc/f32_matmul_avx2.c
   (the same values, the same bf16 weights); each step's layers in one call on csrc/f32_layers.c built for
-  AVX2 (the same source on 8-lane vectors); prompts too long for that step take torch's attention.
+  AVX2 (the same source on 8-lane vectors); prompts too long for that step attend on csrc/causal_attention.c
+  built for AVX2, and sampling's exp pass runs csrc/exp_blocks.c's AVX2 build (the same sources).
 - bf16 activations, AVX512-BF16: the bf16 kernels (VDPBF16PS) for the LM head and small linears, a step
   in one call where every linear is small (csrc/decoder_layers.c); with AVX512-VNNI, greedy rows of the
   LM head screened in int8 (csrc/int8_argmax.c).
@@ -222,7 +223,7 @@ def decode_layer(layer: nn.Module, kv: tuple[torch.Tensor, torch.Tensor]) -> Dec
     if layer.post_attention_layernorm.eps != eps or any(n is not None and n.eps != eps for n in qk_norm):
         return None
     linears = [k for k in (attn.qkv_proj.run, attn.o_proj.run, mlp.gate_up_proj.run, mlp.down_proj.run)
-               if isinstance(k, (Bf16Matmul, F32Matmul)) or (isinstance(k, QuantMatmul) and not k.int8)]
+               if isinstance(k, (Bf16Matmul, F32Matmul, QuantMatmul))]
     if len(linears) < 4:
         return None
     return DecodeLayer(input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,

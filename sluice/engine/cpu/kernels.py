@@ -88,16 +88,42 @@ def f32_int8_argmax_amx():
     return _function("f32_int8_argmax", (*_AMX, "avx512_vnni"), "sluice_f32_int8_argmax", _F32_INT8_ARGMAX)
 
 
+# the builds of a float32 kernel written on csrc/f32_vec.h's vectors, the widest first, and their names in the log
+F32_ISAS: dict[tuple[str, ...], str] = {_AVX512: "AVX-512F", _AVX2: "AVX2 and FMA"}
+
+
+def _library(name: str, symbols: dict[str, list], isa: tuple[str, ...] | None) -> ctypes.CDLL | None:
+    """csrc/<name>.c built for `isa` (None: the widest of F32_ISAS this CPU runs, logged) with its symbols'
+    signatures set, or None where it cannot run."""
+    for each in F32_ISAS if isa is None else [isa]:
+        if (lib := load(name, each)) is not None:
+            for symbol, argtypes in symbols.items():
+                fn = getattr(lib, symbol)
+                fn.restype, fn.argtypes = ctypes.c_int, argtypes
+            if isa is None:
+                log.info("CPU kernel %s: %s", name, F32_ISAS[each])
+            return lib
+    return None
+
+
+_EXP = [P, INT, INT, INT, P, P, P, INT, P]
+
+
 @_cached
+def exp_library(isa: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
+    """csrc/exp_blocks.c (see sluice.engine.sampler.exp_blocks) built for `isa` (None: the widest this CPU
+    runs), or None."""
+    return _library("exp_blocks", {"sluice_exp_blocks": _EXP, "sluice_exp_block": _EXP}, isa)
+
+
 def exp_blocks():
     """csrc/exp_blocks.c's function (None where it cannot run): see sluice.engine.sampler.exp_blocks."""
-    return _function("exp_blocks", _AVX512, "sluice_exp_blocks", [P, INT, INT, INT, P, P, P, INT, P])
+    return None if (lib := exp_library()) is None else lib.sluice_exp_blocks
 
 
-@_cached
 def exp_block():
     """csrc/exp_blocks.c's probs of one block a row (None where it cannot run): see sluice.engine.sampler."""
-    return _function("exp_blocks", _AVX512, "sluice_exp_block", [P, INT, INT, INT, P, P, P, INT, P])
+    return None if (lib := exp_library()) is None else lib.sluice_exp_block
 
 
 @_cached
@@ -183,10 +209,15 @@ def f32_amx() -> bool:
 
 
 @_cached
+def causal_library(isa: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
+    """csrc/causal_attention.c built for `isa` (None: the widest this CPU runs), or None."""
+    return _library("causal_attention", {"sluice_f32_causal_attention": _CAUSAL_F32}, isa)
+
+
 def causal_attention_f32():
-    """csrc/causal_attention.c's attention for prompts and their chunks (float32, AVX-512F), or None where it
-    cannot run."""
-    return _function("causal_attention", _AVX512, "sluice_f32_causal_attention", _CAUSAL_F32)
+    """csrc/causal_attention.c's attention for prompts and their chunks (float32; AVX-512F, else AVX2 and FMA),
+    or None where it cannot run."""
+    return None if (lib := causal_library()) is None else lib.sluice_f32_causal_attention
 
 
 @_cached

@@ -1,7 +1,7 @@
 """The CPU kernels for attention and norms, bf16 (AVX512-BF16) or float32 (AVX-512F, else AVX2 and FMA: the
-f32_layers.c build `kernels.f32_step` picks; prompts' causal attention AVX-512F only) by the tensors' dtype:
-each returns None / False, with nothing written, where it does not apply or cannot run (the caller's
-torch path then does the work)."""
+f32_layers.c build `kernels.f32_step` picks, and prompts' causal attention `kernels.causal_library`'s) by the
+tensors' dtype: each returns None / False, with nothing written, where it does not apply or cannot run (the
+caller's torch path then does the work)."""
 from __future__ import annotations
 
 import torch

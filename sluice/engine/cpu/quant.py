@@ -6,19 +6,24 @@ Two paths, one kernel source built for AVX512-VNNI or for AVX2 (chosen at run ti
   x at a time (csrc/quant_blocks.h: exactly the float32 values `QuantizedWeight.dequantize` gives, multiplied
   in float32). The one-call decoder step (csrc/f32_layers.c) runs the same product, so a quantized model's
   decode step is one call as a float32 one's is.
-- `int8`: each row of x quantized per block of 32 (llama.cpp's dot products), int8 products summed exactly
-  (VPDPBUSD; VPMADDUBSW + VPMADDWD on AVX2), then scaled in float32. On the trained SmolLM2-135M Q4_1 file it
-  changes the greedy answer (the MLP's int8-rounded inputs alone do), so it waits on the perplexity comparison
-  of issue 38 before it becomes a default; SLUICE_QUANT_ACTIVATIONS=int8 chooses it (op by op).
+- `int8`: each row of x quantized once per block of 32 (llama.cpp's dot products), int8 products summed
+  exactly (VPDPBUSD; VPMADDUBSW + VPMADDWD without it), then scaled in float32, in the float path's tiles of
+  weight rows by rows of x (csrc/quant_int8.h), the one-call step included. Fewer instructions a weight than
+  the float path (the decode step's cost), but it moves logits by x's rounding: on the trained SmolLM2-135M
+  Q4_1 file it changes the greedy answer, and other loaders' tests hold float activations to transformers'
+  logits, so it is not the default: SLUICE_QUANT_ACTIVATIONS=int8 chooses it, `auto` whichever measures
+  faster at start (logged).
 
 The LM head of a quantized table (a GGUF file's `output`, or its token embedding where tied) is the same
-product over the vocabulary (`QuantLMHead`). Without either instruction set (or a C compiler), the weight is
+product over the vocabulary (`QuantLMHead`): float logits, greedy rows screened with int8 activations first
+(the float path's tokens, exactly). Without either instruction set (or a C compiler), the weight is
 dequantized once and run by F.linear (correct, but the float32 copy costs the memory saved).
 """
 from __future__ import annotations
 
 import ctypes
 import logging
+import time
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +33,7 @@ from sluice.engine.backend import LMHead
 from sluice.engine.cpu.build import _AVX2, _AVX512_VL_VNNI, load
 from sluice.engine.cpu.kernels import _cached
 from sluice.engine.quant import QuantizedWeight, dequantized
+from sluice.engine.sampler import argmax
 
 log = logging.getLogger("sluice.engine")
 
@@ -47,19 +53,46 @@ def library() -> tuple[ctypes.CDLL, str] | None:
         lib = load("quant_matmul", isa)
         if lib is not None:
             lib.sluice_quant_linear.restype = INT
-            lib.sluice_quant_linear.argtypes = [ctypes.POINTER(QuantPart), INT, INT, P, L, INT, P, P, L]
-            lib.sluice_quant_matmul_int8.restype = INT
-            lib.sluice_quant_matmul_int8.argtypes = [P, INT, INT, INT, L, P, L, INT, P, P, L]
+            lib.sluice_quant_linear.argtypes = [ctypes.POINTER(QuantPart), INT, INT, P, L, INT, P, P, L, INT]
             lib.sluice_quant_dequantize.restype = INT
             lib.sluice_quant_dequantize.argtypes = [P, INT, INT, INT, L, P]
-            log.info("quantized linears: csrc/quant_matmul.c on %s, %s activations", name, activations())
+            log.info("quantized linears: csrc/quant_matmul.c on %s, %s activations", name,
+                     envs.quant_activations() or "float")
             return lib, name
     return None
 
 
 def activations() -> str:
-    """`int8` or `float` (see the module's doc)."""
-    return envs.quant_activations() or "float"
+    """`int8` or `float` (see the module's doc): SLUICE_QUANT_ACTIVATIONS's, `auto` the one measured faster."""
+    chosen = envs.quant_activations() or "float"
+    return _measured() if chosen == "auto" else chosen
+
+
+@_cached
+def _measured() -> str:
+    """`int8` where it runs a decode row's product (a Q4_0 weight of 512 x 1024, one row: one thread) faster than
+    `float` here, the two interleaved, the best of a few rounds (logged)."""
+    from sluice.engine.quant import BY_NAME
+
+    found = library()
+    if found is None:
+        return "float"
+    blocks = torch.randint(0, 256, (512, 32, 18), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    blocks[..., :2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)  # (each block's scale)
+    weight = QuantizedWeight(blocks.view(512, -1), BY_NAME["Q4_0"], (512, 1024))
+    x, best = torch.randn(1, 1024), {"float": float("inf"), "int8": float("inf")}
+    lib, isa = found
+    kernels = {a: QuantMatmul(lib, isa, (weight,), None, a == "int8") for a in best}
+    for _ in range(5):
+        for a, kernel in kernels.items():
+            t0 = time.perf_counter()
+            for _ in range(10):
+                kernel(x)
+            best[a] = min(best[a], time.perf_counter() - t0)
+    choice = "int8" if best["int8"] < best["float"] else "float"
+    log.info("quantized linears: %s activations, measured (int8 at %.2fx float's speed at one row)", choice,
+             best["float"] / best["int8"])
+    return choice
 
 
 class QuantMatmul:
@@ -107,20 +140,12 @@ class QuantMatmul:
 
     def _run(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         bias = None if self.bias is None else self.bias.data_ptr()
-        if not self.int8:
-            if self.lib.sluice_quant_linear(self.spec, len(self.parts), self.k, rows.data_ptr(), rows.stride(0),
-                                            rows.shape[0], bias, out.data_ptr(), self.n):
-                raise ValueError("the quantized matmul kernel refused a part's type")
-            return
-        start = 0
-        for part in self.parts:
-            n, data = part.shape[0], part.data
-            if self.lib.sluice_quant_matmul_int8(data.data_ptr(), part.qtype.ggml, n, self.k, data.stride(0),
-                                                 rows.data_ptr(), rows.stride(0), rows.shape[0],
-                                                 None if bias is None else bias + 4 * start,
-                                                 out.data_ptr() + 4 * start, self.n):
-                raise MemoryError("the quantized matmul kernel could not allocate its workspace")
-            start += n
+        status = self.lib.sluice_quant_linear(self.spec, len(self.parts), self.k, rows.data_ptr(), rows.stride(0),
+                                              rows.shape[0], bias, out.data_ptr(), self.n, int(self.int8))
+        if status == -2:
+            raise MemoryError("the quantized matmul kernel could not allocate its workspace")
+        if status:
+            raise ValueError("the quantized matmul kernel refused a part's type")
 
 
 class DequantizedLinear:
@@ -144,22 +169,59 @@ def quant_linear(parts: QuantizedWeight | tuple[QuantizedWeight, ...],
 
 class QuantLMHead(LMHead):
     """The LM head of a table kept quantized [V, D]: the float-activation product over the vocabulary (the
-    logits of the dequantized table, in float32), each greedy row's argmax taken from them."""
+    logits of the dequantized table, in float32). Each greedy row's argmax is theirs too, found by a screen:
+    the int8-activation product over the table, each logit within a bound of its float one (x's rounding, at
+    most half a step d / 2 a value, times the weight's L1 norm per block of 32: `_norms`), then the float
+    product over only the rows whose bound reaches the best lower bound (a row's float logits are the same
+    bits whatever other rows it is computed beside)."""
 
-    def __init__(self, weight: QuantizedWeight, kernel: QuantMatmul) -> None:
+    _MOST_CANDIDATES = 256  # past it (a flat row, NaNs), the logits of every row
+
+    def __init__(self, weight: QuantizedWeight, kernel: QuantMatmul, screen: QuantMatmul | None) -> None:
         super().__init__(torch.empty(0))
-        self.table, self.kernel = weight, kernel
-        self.path = f"Sluice's quantized matmul ({weight.qtype.name}, {kernel.isa})"
+        self.table, self.kernel, self.screen = weight, kernel, screen
+        self.norms = None if screen is None else _norms(weight)  # [V, D / 32]
+        self.path = (f"Sluice's quantized matmul ({weight.qtype.name}, {kernel.isa})"
+                     + (" (greedy rows screened with int8 activations)" if screen else ""))
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.kernel(hidden)
+
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.screen is None or self.norms is None:
+            return argmax(self(hidden))
+        rows = hidden.reshape(-1, self.kernel.k).float()
+        approx = self.screen(rows)  # [B, V]
+        # (each product's float32 rounding, about K 2^-24 of sum |w x| <= 254 times the bound: 8 times that room)
+        room = 1 + self.kernel.k * 254 * 2.0**-21
+        bound = (rows.view(rows.shape[0], -1, 32).abs().amax(-1) * (room / 254)) @ self.norms.T
+        floor = (approx - bound).amax(-1, keepdim=True)
+        candidates = (approx + bound >= floor).any(0).nonzero().squeeze(1)
+        if not 0 < candidates.numel() <= self._MOST_CANDIDATES:
+            return argmax(self(hidden))
+        exact = QuantMatmul.build(self.table.rows(candidates), None, int8=False)
+        assert exact is not None  # (the table's own kernel runs here)
+        return candidates[argmax(exact(rows))]
+
+
+def _norms(weight: QuantizedWeight, chunk: int = 4096) -> torch.Tensor:
+    """Each row's L1 norm of each block of 32 values [N, K / 32] (a chunk of rows dequantized at a time)."""
+    n, k = weight.shape
+    out = torch.empty(n, k // 32)
+    for start in range(0, n, chunk):
+        rows = weight.rows(torch.arange(start, min(start + chunk, n)))
+        values = dequantize(rows)
+        out[start:start + chunk] = (rows.dequantize() if values is None else values).abs().view(-1, k // 32, 32).sum(-1)
+    return out
 
 
 def quant_lm_head(weight: QuantizedWeight) -> LMHead:
     """The LM head of a quantized table on this CPU: `QuantLMHead`, else (no kernel) F.linear over the table
     dequantized once."""
     kernel = QuantMatmul.build(weight, None, int8=False)
-    return LMHead(weight.dequantize()) if kernel is None else QuantLMHead(weight, kernel)
+    if kernel is None:
+        return LMHead(weight.dequantize())
+    return QuantLMHead(weight, kernel, QuantMatmul.build(weight, None, int8=True))
 
 
 def dequantize(weight: QuantizedWeight) -> torch.Tensor | None:

@@ -33,7 +33,7 @@ class LayerSpec(ctypes.Structure):
 
 class F32LinearSpec(ctypes.Structure):
     _fields_ = [("w", _P), ("bias", _P), ("n", _I), ("k", _I), ("bf16", _I), ("parts", ctypes.POINTER(QuantPart)),
-                ("num_parts", _I)]
+                ("num_parts", _I), ("int8", _I)]
 
 
 class F32LayerSpec(ctypes.Structure):
@@ -48,7 +48,7 @@ class StepSpec(ctypes.Structure):
                 ("rows", _P), ("kv_slots", _P), ("mask", _P)]
 
 
-Kernel = Bf16Matmul | F32Matmul | QuantMatmul  # (QuantMatmul: float32 stacks, float activations)
+Kernel = Bf16Matmul | F32Matmul | QuantMatmul  # (QuantMatmul: float32 stacks)
 
 
 @dataclass
@@ -109,8 +109,8 @@ class DecoderStack:
         def linear(m) -> F32LinearSpec:
             bias = None if m.bias is None else m.bias.data_ptr()
             if isinstance(m, QuantMatmul):  # (the weight kept in its block format: csrc/quant_blocks.h)
-                return F32LinearSpec(None, bias, m.n, m.k, 0, m.spec, len(m.parts))
-            return F32LinearSpec(m.packed.data_ptr(), bias, m.n, m.k, m.mode, None, 0)
+                return F32LinearSpec(None, bias, m.n, m.k, 0, m.spec, len(m.parts), int(m.int8))
+            return F32LinearSpec(m.packed.data_ptr(), bias, m.n, m.k, m.mode, None, 0, 0)
 
         return F32LayerSpec(qkv=linear(layer.qkv), o=linear(layer.o), gate_up=linear(layer.gate_up),
                             down=linear(layer.down), q_norm=None if layer.q_norm is None else layer.q_norm.data_ptr(),
@@ -132,8 +132,7 @@ class DecoderStack:
             if (any(t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() for t in tensors)
                     or dtype not in (torch.bfloat16, torch.float32) or (norms and dtype != torch.float32)
                     or any(t.shape != (dim,) for t in norms)
-                    or not all(isinstance(m, kernel) and not getattr(m, "int8", False)
-                               for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+                    or not all(isinstance(m, kernel) for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
                     or {layer.cos.dtype, layer.sin.dtype} != {torch.float32}
                     or not (layer.cos.is_contiguous() and layer.sin.is_contiguous())
                     or layer.cos.shape[1] != dim // 2 or not attention_shape_ok(heads, kv_heads, dim)

@@ -1,4 +1,5 @@
-/* Causal attention for prompts and prompt chunks on CPUs with AVX-512F, float32: the query at position p
+/* Causal attention for prompts and prompt chunks, float32, on CPUs with AVX-512F, else AVX2 and FMA (f32_vec.h's
+ * vectors of F32V lanes, one source; the AVX2 build's register tiles are smaller): the query at position p
  * of a sequence attends its keys at positions 0..p, flash-attention style (the scores of a block of keys
  * at a time, the softmax kept online), so no [queries x keys] matrix is ever made and no key block past
  * the diagonal is read.
@@ -22,70 +23,80 @@
 #include <omp.h>
 #include <stdlib.h>
 
-#include "simd.h"
+#include "f32_vec.h"
 
-enum { KB = 64, QT = 16, MAX_GROUP = 16, MAX_VECS = 16, SR = 6 }; /* keys a block, positions a tile */
-
-/* the first `count` lanes of 16, none for count <= 0 */
-static inline __mmask16 lanes(int count) { return count <= 0 ? 0 : first_lanes(count); }
+enum { KB = 64, QT = 16, MAX_GROUP = 16, MAX_VECS = 16 }; /* keys a block, positions a tile */
+/* scores: rows at once (SR) and vectors of keys a pass (SC), SR * SC accumulators (AVX-512: 24 of 32 registers,
+ * the block's 64 keys in one pass; AVX2: 12 of 16, in four) */
+#ifdef __AVX512F__
+enum { SR = 6, SC = 4 };
+#else
+enum { SR = 6, SC = 2 };
+#endif
 
 /* S[r][0..63] = scale * q_r . key (the block's 64 keys, transposed: kt[d][64]) for rr <= SR rows (inlined, so
  * that a whole SR rows' copy has no test of rr in its loop) */
 static inline __attribute__((always_inline)) void scores(const float *const *qrow, int rr, const float *kt, int dim,
                                                          float scale, float *s) {
-    __m512 acc[SR][4];
-    for (int i = 0; i < SR; i++)
-        for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();
-    for (int d = 0; d < dim; d++) {
-        const __m512 k0 = _mm512_loadu_ps(kt + d * KB), k1 = _mm512_loadu_ps(kt + d * KB + 16),
-                     k2 = _mm512_loadu_ps(kt + d * KB + 32), k3 = _mm512_loadu_ps(kt + d * KB + 48);
+    for (int c0 = 0; c0 < KB; c0 += SC * F32V) {
+        vf acc[SR][SC];
+        for (int i = 0; i < SR; i++)
+            for (int c = 0; c < SC; c++) acc[i][c] = vf_zero();
+        for (int d = 0; d < dim; d++) {
+            vf key[SC];
+            for (int c = 0; c < SC; c++) key[c] = vf_load(kt + d * KB + c0 + c * F32V);
 #pragma GCC unroll 6
-        for (int i = 0; i < SR; i++) {
-            if (i >= rr) break;
-            const __m512 x = _mm512_set1_ps(qrow[i][d]);
-            acc[i][0] = _mm512_fmadd_ps(x, k0, acc[i][0]);
-            acc[i][1] = _mm512_fmadd_ps(x, k1, acc[i][1]);
-            acc[i][2] = _mm512_fmadd_ps(x, k2, acc[i][2]);
-            acc[i][3] = _mm512_fmadd_ps(x, k3, acc[i][3]);
+            for (int i = 0; i < SR; i++) {
+                if (i >= rr) break;
+                const vf x = vf_set1(qrow[i][d]);
+                for (int c = 0; c < SC; c++) acc[i][c] = vf_fmadd(x, key[c], acc[i][c]);
+            }
         }
+        const vf sc = vf_set1(scale);
+        for (int i = 0; i < rr; i++)
+            for (int c = 0; c < SC; c++) vf_store(s + (size_t)i * KB + c0 + c * F32V, vf_mul(acc[i][c], sc));
     }
-    const __m512 sc = _mm512_set1_ps(scale);
-    for (int i = 0; i < rr; i++)
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(s + (size_t)i * KB + c * 16, _mm512_mul_ps(acc[i][c], sc));
 }
 
-/* acc[r][0..16V) = acc[r][0..16V) * keep[r] + the sum over the block's `keys` keys of p[r][i] * v_i[0..16V),
+/* acc[r][0..F32V V) = acc[r][0..F32V V) * keep[r] + the sum over the block's `keys` keys of p[r][i] * v_i[0..F32V V),
  * for rr <= R rows (acc's rows `dim` apart): the online softmax's rescaling of a row's sums where its
  * maximum rose, done as they are loaded */
 #define PV_FN(V, R)                                                                                            \
     static void pv_##V(const float *p, const float *keep, int rr, int keys, const float *v, size_t v_stride,   \
                        float *acc, int dim) {                                                                  \
-        __m512 a[R][V];                                                                                        \
+        vf a[R][V];                                                                                            \
         _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                                                  \
             if (i >= rr) break;                                                                                \
-            const __m512 kp = _mm512_set1_ps(keep[i]);                                                         \
+            const vf kp = vf_set1(keep[i]);                                                                    \
             _Pragma("GCC unroll 16") for (int c = 0; c < V; c++)                                               \
-                a[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)i * dim + c * 16), kp);                  \
+                a[i][c] = vf_mul(vf_load(acc + (size_t)i * dim + c * F32V), kp);                               \
         }                                                                                                      \
         for (int k = 0; k < keys; k++) {                                                                       \
-            __m512 x[V];                                                                                       \
-            _Pragma("GCC unroll 16") for (int c = 0; c < V; c++) x[c] = _mm512_loadu_ps(v + (size_t)k * v_stride + c * 16); \
+            vf x[V];                                                                                           \
+            _Pragma("GCC unroll 16") for (int c = 0; c < V; c++) x[c] = vf_load(v + (size_t)k * v_stride + c * F32V); \
             _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                                              \
                 if (i >= rr) break;                                                                            \
-                const __m512 w = _mm512_set1_ps(p[(size_t)i * KB + k]);                                        \
-                _Pragma("GCC unroll 16") for (int c = 0; c < V; c++) a[i][c] = _mm512_fmadd_ps(w, x[c], a[i][c]); \
+                const vf w = vf_set1(p[(size_t)i * KB + k]);                                                   \
+                _Pragma("GCC unroll 16") for (int c = 0; c < V; c++) a[i][c] = vf_fmadd(w, x[c], a[i][c]);     \
             }                                                                                                  \
         }                                                                                                      \
         _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                                                  \
             if (i >= rr) break;                                                                                \
-            _Pragma("GCC unroll 16") for (int c = 0; c < V; c++) _mm512_storeu_ps(acc + (size_t)i * dim + c * 16, a[i][c]); \
+            _Pragma("GCC unroll 16") for (int c = 0; c < V; c++) vf_store(acc + (size_t)i * dim + c * F32V, a[i][c]); \
         }                                                                                                      \
     }
-PV_FN(1, 8) PV_FN(2, 8) PV_FN(4, 6) PV_FN(8, 3) PV_FN(16, 1)
-
 typedef void (*pv_fn)(const float *, const float *, int, int, const float *, size_t, float *, int);
-static const pv_fn PV[5] = {pv_1, pv_2, pv_4, pv_8, pv_16};
-static const int PV_ROWS[5] = {8, 8, 6, 3, 1};
+/* PV[i] takes 2^i vectors of each row at once, for PV_ROWS[i] rows (R * V accumulators and V values) */
+#ifdef __AVX512F__
+PV_FN(1, 8) PV_FN(2, 8) PV_FN(4, 6) PV_FN(8, 3) PV_FN(16, 1)
+static const pv_fn PV[] = {pv_1, pv_2, pv_4, pv_8, pv_16};
+static const int PV_ROWS[] = {8, 8, 6, 3, 1};
+#else
+PV_FN(1, 8) PV_FN(2, 6) PV_FN(4, 3)
+static const pv_fn PV[] = {pv_1, pv_2, pv_4};
+static const int PV_ROWS[] = {8, 6, 3};
+#endif
+enum { PV_MAX = 1 << (sizeof PV_ROWS / sizeof *PV_ROWS - 1) }; /* vectors of a row at once, at most */
 
 /* row i of the dense layout, or rows[i] */
 static inline size_t row_of(const int64_t *rows, size_t i) { return rows ? (size_t)rows[i] : i; }
@@ -94,7 +105,7 @@ static inline size_t row_of(const int64_t *rows, size_t i) { return rows ? (size
  * kt, vt: its kv head's keys (transposed by blocks) and values ([key][D]). scale: the scores' times log2 e,
  * so that scores and maxima are in log2 units and a probability is 2^(score - max), the same softmax.
  * Scratch: s [rows][KB] (scores, then probabilities), acc [rows][D] (the rows' unnormalised outputs), m
- * [rows] (running maxima), keep [rows + 16] (each row's rescaling this block), l [rows][16] (running sums of
+ * [rows] (running maxima), keep [rows + 16] (each row's rescaling this block), l [rows][F32V] (running sums of
  * probabilities, a vector a row, added across once at the end). */
 static void tile(const float *q, const int64_t *q_rows, const float *kt, const float *vt, float *out,
                  const int64_t *out_rows, long skip_row, int b, int j, int p0, int p1, int q_len, int k_len,
@@ -108,7 +119,7 @@ static void tile(const float *q, const int64_t *q_rows, const float *kt, const f
         const size_t row = row_of(q_rows, (size_t)b * q_len + p0 + r % np);
         qrow[r] = q + (row * heads + (size_t)j * group + r / np) * dim;
         m[r] = -INFINITY;
-        _mm512_storeu_ps(l + (size_t)r * 16, _mm512_setzero_ps());
+        vf_store(l + (size_t)r * F32V, vf_zero());
     }
     memset(acc, 0, sizeof(float) * (size_t)rows * dim);
     const long last = start + p1 - 1 < k_len - 1 ? start + p1 - 1 : k_len - 1; /* the tile's last key */
@@ -130,25 +141,22 @@ static void tile(const float *q, const int64_t *q_rows, const float *kt, const f
             top[r] = m[r];
             if (n <= 0) continue; /* the whole block is above this row's diagonal */
             keys = n > keys ? n : keys;
-            __m512 t;
+            vf t;
             if (n == KB) {
-                t = _mm512_max_ps(_mm512_max_ps(_mm512_loadu_ps(sr), _mm512_loadu_ps(sr + 16)),
-                                  _mm512_max_ps(_mm512_loadu_ps(sr + 32), _mm512_loadu_ps(sr + 48)));
+                t = vf_load(sr);
+                for (int c = F32V; c < KB; c += F32V) t = vf_max(t, vf_load(sr + c));
             } else {
-                t = _mm512_set1_ps(-INFINITY);
-                for (int c = 0; c < n; c += 16) t = _mm512_mask_max_ps(t, lanes(n - c), t, _mm512_loadu_ps(sr + c));
+                t = vf_set1(-INFINITY);
+                for (int c = 0; c < n; c += F32V) t = vf_where(vf_lanes(n - c), vf_max(t, vf_load(sr + c)), t);
             }
-            const float most = _mm512_reduce_max_ps(t);
+            const float most = vf_most(t);
             top[r] = most > m[r] ? most : m[r];
         }
-        for (int r = 0; r < rows; r += 16) { /* keep = exp(old max - new max), 16 rows at once (1 where unchanged) */
-            const __mmask16 in = lanes(rows - r);
-            const __m512 was = _mm512_maskz_loadu_ps(in, m + r), now = _mm512_maskz_loadu_ps(in, top + r);
-            const __m512 ln2 = _mm512_set1_ps(0.693147180559945309f);
-            const __m512 e = exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(was, now), ln2));
-            _mm512_storeu_ps(keep + r, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(was, now, _CMP_EQ_OQ), e,
-                                                            _mm512_set1_ps(1.0f)));
-            _mm512_mask_storeu_ps(m + r, in, now);
+        for (int r = 0; r < rows; r += F32V) { /* keep = exp(old max - new max), F32V rows at once (1 where unchanged) */
+            const vf was = vf_loadn(m + r, rows - r), now = vf_loadn(top + r, rows - r);
+            const vf e = vf_exp(vf_mul(vf_sub(was, now), vf_set1(0.693147180559945309f)));
+            vf_store(keep + r, vf_where(vf_equal(was, now), vf_set1(1.0f), e));
+            vf_storen(m + r, rows - r, now);
         }
         for (int r = 0; r < rows; r++) { /* the probabilities, unnormalised, and their running sums */
             float *sr = s + (size_t)r * KB;
@@ -157,33 +165,34 @@ static void tile(const float *q, const int64_t *q_rows, const float *kt, const f
                 memset(sr, 0, sizeof(float) * KB);
                 continue;
             }
-            const __m512 mx = _mm512_set1_ps(m[r]);
-            __m512 sum = _mm512_setzero_ps();
-            for (int c = 0; c < KB; c += 16) {
-                __m512 e = exp2_finite(_mm512_sub_ps(_mm512_loadu_ps(sr + c), mx));
-                if (n < KB) e = _mm512_maskz_mov_ps(lanes(n - c), e);
-                _mm512_storeu_ps(sr + c, e);
-                sum = _mm512_add_ps(sum, e);
+            const vf mx = vf_set1(m[r]);
+            vf sum = vf_zero();
+            for (int c = 0; c < KB; c += F32V) {
+                vf e = vf_exp2(vf_sub(vf_load(sr + c), mx));
+                if (n < KB) e = vf_keep(vf_lanes(n - c), e);
+                vf_store(sr + c, e);
+                sum = vf_add(sum, e);
             }
-            float *lr = l + (size_t)r * 16;
-            _mm512_storeu_ps(lr, _mm512_fmadd_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(keep[r]), sum));
+            float *lr = l + (size_t)r * F32V;
+            vf_store(lr, vf_fmadd(vf_load(lr), vf_set1(keep[r]), sum));
         }
         const float *vb = vt + (size_t)k0 * dim;
         for (int off = 0; off < dim;) { /* the head's values in power-of-two runs of vectors (48: 32 + 16) */
-            const int lv = 31 - __builtin_clz((dim - off) / 16 < 16 ? (dim - off) / 16 : 16), rows_at_once = PV_ROWS[lv];
+            const int vecs = (dim - off) / F32V, lv = 31 - __builtin_clz(vecs < PV_MAX ? vecs : PV_MAX);
+            const int rows_at_once = PV_ROWS[lv];
             for (int r0 = 0; r0 < rows; r0 += rows_at_once) {
                 const int rr = rows - r0 < rows_at_once ? rows - r0 : rows_at_once;
                 PV[lv](s + (size_t)r0 * KB, keep + r0, rr, keys, vb + off, dim, acc + (size_t)r0 * dim + off, dim);
             }
-            off += 16 << lv;
+            off += F32V << lv;
         }
     }
     for (int r = 0; r < rows; r++) {
         const size_t row = row_of(out_rows, (size_t)b * q_len + p0 + r % np);
         if ((long)row == skip_row) continue;
-        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_loadu_ps(l + (size_t)r * 16)));
+        const vf inv = vf_set1(1.0f / vf_sum(vf_load(l + (size_t)r * F32V)));
         float *o = out + (row * heads + (size_t)j * group + r / np) * dim;
-        for (int c = 0; c < dim; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)r * dim + c), inv));
+        for (int c = 0; c < dim; c += F32V) vf_store(o + c, vf_mul(vf_load(acc + (size_t)r * dim + c), inv));
     }
 }
 

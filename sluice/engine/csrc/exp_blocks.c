@@ -1,12 +1,12 @@
-/* Sampling's vocabulary-sized pass on CPUs with AVX-512: for logits [rows][v] (bf16 or float32) and a
- * 1/temperature per row, probs = exp((x - row max) / temperature) in float32 and each block's sum of
- * `block` columns, in one pass after the max. The inverse-CDF sampler reads one block of probs a row: it
- * can ask for the sums alone and then for that block's probs (the same bits), which saves writing and
- * reading back 4 bytes a column (batch 16: 13 MB).
+/* Sampling's vocabulary-sized pass on CPUs with AVX-512F, else AVX2 and FMA (f32_vec.h's vectors, one source):
+ * for logits [rows][v] (bf16 or float32) and a 1/temperature per row, probs = exp((x - row max) / temperature)
+ * in float32 and each block's sum of `block` columns, in one pass after the max. The inverse-CDF sampler
+ * reads one block of probs a row: it can ask for the sums alone and then for that block's probs (the same
+ * bits), which saves writing and reading back 4 bytes a column (batch 16: 13 MB).
  *
  * torch's softmax spends its time in Sleef's exp (~2.9 G/s on this project's two-core machine); this
  * exp is a Cody-Waite reduction and a degree-6 polynomial (within ~1e-7 relative error, tested), ~12
- * vector operations for 16 values, and the block sums the inverse-CDF sampler needs come out of the
+ * vector operations a vector of values, and the block sums the inverse-CDF sampler needs come out of the
  * same pass. Values below exp(-87) (float32's smallest normal) are exactly 0, so a masked (-inf) token
  * never has mass.
  *
@@ -17,20 +17,20 @@
 #include <omp.h>
 #include <stdlib.h>
 
-#include "simd.h"
+#include "f32_vec.h"
 
 /* exp((x - top) * scale) of row x's columns [c0, c1) into out (when set; out[i] for column c0 + i), and
  * their sum: the same bits whichever function below asks. */
 static float exp_range(const void *x, int bf16, size_t base, int c0, int c1, float top, float scale, float *out) {
-    const __m512 vs = _mm512_set1_ps(scale), vtop = _mm512_set1_ps(top);
-    __m512 acc = _mm512_setzero_ps();
+    const vf vs = vf_set1(scale), vtop = vf_set1(top);
+    vf acc = vf_zero();
     int c = c0;
-    for (; c + 16 <= c1; c += 16) {
-        const __m512 e = exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(load16(x, bf16, base + c), vtop), vs));
-        if (out) _mm512_storeu_ps(out + (c - c0), e);
-        acc = _mm512_add_ps(acc, e);
+    for (; c + F32V <= c1; c += F32V) {
+        const vf e = vf_exp(vf_mul(vf_sub(vf_load_any(x, bf16, base + c), vtop), vs));
+        if (out) vf_store(out + (c - c0), e);
+        acc = vf_add(acc, e);
     }
-    float total = _mm512_reduce_add_ps(acc);
+    float total = vf_sum(acc);
     for (; c < c1; c++) {
         const float e = exp1((load1(x, bf16, base + c) - top) * scale);
         if (out) out[c - c0] = e;
@@ -49,10 +49,10 @@ int sluice_exp_blocks(const void *logits, int bf16, int rows, int v, const float
 #pragma omp for schedule(dynamic, 1)
         for (int r = 0; r < rows; r++) {
             const size_t base = (size_t)r * v;
-            __m512 m = _mm512_set1_ps(-INFINITY);
+            vf m = vf_set1(-INFINITY);
             int c = 0;
-            for (; c + 16 <= v; c += 16) m = _mm512_max_ps(m, load16(logits, bf16, base + c));
-            float top = _mm512_reduce_max_ps(m);
+            for (; c + F32V <= v; c += F32V) m = vf_max(m, vf_load_any(logits, bf16, base + c));
+            float top = vf_most(m);
             for (; c < v; c++) top = fmaxf(top, load1(logits, bf16, base + c));
             row_max[r] = top;
         }

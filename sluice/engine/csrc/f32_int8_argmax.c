@@ -21,43 +21,61 @@ static inline int take_groups(int *next, int groups, int *g0, int *g1) { return 
 
 #include "int8_screen.h"
 
-/* The exact float32 logits of row h at the `count` (<= 16) columns col of the packed weight w (bf16 pairs or
- * float32): those columns gathered into one tile (`tile`: room for one tile) and run through f32_matmul.c's
- * block for one tile, over the pairs in its blocks of F32_KP, as the full product runs them; on AMX (bf16 ==
- * F32_AMX) through its tile product, from the row's split parts hs (3 x k, planes k apart) with the tiles
- * configured for one row. */
-static void exact_logits(const void *w, int bf16, int k, const float *h, const uint16_t *hs, const int32_t *col,
-                         int count, void *tile, float *out) {
+/* The float32 head: its packed weight w (bf16 pairs or float32, as `bf16` says, F32_AMX on AMX); hs: room for a
+ * row's split parts on AMX (3 x k, planes k apart). */
+typedef struct {
+    Head head;
+    const void *w;
+    int bf16, n, k;
+    uint16_t *hs;
+} F32Head;
+
+static const float *as_float(const Head *head, const void *row, float *scratch) {
+    (void)head, (void)scratch;
+    return row;
+}
+
+/* The exact float32 logits of the row at the `count` columns col: those columns gathered into one tile and run
+ * through f32_matmul.c's block for one tile, over the pairs in its blocks of F32_KP, as the full product runs
+ * them; on AMX through its tile product, from the row's split parts (split at the row's `first` call). */
+static void exact_logits(Head *head, const void *row, const int32_t *col, int count, int first, float *out) {
+    const F32Head *f = (const F32Head *)head;
+    const int k = f->k, bf16 = f->bf16;
     const size_t elem = bf16 ? 2 : 4, tile_elems = (size_t)k * TILE;
+    char *tile = head->tile;
     memset(tile, 0, elem * tile_elems);
     for (int j = 0; j < count; j++) {
         const int from = col[j] / TILE, lane = col[j] % TILE;
-        const char *src = (const char *)w + elem * tile_elems * from;
+        const char *src = (const char *)f->w + elem * tile_elems * from;
         for (int p = 0; p < k / 2; p++) {
             if (bf16) { /* [K/2][16][2] */
-                memcpy((char *)tile + 2 * ((size_t)p * 32 + 2 * j), src + 2 * ((size_t)p * 32 + 2 * lane), 4);
+                memcpy(tile + 2 * ((size_t)p * 32 + 2 * j), src + 2 * ((size_t)p * 32 + 2 * lane), 4);
             } else { /* [K/2][2][16] */
                 for (int e = 0; e < 2; e++)
-                    memcpy((char *)tile + 4 * ((size_t)p * 32 + e * 16 + j), src + 4 * ((size_t)p * 32 + e * 16 + lane),
-                           4);
+                    memcpy(tile + 4 * ((size_t)p * 32 + e * 16 + j), src + 4 * ((size_t)p * 32 + e * 16 + lane), 4);
             }
         }
     }
     float c[F32_LD];
 #ifdef __AMX_BF16__
     if (bf16 == F32_AMX) {
-        (void)h;
-        amx_group(tile, k, 1, hs, (size_t)k, 1, c, F32_LD);
+        if (first) amx_split(row, k, 0, 1, k, f->hs, (size_t)k);
+        amx_group(head->tile, k, 1, f->hs, (size_t)k, 1, c, F32_LD);
         for (int j = 0; j < count; j++) out[j] = c[j];
         return;
     }
 #endif
-    (void)hs;
+    (void)first;
     for (int p0 = 0; p0 < k / 2; p0 += F32_KP) {
         const int p1 = p0 + F32_KP < k / 2 ? p0 + F32_KP : k / 2;
-        F32_BLOCK_FN[bf16 != 0][1][1](tile, k, p0, p1, h, k, c, p0 == 0, NULL);
+        F32_BLOCK_FN[bf16 != 0][1][1](tile, k, p0, p1, row, k, c, p0 == 0, NULL);
     }
     for (int j = 0; j < count; j++) out[j] = c[j];
+}
+
+static int full_argmax(const Head *head, const void *rows, int m, int32_t *tokens) {
+    const F32Head *f = (const F32Head *)head;
+    return sluice_f32_matmul(f->w, f->bf16, f->n, f->k, rows, f->k, m, NULL, NULL, 0, tokens);
 }
 
 /* tokens[m]: each float32 row h's argmax over the n columns of the head, the same as sluice_f32_matmul(w, ...)
@@ -67,56 +85,14 @@ int sluice_f32_int8_argmax(const int8_t *q, const int32_t *start, const float *s
                            const float *norm, const void *w, int bf16, int n, int k, float err_w, float norm_w,
                            float norm_q, const float *h, int m, int32_t *tokens) {
     const Weight c = {q, start, scale, err, norm, n, k};
-    const int threads = omp_get_max_threads();
-    uint8_t *u = malloc((size_t)m * k);
-    Row *rows = malloc(sizeof(Row) * m);
-    int *bad = malloc(sizeof(int) * m);
-    Pool *pools = malloc(sizeof(Pool) * (size_t)threads * m);
-    int *redo = malloc(sizeof(int) * m);
-    float *hr = malloc(sizeof(float) * (size_t)m * k);
-    int32_t *tr = malloc(sizeof(int32_t) * m);
-    int32_t *kept = malloc(sizeof(int32_t) * (size_t)threads * CAP);
-    void *tile = malloc(sizeof(float) * (size_t)k * TILE);
     uint16_t *hs = malloc(sizeof(uint16_t) * 3 * (size_t)k); /* AMX: a row's split parts */
-    if (!u || !rows || !bad || !pools || !redo || !hr || !tr || !kept || !tile || !hs) {
-        free(u), free(rows), free(bad), free(pools), free(redo), free(hr), free(tr), free(kept), free(tile), free(hs);
-        return -1;
-    }
-    for (int r = 0; r < m; r++)
-        bad[r] = quantize_row(h + (size_t)r * k, k, u + (size_t)r * k, err_w, norm_w, norm_q, 2, 0x1p-16f, rows + r);
-    init_pools(pools, threads, m, bad);
-    screen_rows(&c, u, m, rows, pools, threads);
+    if (!hs) return -1;
 #ifdef __AMX_BF16__
     if (bf16 == F32_AMX) amx_configure(1); /* (this thread's tiles, for exact_logits; the redo sets its own) */
 #endif
-    int redone = 0;
-    for (int r = 0; r < m; r++) {
-        const int count = merge_pools(pools, threads, m, r, rows + r, kept);
-        const float *hrow = h + (size_t)r * k;
-        float best = -INFINITY, vals[TILE];
-        int32_t at = INT32_MAX;
-#ifdef __AMX_BF16__
-        if (bf16 == F32_AMX && count) amx_split(hrow, k, 0, 1, k, hs, (size_t)k);
-#endif
-        for (int j0 = 0; j0 < count; j0 += TILE) {
-            const int some = count - j0 < TILE ? count - j0 : TILE;
-            exact_logits(w, bf16, k, hrow, hs, kept + j0, some, tile, vals);
-            for (int j = 0; j < some; j++)
-                if (vals[j] > best || (vals[j] == best && kept[j0 + j] < at)) {
-                    best = vals[j];
-                    at = kept[j0 + j];
-                }
-        }
-        if (at == INT32_MAX) { /* overflowed, or not one finite logit among those kept */
-            memcpy(hr + (size_t)redone * k, hrow, sizeof(float) * k);
-            redo[redone++] = r;
-        } else {
-            tokens[r] = at;
-        }
-    }
-    int status = redone;
-    if (redone && sluice_f32_matmul(w, bf16, n, k, hr, k, redone, NULL, NULL, 0, tr)) status = -1;
-    for (int i = 0; status >= 0 && i < redone; i++) tokens[redo[i]] = tr[i];
-    free(u), free(rows), free(bad), free(pools), free(redo), free(hr), free(tr), free(kept), free(tile), free(hs);
+    /* the slack: the float32 sums' rounding (2 G), and 2^-16 for the screen's own */
+    F32Head f = {{sizeof(float) * k, 2, 0x1p-16f, NULL, as_float, exact_logits, full_argmax}, w, bf16, n, k, hs};
+    const int status = screened_argmax(&f.head, &c, err_w, norm_w, norm_q, h, m, tokens);
+    free(hs);
     return status;
 }

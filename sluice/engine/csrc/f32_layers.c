@@ -14,7 +14,8 @@
  * One source for both instruction sets: built with AVX-512F its linears are f32_matmul.c's (and AMX's where
  * built for it), built with AVX2 and FMA alone f32_matmul_avx2.c's (the same bits); everything else is
  * written once on f32_vec.h's vectors of the build's width (F32V lanes). A linear whose weight is kept in a
- * GGUF block format runs quant_blocks.h's product instead (the weight dequantized exactly in registers).
+ * GGUF block format runs quant_blocks.h's product instead (the weight dequantized exactly in registers, or, with
+ * int8 activations, its rows quantized per block of 32 first: quant_int8.h).
  */
 #include <sched.h>
 
@@ -42,7 +43,7 @@ typedef struct {
     const float *bias; /* NULL, or n floats */
     int n, k, bf16;
     const quant_part_t *parts; /* num_parts > 0: the weight kept in GGUF's block formats instead (quant_blocks.h) */
-    int num_parts;
+    int num_parts, int8;       /* int8: its rows quantized per block of 32 first (quant_int8.h) */
 } f32_linear_t;
 
 typedef struct {
@@ -300,11 +301,20 @@ static inline void f32_share(int t, int th, int nth, int *r0, int *r1) {
 
 /* this thread's share of in @ l^T into out [rows][l->n] (the block counter *next, shared by the team). On
  * AMX (l->bf16 == F32_AMX) the rows are readied in xs first (amx_ready: room for 3 * amx_rows(rows) * l->k,
- * the thread's own up to AMX_OWN_ROWS rows, else the team's, which waits at the barrier). */
+ * the thread's own up to AMX_OWN_ROWS rows, else the team's, which waits at the barrier); a quantized linear
+ * with int8 activations quantizes its share of the rows into x8 (room for rows of l->k) and waits there. */
 static void f32_linear_part(const f32_linear_t *l, const float *in, int rows, float *out, float *c, int *next, int th,
-                            int nth, uint16_t *xs, f32_barrier_t *barrier, int *sense) {
+                            int nth, uint16_t *xs, void *x8, f32_barrier_t *barrier, int *sense) {
     if (l->num_parts) {
-        qm_linear_part(l->parts, l->num_parts, l->k, in, l->k, rows, l->bias, out, l->n, next,
+        qm_x8_t q8;
+        if (l->int8) {
+            int r0, r1;
+            f32_share(rows, th, nth, &r0, &r1);
+            q8 = qm_x8_at(x8, rows, l->k);
+            qm_quantize_rows(in, l->k, r0, r1, l->k, &q8);
+            f32_barrier(barrier, sense);
+        }
+        qm_linear_part(l->parts, l->num_parts, l->k, in, l->k, l->int8 ? &q8 : NULL, rows, l->bias, out, l->n, next,
                        qm_chunk(l->parts, l->num_parts, nth));
         return;
     }
@@ -326,7 +336,7 @@ static void f32_linear_part(const f32_linear_t *l, const float *in, int rows, fl
 
 int sluice_f32_layers(const f32_layer_t *layers, int count, const f32_step_t *s, float *x) {
     const int t = s->tokens, d = s->hidden, padded = (s->keys + 15) / 16 * 16;
-    int most_qkv = 0, most_q = 0, most_gu = 0, most_group = 1, most_k = 0, amx = 0;
+    int most_qkv = 0, most_q = 0, most_gu = 0, most_group = 1, most_k = 0, most_k8 = 0, amx = 0;
     for (int i = 0; i < count; i++) {
         const f32_layer_t *l = layers + i;
         if (l->heads % l->kv_heads || l->heads / l->kv_heads > F32_MAX_GROUP || l->head_dim % 16 ||
@@ -340,11 +350,13 @@ int sluice_f32_layers(const f32_layer_t *layers, int count, const f32_step_t *s,
         const f32_linear_t *linears[4] = {&l->qkv, &l->o, &l->gate_up, &l->down};
         for (int j = 0; j < 4; j++) {
             if (linears[j]->k > most_k) most_k = linears[j]->k;
+            if (linears[j]->num_parts && linears[j]->int8 && linears[j]->k > most_k8) most_k8 = linears[j]->k;
             amx |= linears[j]->bf16 == F32_AMX;
         }
     }
     float *h = malloc(sizeof(float) * t * (size_t)(d + most_qkv + 2 * most_q + most_gu + most_gu / 2));
     int *counters = calloc((size_t)count * 5, sizeof(int)); /* each layer's four linears and attention */
+    void *x8 = most_k8 ? malloc(qm_x8_bytes(t, most_k8)) : NULL; /* int8 activations: a linear's rows */
     uint16_t *xs = NULL; /* AMX: a linear's rows split (see f32_linear_part) */
 #ifdef __AMX_BF16__
     const size_t xs_each = 3 * (size_t)amx_rows(t) * most_k; /* each thread's own below AMX_OWN_ROWS rows */
@@ -352,10 +364,11 @@ int sluice_f32_layers(const f32_layer_t *layers, int count, const f32_step_t *s,
 #else
     (void)most_k, (void)amx;
 #endif
-    if (!h || !counters || (amx && !xs)) {
+    if (!h || !counters || (amx && !xs) || (most_k8 && !x8)) {
         free(h);
         free(counters);
         free(xs);
+        free(x8);
         return -1;
     }
     float *qkv = h + (size_t)t * d, *q = qkv + (size_t)t * most_qkv, *attn = q + (size_t)t * most_q,
@@ -391,7 +404,7 @@ int sluice_f32_layers(const f32_layer_t *layers, int count, const f32_step_t *s,
             const int hd = l->head_dim, width = l->qkv.n;
             for (int r = r0; r < r1; r++) f32_rms_row(x + (size_t)r * d, l->input_norm, d, l->eps, h + (size_t)r * d);
             f32_barrier(&barrier, &sense);
-            f32_linear_part(&l->qkv, h, t, qkv, c, next, th, nth, mine, &barrier, &sense);
+            f32_linear_part(&l->qkv, h, t, qkv, c, next, th, nth, mine, x8, &barrier, &sense);
             f32_barrier(&barrier, &sense);
             for (int r = r0; r < r1; r++)
                 f32_rope_row(r, qkv, width, qkv + (size_t)(l->heads + l->kv_heads) * hd, width, l->heads, l->kv_heads, hd,
@@ -402,18 +415,18 @@ int sluice_f32_layers(const f32_layer_t *layers, int count, const f32_step_t *s,
                 f32_attention_job(job, scores, q, (long)l->heads * hd, l->k_cache, l->v_cache, s->rows, s->kv_slots,
                                   s->mask, l->sinks, l->heads, l->kv_heads, hd, s->keys, l->scale, attn);
             f32_barrier(&barrier, &sense);
-            f32_linear_part(&l->o, attn, t, h, c, next + 1, th, nth, mine, &barrier, &sense);
+            f32_linear_part(&l->o, attn, t, h, c, next + 1, th, nth, mine, x8, &barrier, &sense);
             f32_barrier(&barrier, &sense);
             for (int r = r0; r < r1; r++) { /* the residual, then the MLP's norm of it */
                 f32_add_into(x + (size_t)r * d, h + (size_t)r * d, d);
                 f32_rms_row(x + (size_t)r * d, l->post_norm, d, l->eps, h + (size_t)r * d);
             }
             f32_barrier(&barrier, &sense);
-            f32_linear_part(&l->gate_up, h, t, gu, c, next + 2, th, nth, mine, &barrier, &sense);
+            f32_linear_part(&l->gate_up, h, t, gu, c, next + 2, th, nth, mine, x8, &barrier, &sense);
             f32_barrier(&barrier, &sense);
             f32_swiglu(gu + (size_t)r0 * l->gate_up.n, r1 - r0, l->gate_up.n / 2, act + (size_t)r0 * (l->gate_up.n / 2));
             f32_barrier(&barrier, &sense);
-            f32_linear_part(&l->down, act, t, h, c, next + 3, th, nth, mine, &barrier, &sense);
+            f32_linear_part(&l->down, act, t, h, c, next + 3, th, nth, mine, x8, &barrier, &sense);
             f32_barrier(&barrier, &sense);
             for (int r = r0; r < r1; r++) f32_add_into(x + (size_t)r * d, h + (size_t)r * d, d);
             f32_barrier(&barrier, &sense);
@@ -424,5 +437,6 @@ int sluice_f32_layers(const f32_layer_t *layers, int count, const f32_step_t *s,
     free(h);
     free(counters);
     free(xs);
+    free(x8);
     return failed ? -1 : 0;
 }

@@ -1,7 +1,8 @@
 /* float32 vectors of the width the build has: AVX-512F's 16 lanes, or AVX2 + FMA's 8 (built without
  * AVX-512F). What f32_layers.c writes once for both: F32V lanes a vector, loads and stores of the first
  * `count` lanes (the tail of a row), arithmetic, reductions, exp of non-positive values and the SwiGLU, and a
- * mask of lanes (attention's attended keys).
+ * mask of lanes (attention's attended keys); what causal_attention.c and exp_blocks.c need beside: 2^y, masks
+ * of the first lanes, loads of bf16 or float32.
  *
  * On AVX-512F these are simd.h's helpers as they are; on AVX2 the same methods (the same polynomial and
  * argument reduction for exp, 2^n built in the exponent bits where AVX-512 has scalef), so a value differs
@@ -47,6 +48,15 @@ static inline vf_mask vf_flags(const uint8_t *flags, int count) {
 static inline int vf_any(vf_mask m) { return m != 0; }
 /* a in the lanes of m, b elsewhere */
 static inline vf vf_where(vf_mask m, vf a, vf b) { return _mm512_mask_blend_ps(m, b, a); }
+/* the first `count` lanes (none for count <= 0) */
+static inline vf_mask vf_lanes(int count) { return count <= 0 ? 0 : first_lanes(count); }
+/* v in the lanes of m, 0 elsewhere */
+static inline vf vf_keep(vf_mask m, vf v) { return _mm512_maskz_mov_ps(m, v); }
+static inline vf_mask vf_equal(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+/* 2^y for finite y <= 0 (0 or a subnormal far below) */
+static inline vf vf_exp2(vf y) { return exp2_finite(y); }
+/* F32V values from x + i as float32: bf16 (bf16 != 0) or float32 (scalar: simd.h's load1) */
+static inline vf vf_load_any(const void *x, int bf16, size_t i) { return load16(x, bf16, i); }
 
 #else /* AVX2 + FMA */
 
@@ -137,6 +147,35 @@ static inline vf vf_where(vf_mask m, vf a, vf b) { return _mm256_blendv_ps(b, a,
 
 /* exp of one value */
 static inline float exp1(float y) { return _mm_cvtss_f32(_mm256_castps256_ps128(vf_exp(vf_set1(y)))); }
+
+static inline vf_mask vf_lanes(int count) { return _mm256_castsi256_ps(vf_first(count)); }
+static inline vf vf_keep(vf_mask m, vf v) { return _mm256_and_ps(m, v); }
+static inline vf_mask vf_equal(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
+
+/* 2^y for finite y <= 0, y = n + f, |f| <= 1/2 (exact): 2^n as exponent bits, so 0 from n = -127 down (where
+ * AVX-512's scalef keeps a subnormal) */
+static inline vf vf_exp2(vf y) {
+    y = vf_max(y, vf_set1(-127.0f));
+    const vf n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const vf f = vf_mul(vf_sub(y, n), vf_set1(0.693147180559945309f));
+    return vf_mul(vf_exp_reduced(f), _mm256_castsi256_ps(bits));
+}
+
+static inline vf vf_load_any(const void *x, int bf16, size_t i) {
+    if (!bf16) return _mm256_loadu_ps((const float *)x + i);
+    const __m128i b = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+
+/* one value from x + i as float32 (simd.h's load1) */
+static inline float load1(const void *x, int bf16, size_t i) {
+    if (!bf16) return ((const float *)x)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)x)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 #endif
 
 #endif

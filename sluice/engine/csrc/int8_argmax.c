@@ -33,20 +33,39 @@
 #include "bf16_matmul.c"
 #include "int8_screen.h"
 
-/* The exact bf16 logits (rounded, as float) of row h at the `count` (<= 16) columns col, from the bf16
- * kernel's packed weight w: those columns gathered into one tile (`tile`: room for k * 16 values) and run
- * through the bf16 kernel's own block, so each lane's arithmetic is the kernel's. */
-static void exact_logits(const uint16_t *w, int k, const uint16_t *h, const int32_t *col, int count, uint16_t *tile,
-                         float *out) {
+/* The bf16 head: its packed weight w, [N/16][K/2][16][2]. */
+typedef struct {
+    Head head;
+    const uint16_t *w;
+    int n, k;
+} Bf16Head;
+
+static const float *as_float(const Head *head, const void *row, float *scratch) {
+    const int k = ((const Bf16Head *)head)->k;
+    for (int i = 0; i < k; i++) scratch[i] = load1(row, 1, i);
+    return scratch;
+}
+
+/* The exact bf16 logits (rounded, as float) of the row at the `count` columns col: those columns gathered into
+ * one tile and run through the bf16 kernel's own block, so each lane's arithmetic is the kernel's. */
+static void exact_logits(Head *head, const void *row, const int32_t *col, int count, int first, float *out) {
+    const Bf16Head *b = (const Bf16Head *)head;
+    const int k = b->k;
+    uint16_t *tile = head->tile, logits[TILE];
+    (void)first;
     memset(tile, 0, sizeof(uint16_t) * k * TILE);
     for (int j = 0; j < count; j++) {
         const int from = col[j] / TILE, lane = col[j] % TILE;
         for (int p = 0; p < k / 2; p++)
-            memcpy(tile + ((size_t)p * TILE + j) * 2, w + (((size_t)from * (k / 2) + p) * TILE + lane) * 2, 4);
+            memcpy(tile + ((size_t)p * TILE + j) * 2, b->w + (((size_t)from * (k / 2) + p) * TILE + lane) * 2, 4);
     }
-    uint16_t logits[TILE];
-    ONE[1](tile, h, k, 0, count, NULL, logits, TILE, NULL, NULL, NULL);
+    ONE[1](tile, row, k, 0, count, NULL, logits, TILE, NULL, NULL, NULL);
     for (int j = 0; j < count; j++) out[j] = load1(logits, 1, j);
+}
+
+static int full_argmax(const Head *head, const void *rows, int m, int32_t *tokens) {
+    const Bf16Head *b = (const Bf16Head *)head;
+    return sluice_bf16_matmul(b->w, b->n, b->k, rows, m, NULL, NULL, 0, tokens);
 }
 
 /* tokens[m]: each bf16 row h's argmax over the n columns of the LM head, the same as
@@ -58,54 +77,7 @@ int sluice_int8_argmax(const int8_t *q, const int32_t *start, const float *scale
                        const uint16_t *w, int n, int k, float err_w, float norm_w, float norm_q, const uint16_t *h,
                        int m, int32_t *tokens) {
     const Weight c = {q, start, scale, err, norm, n, k};
-    const int threads = omp_get_max_threads();
-    uint8_t *u = malloc((size_t)m * k);
-    Row *rows = malloc(sizeof(Row) * m);
-    int *bad = malloc(sizeof(int) * m);
-    Pool *pools = malloc(sizeof(Pool) * (size_t)threads * m);
-    int *redo = malloc(sizeof(int) * m);
-    uint16_t *hr = malloc(sizeof(uint16_t) * (size_t)m * k);
-    int32_t *tr = malloc(sizeof(int32_t) * m);
-    int32_t *kept = malloc(sizeof(int32_t) * (size_t)threads * CAP);
-    uint16_t *tile = malloc(sizeof(uint16_t) * (size_t)k * TILE);
-    float *hf = malloc(sizeof(float) * k);
-    if (!u || !rows || !bad || !pools || !redo || !hr || !tr || !kept || !tile || !hf) {
-        free(u), free(rows), free(bad), free(pools), free(redo), free(hr), free(tr), free(kept), free(tile), free(hf);
-        return -1;
-    }
-    for (int r = 0; r < m; r++) {
-        for (int i = 0; i < k; i++) hf[i] = load1(h + (size_t)r * k, 1, i);
-        /* the bf16 kernel's float32 sums (3 G: see above) and bf16's rounding of the logits (2^-6) */
-        bad[r] = quantize_row(hf, k, u + (size_t)r * k, err_w, norm_w, norm_q, 3, 0x1p-6f, rows + r);
-    }
-    free(hf);
-    init_pools(pools, threads, m, bad);
-    screen_rows(&c, u, m, rows, pools, threads);
-    int redone = 0;
-    for (int r = 0; r < m; r++) {
-        int count = merge_pools(pools, threads, m, r, rows + r, kept);
-        const uint16_t *hrow = h + (size_t)r * k;
-        float best = -INFINITY, vals[TILE];
-        int32_t at = INT32_MAX;
-        for (int j0 = 0; j0 < count; j0 += TILE) {
-            const int some = count - j0 < TILE ? count - j0 : TILE;
-            exact_logits(w, k, hrow, kept + j0, some, tile, vals);
-            for (int j = 0; j < some; j++)
-                if (vals[j] > best || (vals[j] == best && kept[j0 + j] < at)) {
-                    best = vals[j];
-                    at = kept[j0 + j];
-                }
-        }
-        if (at == INT32_MAX) { /* overflowed, or not one finite logit among those kept */
-            memcpy(hr + (size_t)redone * k, hrow, sizeof(uint16_t) * k);
-            redo[redone++] = r;
-        } else {
-            tokens[r] = at;
-        }
-    }
-    int status = redone;
-    if (redone && sluice_bf16_matmul(w, n, k, hr, redone, NULL, NULL, 0, tr)) status = -1;
-    for (int i = 0; status >= 0 && i < redone; i++) tokens[redo[i]] = tr[i];
-    free(u), free(rows), free(bad), free(pools), free(redo), free(hr), free(tr), free(kept), free(tile);
-    return status;
+    /* the slack: the bf16 kernel's float32 sums (3 G: see above) and bf16's rounding of the logits (2^-6) */
+    Bf16Head b = {{sizeof(uint16_t) * k, 3, 0x1p-6f, NULL, as_float, exact_logits, full_argmax}, w, n, k};
+    return screened_argmax(&b.head, &c, err_w, norm_w, norm_q, h, m, tokens);
 }

@@ -1,6 +1,7 @@
 /* The int8 screen of greedy rows against the LM head, shared by the bf16 head (int8_argmax.c) and the float32
- * one (f32_int8_argmax.c); see int8_argmax.c for the method and its bounds. The file that includes this one
- * defines TILE, GROUP, ROWS, columns() and take_groups() first (its matmul's). */
+ * one (f32_int8_argmax.c), and their one driver (screened_argmax), which each head parametrises; see
+ * int8_argmax.c for the method and its bounds. The file that includes this one defines TILE, GROUP, ROWS,
+ * columns() and take_groups() first (its matmul's). */
 #ifndef SLUICE_INT8_SCREEN_H
 #define SLUICE_INT8_SCREEN_H
 
@@ -223,6 +224,79 @@ static void init_pools(Pool *pools, int threads, int m, const int *bad) {
         pools[i].count = 0;
         pools[i].overflow = bad[i % m];
     }
+}
+
+/* What the screened argmax asks of the LM head it stands in for (int8_argmax.c's bf16 head, f32_int8_argmax.c's
+ * float32 one); a head's own context begins with this. */
+typedef struct Head {
+    size_t row_bytes;                /* one hidden row's */
+    double sums_g;                   /* the slack for the head's float32 sums, in G (quantize_row's `rounds`) */
+    float rel;                       /* and for its rounding of the logits, of their size */
+    void *tile;                      /* exact's workspace: room for k * TILE floats */
+    /* row in float32, for the screen; `scratch`: room for k floats. Returns where it is. */
+    const float *(*as_float)(const struct Head *, const void *row, float *scratch);
+    /* the exact logits of row at the `count` (<= TILE, > 0) columns col, as the head computes them; `first`: the
+     * row's first call */
+    void (*exact)(struct Head *, const void *row, const int32_t *col, int count, int first, float *out);
+    /* the head's own argmax of the m rows (contiguous): 0, or nonzero when out of memory */
+    int (*full)(const struct Head *, const void *rows, int m, int32_t *tokens);
+} Head;
+
+/* tokens[m]: each row h's (m x k, row_bytes apart) argmax over the n columns of head's weight, screened on its
+ * int8 copy c (err_w, norm_w, norm_q: the largest e_v, ||w_v|| and n_v) and settled on the exact logits of the
+ * columns kept, the first index of a tie winning: the head's own tokens. Returns how many rows were computed
+ * again in full, or -1 when out of memory. */
+static int screened_argmax(Head *head, const Weight *c, float err_w, float norm_w, float norm_q, const void *h, int m,
+                           int32_t *tokens) {
+    const int threads = omp_get_max_threads(), k = c->k;
+    const size_t rb = head->row_bytes;
+    uint8_t *u = malloc((size_t)m * k);
+    Row *rows = malloc(sizeof(Row) * m);
+    int *bad = malloc(sizeof(int) * m);
+    Pool *pools = malloc(sizeof(Pool) * (size_t)threads * m);
+    int *redo = malloc(sizeof(int) * m);
+    char *hr = malloc(rb * m);
+    int32_t *tr = malloc(sizeof(int32_t) * m);
+    int32_t *kept = malloc(sizeof(int32_t) * (size_t)threads * CAP);
+    float *hf = malloc(sizeof(float) * k);
+    head->tile = malloc(sizeof(float) * (size_t)k * TILE);
+    if (!u || !rows || !bad || !pools || !redo || !hr || !tr || !kept || !hf || !head->tile) {
+        free(u), free(rows), free(bad), free(pools), free(redo), free(hr), free(tr), free(kept), free(hf);
+        free(head->tile);
+        return -1;
+    }
+    for (int r = 0; r < m; r++)
+        bad[r] = quantize_row(head->as_float(head, (const char *)h + rb * r, hf), k, u + (size_t)r * k, err_w,
+                              norm_w, norm_q, head->sums_g, head->rel, rows + r);
+    init_pools(pools, threads, m, bad);
+    screen_rows(c, u, m, rows, pools, threads);
+    int redone = 0;
+    for (int r = 0; r < m; r++) {
+        const int count = merge_pools(pools, threads, m, r, rows + r, kept);
+        const void *hrow = (const char *)h + rb * r;
+        float best = -INFINITY, vals[TILE];
+        int32_t at = INT32_MAX;
+        for (int j0 = 0; j0 < count; j0 += TILE) {
+            const int some = count - j0 < TILE ? count - j0 : TILE;
+            head->exact(head, hrow, kept + j0, some, j0 == 0, vals);
+            for (int j = 0; j < some; j++)
+                if (vals[j] > best || (vals[j] == best && kept[j0 + j] < at)) {
+                    best = vals[j];
+                    at = kept[j0 + j];
+                }
+        }
+        if (at == INT32_MAX) { /* overflowed, or not one finite logit among those kept */
+            memcpy(hr + rb * redone, hrow, rb);
+            redo[redone++] = r;
+        } else {
+            tokens[r] = at;
+        }
+    }
+    int status = redone;
+    if (redone && head->full(head, hr, redone, tr)) status = -1;
+    for (int i = 0; status >= 0 && i < redone; i++) tokens[redo[i]] = tr[i];
+    free(u), free(rows), free(bad), free(pools), free(redo), free(hr), free(tr), free(kept), free(hf), free(head->tile);
+    return status;
 }
 
 #endif

@@ -3,13 +3,14 @@
  *
  * Every type's values are w = scale * q - min, q int8, one scale per group of 16 values and, for the types with
  * an offset, one min: unpack_row gives a whole row so (then dequantize_row its float32 values, exactly the gguf
- * package's), qm_unit_<type> 32 values of it at a time into registers (the same values).
+ * package's), qm_raw_<type> 32 values of it at a time into registers (the same values).
  *
  * The product (qm_linear_part, one thread's share): a tile of QM_NR weight rows decoded unit by unit into
  * registers and multiplied by up to QM_R rows of x at a time (QM_R x QM_NR accumulators), so each weight byte
  * is read once for every QM_R rows of x and never written out; past QM_DIRECT_ROWS rows of x (a prompt's) the
- * tile is dequantized once into a buffer the rows then read. A stacked projection's parts (of different types,
- * as Q4_K_M files' q and v are) run as one weight.
+ * tile is dequantized once into a buffer the rows then read. With int8 activations (quant_int8.h) the same
+ * tiles multiply x's rows quantized per block of 32. A stacked projection's parts (of different types, as
+ * Q4_K_M files' q and v are) run as one weight.
  */
 #ifndef SLUICE_QUANT_BLOCKS_H
 #define SLUICE_QUANT_BLOCKS_H
@@ -22,142 +23,7 @@
 
 #include "f32_vec.h"
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (mant == 0) {
-            bits = sign;
-        } else {  /* subnormal: normalise */
-            exp = 127 - 15 + 1;
-            while (!(mant & 0x400)) { mant <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline float f16_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return half_to_float(h);
-}
-
-static inline void k4_scale_min(int j, const uint8_t *s, int *sc, int *m) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *m = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-}
-
-/* 16 bytes of nibbles as 32 values minus `off`: the low nibbles, then the high ones */
-static inline void nibbles16(const uint8_t *b, int8_t *out, int off) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)b), mask = _mm_set1_epi8(0x0F), o = _mm_set1_epi8((char)off);
-    _mm_storeu_si128((__m128i *)out, _mm_sub_epi8(_mm_and_si128(v, mask), o));
-    _mm_storeu_si128((__m128i *)(out + 16), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), o));
-}
-
-/* One weight row of k values: q [k], scale and min [k / 16] (min left alone where the type has none). */
-static void unpack_row(int type, const uint8_t *b, int k, int8_t *q, float *gs, float *mn) {
-    switch (type) {
-    case Q8_0:
-        for (int i = 0; i < k; i += 32, b += 34) {
-            gs[i / 16] = gs[i / 16 + 1] = f16_at(b);
-            memcpy(q + i, b + 2, 32);
-        }
-        break;
-    case Q4_0:
-    case Q4_1: {
-        const int size = type == Q4_0 ? 18 : 20, off = type == Q4_0 ? 8 : 0;
-        for (int i = 0; i < k; i += 32, b += size) {
-            gs[i / 16] = gs[i / 16 + 1] = f16_at(b);
-            if (type == Q4_1) mn[i / 16] = mn[i / 16 + 1] = -f16_at(b + 2);
-            nibbles16(b + size - 16, q + i, off);
-        }
-        break;
-    }
-    case Q4_K:
-    case Q5_K: {
-        const int size = type == Q4_K ? 144 : 176;
-        for (int i = 0; i < k; i += 256, b += size) {
-            const float d = f16_at(b), dmin = f16_at(b + 2);
-            const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (type == Q4_K ? 16 : 48);
-            for (int j = 0; j < 8; j++) {
-                int sc, m;
-                k4_scale_min(j, scales, &sc, &m);
-                gs[(i >> 4) + 2 * j] = gs[(i >> 4) + 2 * j + 1] = d * (float)sc;
-                mn[(i >> 4) + 2 * j] = mn[(i >> 4) + 2 * j + 1] = dmin * (float)m;
-            }
-            for (int c = 0; c < 4; c++) {  /* 64 values: the low nibbles of 32 bytes, then the high ones */
-                const __m128i mask = _mm_set1_epi8(0x0F), one = _mm_set1_epi8(1);
-                for (int h = 0; h < 32; h += 16) {
-                    const __m128i v = _mm_loadu_si128((const __m128i *)(qs + 32 * c + h));
-                    __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-                    if (type == Q5_K) {  /* (a 16-bit shift, then one bit a byte: each byte's own bit) */
-                        const __m128i bits = _mm_loadu_si128((const __m128i *)(qh + h));
-                        lo = _mm_or_si128(lo, _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(bits, 2 * c), one), 4));
-                        hi = _mm_or_si128(hi, _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(bits, 2 * c + 1), one), 4));
-                    }
-                    _mm_storeu_si128((__m128i *)(q + i + 64 * c + h), lo);
-                    _mm_storeu_si128((__m128i *)(q + i + 64 * c + 32 + h), hi);
-                }
-            }
-        }
-        break;
-    }
-    case Q6_K:
-        for (int i = 0; i < k; i += 256, b += 210) {
-            const uint8_t *ql = b, *qh = b + 128;
-            const int8_t *sc = (const int8_t *)(b + 192);
-            const float d = f16_at(b + 208);
-            for (int g = 0; g < 16; g++) gs[(i >> 4) + g] = d * (float)sc[g];
-            for (int h = 0; h < 2; h++) {
-                int8_t *y = q + i + 128 * h;
-                const uint8_t *l0 = ql + 64 * h, *h0 = qh + 32 * h;
-                for (int l = 0; l < 32; l++) {
-                    y[l] = (int8_t)(((l0[l] & 0xF) | ((h0[l] >> 0 & 3) << 4)) - 32);
-                    y[l + 32] = (int8_t)(((l0[l + 32] & 0xF) | ((h0[l] >> 2 & 3) << 4)) - 32);
-                    y[l + 64] = (int8_t)(((l0[l] >> 4) | ((h0[l] >> 4 & 3) << 4)) - 32);
-                    y[l + 96] = (int8_t)(((l0[l + 32] >> 4) | ((h0[l] >> 6 & 3) << 4)) - 32);
-                }
-            }
-        }
-        break;
-    }
-}
-
-static int has_min(int type) { return type == Q4_1 || type == Q4_K || type == Q5_K; }
-
-static inline int qm_supported(int type) {
-    return type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q4_K || type == Q5_K || type == Q6_K;
-}
-
-/* an unpacked row's float32 values: scale * q - min, per group of 16 */
-static inline void dequantize_row(const int8_t *q, const float *gs, const float *mn, int k, float *out) {
-    for (int g = 0; g < k / 16; g++) {
-        const __m128i v = _mm_loadu_si128((const __m128i *)(q + 16 * g));
-#ifdef __AVX512F__
-        const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
-        _mm512_storeu_ps(out + 16 * g, _mm512_fmsub_ps(_mm512_set1_ps(gs[g]), q, _mm512_set1_ps(mn[g])));
-#else
-        const __m256 s = _mm256_set1_ps(gs[g]), m = _mm256_set1_ps(mn[g]);
-        _mm256_storeu_ps(out + 16 * g, _mm256_fmsub_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), m));
-        _mm256_storeu_ps(out + 16 * g + 8, _mm256_fmsub_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-            _mm_srli_si128(v, 8))), m));
-#endif
-    }
-}
+#include "quant_rows.h"
 
 /* ---- float activations: weights decoded in registers, a tile of rows of each at a time ---- */
 
@@ -184,25 +50,28 @@ static inline __m256i qm_bits(__m256i v, int by, int mask) {
     return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(by)), _mm256_set1_epi8((char)mask));
 }
 
-/* Unit u (values 32u..32u+31) of a weight row: its int8 values q and, for its two halves, the scale s and the
- * min m (w = s q - m): the values unpack_row gives, the scales computed as it computes them. */
+/* Unit u (values 32u..32u+31) of a weight row as stored (qm_raw_<type>): its bytes r, the value q = r - QM_OFF_<type>
+ * (int8: Q8_0's r is signed, the others' unsigned), and, for its two halves, the scale s and the min m
+ * (w = s q - m): the values unpack_row gives, the scales computed as it computes them. */
 typedef struct {
     float s0, s1, m0, m1;
 } qm_scale_t;
 
-static inline __m256i qm_unit_Q8_0(const uint8_t *row, int u, qm_scale_t *c) {
+enum { QM_OFF_Q8_0 = 0, QM_OFF_Q4_0 = 8, QM_OFF_Q4_1 = 0, QM_OFF_Q4_K = 0, QM_OFF_Q5_K = 0, QM_OFF_Q6_K = 32 };
+
+static inline __m256i qm_raw_Q8_0(const uint8_t *row, int u, qm_scale_t *c) {
     const uint8_t *b = row + (size_t)34 * u;
     c->s0 = c->s1 = qm_half(b), c->m0 = c->m1 = 0.0f;
     return _mm256_loadu_si256((const __m256i *)(b + 2));
 }
 
-static inline __m256i qm_unit_Q4_0(const uint8_t *row, int u, qm_scale_t *c) {
+static inline __m256i qm_raw_Q4_0(const uint8_t *row, int u, qm_scale_t *c) {
     const uint8_t *b = row + (size_t)18 * u;
     c->s0 = c->s1 = qm_half(b), c->m0 = c->m1 = 0.0f;
-    return _mm256_sub_epi8(qm_nibbles16(b + 2), _mm256_set1_epi8(8));
+    return qm_nibbles16(b + 2);
 }
 
-static inline __m256i qm_unit_Q4_1(const uint8_t *row, int u, qm_scale_t *c) {
+static inline __m256i qm_raw_Q4_1(const uint8_t *row, int u, qm_scale_t *c) {
     const uint8_t *b = row + (size_t)20 * u;
     c->s0 = c->s1 = qm_half(b), c->m0 = c->m1 = -qm_half(b + 2);
     return qm_nibbles16(b + 4);
@@ -217,13 +86,13 @@ static inline const uint8_t *qm_k_scales(const uint8_t *b, int j, qm_scale_t *c)
     return b;
 }
 
-static inline __m256i qm_unit_Q4_K(const uint8_t *row, int u, qm_scale_t *c) {
+static inline __m256i qm_raw_Q4_K(const uint8_t *row, int u, qm_scale_t *c) {
     const int j = u & 7;
     const uint8_t *b = qm_k_scales(row + (size_t)144 * (u >> 3), j, c);
     return qm_bits(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (j >> 1))), 4 * (j & 1), 0x0F);
 }
 
-static inline __m256i qm_unit_Q5_K(const uint8_t *row, int u, qm_scale_t *c) {
+static inline __m256i qm_raw_Q5_K(const uint8_t *row, int u, qm_scale_t *c) {
     const int j = u & 7;
     const uint8_t *b = qm_k_scales(row + (size_t)176 * (u >> 3), j, c);
     const __m256i low = qm_bits(_mm256_loadu_si256((const __m256i *)(b + 48 + 32 * (j >> 1))), 4 * (j & 1), 0x0F);
@@ -233,7 +102,7 @@ static inline __m256i qm_unit_Q5_K(const uint8_t *row, int u, qm_scale_t *c) {
 
 /* Q6_K: unit j = 4 h + s of a super-block is values 128 h + 32 s + l: the low 4 bits from ql (the bytes of
  * half h, the second 32 of them for odd s, their high nibbles for s >= 2), the high 2 from qh's bits 2 s */
-static inline __m256i qm_unit_Q6_K(const uint8_t *row, int u, qm_scale_t *c) {
+static inline __m256i qm_raw_Q6_K(const uint8_t *row, int u, qm_scale_t *c) {
     const int j = u & 7, h = j >> 2, s = j & 3;
     const uint8_t *b = row + (size_t)210 * (u >> 3);
     const float d = qm_half(b + 208);
@@ -241,7 +110,7 @@ static inline __m256i qm_unit_Q6_K(const uint8_t *row, int u, qm_scale_t *c) {
     c->s0 = d * (float)sc[2 * j], c->s1 = d * (float)sc[2 * j + 1], c->m0 = c->m1 = 0.0f;
     const __m256i low = qm_bits(_mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (s & 1))), 4 * (s >> 1), 0x0F);
     const __m256i high = qm_bits(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)), 2 * s, 3);
-    return _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
+    return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
 }
 
 /* QM_W vectors of a unit's 32 values; QM_NR weight rows and up to QM_R rows of x a tile (its products in
@@ -271,8 +140,8 @@ static inline void qm_expand(__m256i q, const qm_scale_t *c, vf *w) {
 #define QM_LOAD_QUANT(T)                                                                                       \
     static inline void qm_load_##T(const uint8_t *row, int u, vf *w) {                                         \
         qm_scale_t c;                                                                                          \
-        const __m256i q = qm_unit_##T(row, u, &c);                                                             \
-        qm_expand(q, &c, w);                                                                                   \
+        const __m256i r = qm_raw_##T(row, u, &c);                                                              \
+        qm_expand(QM_OFF_##T ? _mm256_sub_epi8(r, _mm256_set1_epi8(QM_OFF_##T)) : r, &c, w);                   \
     }
 QM_LOAD_QUANT(Q8_0) QM_LOAD_QUANT(Q4_0) QM_LOAD_QUANT(Q4_1) QM_LOAD_QUANT(Q4_K) QM_LOAD_QUANT(Q5_K)
 QM_LOAD_QUANT(Q6_K)
@@ -329,6 +198,8 @@ static const qm_tile_fn *qm_tiles(int type) {
     }
 }
 
+#include "quant_int8.h"
+
 /* One part of a quantized linear's weight (a stacked projection's parts may have different types): n rows of
  * row_bytes, in GGUF's block format `type`, stacked on the outputs after the parts before it. */
 typedef struct {
@@ -345,11 +216,12 @@ enum { QM_DIRECT_ROWS = 8 };
 /* multiply-adds below which one thread does it all (waking the other costs more) */
 #define QM_SERIAL_WORK 1e6
 
-/* One tile: weight rows [j0, j0 + count) of part p (count <= QM_NR) times every row of x, into out's columns
- * at `col`. buf: QM_NR * k floats, and q, gs, mn a row's unpacking (see unpack_row), or NULL: decoded in
- * registers for every QM_R rows of x. */
-static void qm_tile(const quant_part_t *p, int j0, int count, int col, int k, const float *x, long ldx, int m,
-                    const float *bias, float *out, long ldo, float *buf, int8_t *q, float *gs, float *mn) {
+/* One tile: weight rows [j0, j0 + count) of part p (count <= QM_NR) times every row of x (x8 set: its int8
+ * rows instead), into out's columns at `col`. buf: QM_NR * k floats, and q, gs, mn a row's unpacking (see
+ * unpack_row), or NULL: decoded in registers for every QM_R rows of x. */
+static void qm_tile(const quant_part_t *p, int j0, int count, int col, int k, const float *x, long ldx,
+                    const qm_x8_t *x8, int m, const float *bias, float *out, long ldo, float *buf, int8_t *q,
+                    float *gs, float *mn) {
     const uint8_t *rows[QM_NR];
     for (int i = 0; i < QM_NR; i++) {
         const int last = i < count ? i : count - 1; /* (a last tile's missing rows: its last again) */
@@ -368,22 +240,26 @@ static void qm_tile(const quant_part_t *p, int j0, int count, int col, int k, co
     for (int r0 = 0; r0 < m; r0 += QM_R) {
         const int rr = m - r0 < QM_R ? m - r0 : QM_R;
         float sums[QM_R * QM_NR];
-        tiles[rr](rows, k / 32, x + (size_t)r0 * ldx, ldx, sums);
+        if (x8)
+            qi_tiles(p->type)[rr](rows, k / 32, x8, r0, sums);
+        else
+            tiles[rr](rows, k / 32, x + (size_t)r0 * ldx, ldx, sums);
         for (int r = 0; r < rr; r++)
             for (int i = 0; i < count; i++)
                 out[(size_t)(r0 + r) * ldo + col + i] = sums[r * QM_NR + i] + (bias ? bias[col + i] : 0.0f);
     }
 }
 
-/* This thread's share of x [m][k] @ W^T (+ bias) into out [m][ldo] for float32 rows x: tiles of QM_NR rows of
- * the parts taken `chunk` at a time from the team's counter *next (0 at the start). */
-static void qm_linear_part(const quant_part_t *parts, int num_parts, int k, const float *x, long ldx, int m,
-                           const float *bias, float *out, long ldo, int *next, int chunk) {
+/* This thread's share of x [m][k] @ W^T (+ bias) into out [m][ldo] for float32 rows x, or for x8 (not NULL:
+ * x's rows quantized, see quant_int8.h): tiles of QM_NR rows of the parts taken `chunk` at a time from the
+ * team's counter *next (0 at the start). */
+static void qm_linear_part(const quant_part_t *parts, int num_parts, int k, const float *x, long ldx,
+                           const qm_x8_t *x8, int m, const float *bias, float *out, long ldo, int *next, int chunk) {
     int tiles = 0;
     for (int p = 0; p < num_parts; p++) tiles += qm_tiles_of(parts + p);
     float *buf = NULL, *gs = NULL, *mn = NULL;
     int8_t *q = NULL;
-    if (m > QM_DIRECT_ROWS) {
+    if (m > QM_DIRECT_ROWS && !x8) {
         buf = malloc((size_t)QM_NR * k * sizeof(float)), q = malloc((size_t)k);
         gs = malloc((size_t)k / 16 * sizeof(float)), mn = calloc((size_t)k / 16, sizeof(float));
         if (!buf || !q || !gs || !mn) { /* (then decoded in registers: slower, the same values) */
@@ -397,7 +273,7 @@ static void qm_linear_part(const quant_part_t *parts, int num_parts, int k, cons
         for (int t = t0; t < t0 + chunk && t < tiles; t++) {
             if (t - before >= qm_tiles_of(parts + p)) before += qm_tiles_of(parts + p), col += parts[p++].n;
             const int j0 = (t - before) * QM_NR, count = parts[p].n - j0 < QM_NR ? parts[p].n - j0 : QM_NR;
-            qm_tile(parts + p, j0, count, col + j0, k, x, ldx, m, bias, out, ldo, buf, q, gs, mn);
+            qm_tile(parts + p, j0, count, col + j0, k, x, ldx, x8, m, bias, out, ldo, buf, q, gs, mn);
         }
     }
     free(buf), free(q), free(gs), free(mn);

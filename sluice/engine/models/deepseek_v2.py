@@ -1,4 +1,5 @@
-"""DeepSeek-V2 (and V2-Lite): the Llama decoder with
+"""DeepSeek-V2 (and V2-Lite, V2.5) and DeepSeek-V3 (and R1, Kimi-K2, which share its architecture): the Llama
+decoder with
 
 - multi-head latent attention (MLA): each token's keys and values are up-projected from one compressed latent
   (`kv_lora_rank` wide, RMS-normed) that all heads share, beside one rotary key (`qk_rope_head_dim`) that all
@@ -7,16 +8,24 @@
   qk_rope_head_dim values), not the expanded keys and values: the key up-projection is absorbed into each
   head's query, the value up-projection applied after attention, so attention runs over the latent itself
   (one cache tensor serving as keys and values, one kv head);
-- decoupled RoPE: only the rotary part of each head is rotated, its dimensions paired 2i / 2i + 1, with
-  YaRN scaling whose `mscale_all_dim` also scales the attention scores;
-- mixtures of experts (engine/moe.py) after the first `first_k_dense_replace` dense layers: softmax routing,
-  group-limited where `topk_method` says (the experts in `n_group` groups, a token choosing among the
-  `topk_group` best), weights times `routed_scaling_factor`, and shared experts every token runs.
+- decoupled RoPE: only the rotary part of each head is rotated, its dimensions paired 2i / 2i + 1 (V3: unless
+  `rope_interleave` is false), with YaRN scaling whose `mscale_all_dim` also scales the attention scores;
+- mixtures of experts (engine/moe.py) after the first `first_k_dense_replace` dense layers, with shared
+  experts every token runs and the routed experts' weights times `routed_scaling_factor`. V2 routes by
+  softmax, group-limited where `topk_method` says (the experts in `n_group` groups, a token choosing among the
+  `topk_group` groups whose best expert scores highest). V3 (`noaux_tc`) scores each expert by a sigmoid,
+  chooses by those scores plus a learned per-expert bias (`e_score_correction_bias`, for load balance) among
+  the `topk_group` groups whose best two such scores sum highest, weights the chosen by their uncorrected
+  scores, renormalised where `norm_topk_prob` says.
 
-Parameter names follow the Hugging Face checkpoints (`self_attn.kv_a_proj_with_mqa`, `mlp.shared_experts`).
+V3 differs from V2 only in that configuration: one model class serves both architectures.
+Parameter names follow the Hugging Face checkpoints (`self_attn.kv_a_proj_with_mqa`, `mlp.shared_experts`,
+`mlp.gate.e_score_correction_bias`).
 """
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,7 +39,13 @@ from sluice.engine.models.mixtures import ExpertNames, load_experts
 from sluice.engine.moe import SparseMoE
 from sluice.engine.rope import Rotary, yarn_mscale
 
+log = logging.getLogger("sluice.engine")
+
 _LATENT_NORM_EPS = 1e-6  # (the q and kv latents' norms take no eps from the config)
+# greedy: the top k of all experts; group_limited_greedy: of the best groups (V2); noaux_tc: of the best groups
+# by corrected scores (V3)
+_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -42,6 +57,7 @@ class DeepseekV2Config(DecoderConfig):
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+    rope_interleaved: bool  # the rotary dimensions paired 2i / 2i + 1 (else i / i + rope/2)
     num_experts: int
     experts_per_token: int
     moe_intermediate_size: int
@@ -49,7 +65,10 @@ class DeepseekV2Config(DecoderConfig):
     renormalize: bool
     routed_scale: float
     groups: tuple[int, int] | None  # (n_group, topk_group) for group-limited routing
+    sigmoid: bool  # each expert scored by its own sigmoid (V3), else a softmax over the experts
+    corrected: bool  # the router's e_score_correction_bias added to the scores that choose (V3's noaux_tc)
     sparse_layers: tuple[bool, ...]
+    mtp_layers: int  # multi-token prediction layers after the last (V3), which only speculative decoding runs
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -69,10 +88,12 @@ class DeepseekV2Config(DecoderConfig):
         arch = cfg["architectures"][0]
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{arch} with hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
-        method = cfg.get("topk_method") or "greedy"
-        if method not in ("greedy", "group_limited_greedy") or cfg.get("scoring_func", "softmax") != "softmax":
-            raise ValueError(f"{arch} with topk_method {method!r} / scoring_func {cfg.get('scoring_func')!r} is not "
-                             "supported (greedy or group_limited_greedy over softmax scores)")
+        v3 = arch == "DeepseekV3ForCausalLM"  # (its transformers config leaves the routing it implies unsaid)
+        method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+        scoring = cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+        if method not in _TOPK_METHODS or scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"{arch} with topk_method {method!r} / scoring_func {scoring!r} is not supported "
+                             f"(topk_method {' or '.join(_TOPK_METHODS)}, over softmax or sigmoid scores)")
         layers, experts = cfg["num_hidden_layers"], cfg.get("n_routed_experts") or 0
         dense, every = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
         rope = cfg["qk_rope_head_dim"]
@@ -86,15 +107,25 @@ class DeepseekV2Config(DecoderConfig):
             qk_nope_head_dim=cfg["qk_nope_head_dim"],
             qk_rope_head_dim=rope,
             v_head_dim=cfg["v_head_dim"],
+            rope_interleaved=not v3 or bool(cfg.get("rope_interleave", True)),
             num_experts=experts,
             experts_per_token=cfg.get("num_experts_per_tok") or 0,
             moe_intermediate_size=cfg.get("moe_intermediate_size") or 0,
             shared_experts=cfg.get("n_shared_experts") or 0,
-            renormalize=False,  # (V2's router never renormalises, whatever norm_topk_prob says, as transformers')
+            # (V2's router never renormalises, whatever norm_topk_prob says, as transformers')
+            renormalize=v3 and bool(cfg.get("norm_topk_prob", True)),
             routed_scale=float(cfg.get("routed_scaling_factor", 1.0)),
-            groups=(cfg["n_group"], cfg["topk_group"]) if method == "group_limited_greedy" else None,
+            groups=_groups(cfg) if method != "greedy" else None,
+            sigmoid=scoring == "sigmoid",
+            corrected=method == "noaux_tc",
             sparse_layers=tuple(experts > 0 and i >= dense and i % every == 0 for i in range(layers)),
+            mtp_layers=cfg.get("num_nextn_predict_layers") or 0,
         )
+
+
+def _groups(cfg: dict) -> tuple[int, int] | None:
+    n, m = cfg.get("n_group") or 1, cfg.get("topk_group") or 1
+    return (n, m) if m < n else None  # (every group kept: plain top-k, as Kimi-K2's one group)
 
 
 class LatentAttention(nn.Module):
@@ -150,7 +181,7 @@ def _mlp(c: DeepseekV2Config, sparse: bool) -> nn.Module:
         return GatedMLP(c.hidden_size, c.intermediate_size, bias=False)
     return SparseMoE(c.hidden_size, c.num_experts, c.moe_intermediate_size, c.experts_per_token, c.renormalize,
                      c.moe_intermediate_size * c.shared_experts, groups=c.groups, scale=c.routed_scale,
-                     shared_gate=False)
+                     shared_gate=False, sigmoid=c.sigmoid, corrected=c.corrected)
 
 
 class DeepseekV2ForCausalLM(CausalLM):
@@ -158,7 +189,8 @@ class DeepseekV2ForCausalLM(CausalLM):
     latent_kv = True
 
     def __init__(self, c: DeepseekV2Config) -> None:
-        rotary = Rotary(c.qk_rope_head_dim, c.max_positions, c.rope_theta, c.rope_scaling, interleaved=True)
+        rotary = Rotary(c.qk_rope_head_dim, c.max_positions, c.rope_theta, c.rope_scaling,
+                        interleaved=c.rope_interleaved)
         mlps = iter([_mlp(c, sparse) for sparse in c.sparse_layers])  # (CausalLM asks for one a layer, in order)
         super().__init__(c, lambda c, rotary, _: LatentAttention(c, rotary), lambda _: next(mlps),
                          c.tie_word_embeddings, rotary=rotary)
@@ -178,3 +210,13 @@ class DeepseekV2ForCausalLM(CausalLM):
             parts = stacked_parts(theirs) or [theirs]
             return torch.cat([fetch(p) for p in parts]), parts
         return load_experts(name, fetch, ExpertNames(), self.config.num_experts)
+
+    def unused_tensors(self, names: set[str]) -> set[str]:
+        """Of the checkpoint's tensors the model did not load, those of the multi-token prediction layers
+        (`num_nextn_predict_layers`, numbered after the last layer): not served, and skipped with a log line."""
+        first = self.config.num_layers
+        mtp = {n for n in names if (m := _LAYER.match(n)) and first <= int(m[1]) < first + self.config.mtp_layers}
+        if mtp:
+            log.info("skipping the %d tensors of %d multi-token prediction layer(s) (model.layers.%d...): "
+                     "speculative decoding by them is not served", len(mtp), self.config.mtp_layers, first)
+        return mtp

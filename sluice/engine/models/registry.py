@@ -13,6 +13,7 @@ from sluice.engine.models.smollm3 import SmolLM3ForCausalLM
 
 MODELS = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV2ForCausalLM,  # (V3, R1, Kimi-K2: V2's model, V3's routing)
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,

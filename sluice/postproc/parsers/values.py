@@ -13,7 +13,7 @@ def typed_value(text: str, schema_type: str | None) -> Any:
         return text
     if schema_type == "boolean" and text.strip().lower() in ("true", "false"):
         return text.strip().lower() == "true"
-    if schema_type == "null" and text.strip().lower() in ("null", "none"):
+    if text.strip().lower() in ("null", "none"):  # (of a type besides string: the schema's types include null)
         return None
     try:
         value = json.loads(text)

@@ -1,4 +1,5 @@
-"""A server's processes as the OS sees them (/proc): who descends from whom, what ps shows, who is alive."""
+"""A server's processes as the OS sees them (/proc): who descends from whom, what ps shows, who is alive (for the
+benchmarks' fault injection and soak, and the tests that watch a server's processes)."""
 from __future__ import annotations
 
 import os
@@ -15,7 +16,7 @@ def parent_of(pid: int) -> int | None:
 def descendants(root: int) -> set[int]:
     """Every living process below root (children, their children, ...)."""
     pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    children: dict[int, list[int]] = {}
+    children: dict[int | None, list[int]] = {}
     for pid in pids:
         children.setdefault(parent_of(pid), []).append(pid)
     found, todo = set(), [root]
@@ -43,7 +44,6 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
-
 
 
 def environ(pid: int) -> dict[str, str]:

@@ -1,0 +1,168 @@
+"""compressed-tensors int8 checkpoints (sluice/engine/compressed_tensors.py): a tiny Llama written in
+llm-compressor's W8A8 layout (int8 `weight`, `weight_scale` per channel, per group and per tensor), held as Q8_0
+blocks of exactly its values and served with the logits of transformers' float model of the dequantized
+weights; scales no block format holds exactly; what is refused."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from sluice.app.builtin_models import save_sharded, write_llama_family
+from sluice.engine import compressed_tensors, gptq_config
+from sluice.engine.loader import load_model
+from sluice.engine.quant import dequantized
+from tests.engine.helpers import assert_logits_match, make_engine, seq
+from tests.engine.test_gptq import _tensors
+
+_INT8 = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "dynamic": False}
+_TOKEN = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "strategy": "token", "dynamic": True}
+# as compressed-tensors' ModelCompressor writes it (three schemes, to cover each weight strategy)
+CONFIG = {
+    "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+    "kv_cache_scheme": None, "global_compression_ratio": None, "ignore": ["lm_head"],
+    "config_groups": {
+        "group_0": {"targets": ["re:.*(q|k|v|gate|up)_proj$"], "weights": {**_INT8, "strategy": "channel"},
+                    "input_activations": _TOKEN, "output_activations": None, "format": None},
+        "group_1": {"targets": ["re:.*o_proj$"], "weights": {**_INT8, "strategy": "group", "group_size": 32},
+                    "input_activations": _TOKEN, "output_activations": None, "format": None},
+        "group_2": {"targets": ["re:.*down_proj$"], "weights": {**_INT8, "strategy": "tensor"},
+                    "input_activations": _TOKEN, "output_activations": None, "format": None},
+    },
+}
+LINEARS = {"q_proj": "channel", "k_proj": "channel", "v_proj": "channel", "gate_proj": "channel",
+           "up_proj": "channel", "o_proj": "group", "down_proj": "tensor"}
+
+
+def quantize_int8(w: torch.Tensor, strategy: str, group: int = 32) -> tuple[torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor]:
+    """(int8 [N, K], weight_scale, the float32 values [N, K]) of a float weight, symmetric round-to-nearest
+    as compressed-tensors quantizes it: the scale (bfloat16, as llm-compressor leaves a bfloat16 model's) =
+    max |w| / 127 over the tensor ([1]), each row ([N, 1]) or each group of `group` columns ([N, K / group])."""
+    n, k = w.shape
+    if strategy == "tensor":
+        scale = (w.abs().max() / 127).reshape(1).bfloat16()
+        each = scale.float().expand(n, k)
+    elif strategy == "channel":
+        scale = (w.abs().amax(1, keepdim=True) / 127).bfloat16()
+        each = scale.float().expand(n, k)
+    else:
+        scale = (w.reshape(n, k // group, group).abs().amax(2) / 127).bfloat16()
+        each = scale.float().repeat_interleave(group, dim=1)
+    q = torch.round(w / each).clamp(-128, 127).to(torch.int8)
+    return q, scale, q.float() * each
+
+
+@pytest.fixture(scope="module")
+def w8a8(tmp_path_factory):
+    """(the int8 checkpoint, transformers' float model of its dequantized weights, those weights by name)."""
+    ref = write_llama_family(tmp_path_factory.mktemp("w8a8-float"), architecture="LlamaForCausalLM",
+                             tie_word_embeddings=False, num_shards=1)
+    quant = tmp_path_factory.mktemp("w8a8")
+    shutil.copytree(ref, quant, dirs_exist_ok=True)
+    floats, stored, dequant = _tensors(ref), {}, {}
+    for name, w in floats.items():
+        prefix, leaf = name.removesuffix(".weight"), name.split(".")[-2]
+        if leaf not in LINEARS or not name.endswith(".weight"):
+            stored[name] = w
+            continue
+        stored[name], stored[f"{prefix}.weight_scale"], dequant[name] = quantize_int8(w, LINEARS[leaf])
+        floats[name] = dequant[name]
+        if leaf == "down_proj":  # (a static-activation checkpoint's input scale: read, not used)
+            stored[f"{prefix}.input_scale"] = torch.ones(1, dtype=torch.bfloat16)
+    save_sharded(ref, floats, 1)
+    save_sharded(quant, stored, 2)
+    hf_config = json.loads((quant / "config.json").read_text())
+    (quant / "config.json").write_text(json.dumps({**hf_config, "quantization_config": CONFIG}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+    return quant, hf, dequant
+
+
+def test_each_linear_holds_q8_0_blocks_of_exactly_the_checkpoints_values(w8a8):
+    path, _, dequant = w8a8
+    model = load_model(path, torch.float32, torch.device("cpu"))
+    stacks = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_proj": ("o_proj",),
+              "mlp.gate_up_proj": ("gate_proj", "up_proj"), "mlp.down_proj": ("down_proj",)}
+    for i in range(2):
+        for stacked, parts in stacks.items():
+            layer = model.get_submodule(f"model.layers.{i}.{stacked}")
+            assert [p.qtype.name for p in layer.quant] == ["Q8_0"] * len(parts)
+            block = stacked.split(".")[0]
+            want = torch.cat([dequant[f"model.layers.{i}.{block}.{p}.weight"] for p in parts])
+            assert torch.equal(dequantized(layer.quant), want), stacked
+    assert getattr(model.lm_head, "quant", None) is None and model.lm_head.weight.dtype == torch.float32  # (float)
+
+
+def test_logits_equal_the_float_model_of_the_dequantized_weights(w8a8):
+    path, hf, _ = w8a8
+    runner, sched = make_engine(path, block_size=8)
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 57))]
+    seqs = [seq(f"r{i}", p, max_tokens=3, temperature=0.0) for i, p in enumerate(prompts)]
+    assert assert_logits_match(runner, sched, hf, seqs, tol=1e-4) == len(prompts) * 3
+
+
+def test_scales_no_block_format_holds_exactly():
+    """Groups smaller than a block of 32 are dequantized; float32 scales that are not float16 values are
+    rounded to float16 (each weight off by at most 2^-11 of itself), unless that is under float16's normal
+    numbers (dequantized)."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(8, 64, generator=gen)
+    q, scale, want = quantize_int8(w, "group", group=16)
+    assert compressed_tensors.to_blocks(q, scale) is None
+    assert torch.equal(compressed_tensors.dequantize(q, scale), want)
+    q, scale, _ = quantize_int8(w, "channel")
+    fine = scale.float() * (1 + 1e-5)  # (not a float16 value)
+    blocks, exact = compressed_tensors.to_blocks(q, fine)
+    want = q.float() * fine
+    assert not exact and ((blocks.dequantize() - want).abs() <= want.abs() * 2 ** -11).all()
+    assert compressed_tensors.to_blocks(q, scale)[1]  # (bfloat16 scales: exact)
+    assert compressed_tensors.to_blocks(q, fine * 2**-20) is None  # (under float16's normal numbers)
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"format": "pack-quantized"}, "format"),
+    ({"format": "float-quantized"}, "format"),
+    ({"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
+    ({"sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity_config.format"),
+    ({"group_0": {"num_bits": 4}}, "config_groups.group_0.weights.num_bits"),
+    ({"group_0": {"symmetric": False}}, "config_groups.group_0.weights.symmetric"),
+    ({"group_0": {"strategy": "block"}}, "config_groups.group_0.weights.strategy"),
+])
+def test_what_is_not_served_is_refused_naming_the_field(change, field):
+    config = json.loads(json.dumps(CONFIG))
+    if "group_0" in change:
+        config["config_groups"]["group_0"]["weights"].update(change["group_0"])
+    else:
+        config.update(change)
+    with pytest.raises(ValueError, match=f"quantization_config.{field} = "):
+        gptq_config.scheme({"quantization_config": config})
+
+
+def test_the_served_scheme():
+    assert gptq_config.scheme({"quantization_config": CONFIG}) == gptq_config.Int8Scheme(
+        ("channel", "group", "tensor"), ("int8 token dynamic",) * 3)
+
+
+def test_an_experts_int8_weight_is_handed_to_its_model_dequantized(caplog):
+    """What the loader's fetch gives a model that reads its own weights (a mixture's experts): the float32
+    values, the tensors used (an all-zero zero point, a static input scale), the memory logged; an asymmetric
+    weight refused."""
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(5))
+    q, scale, want = quantize_int8(w, "channel")
+    prefix = "model.layers.0.mlp.experts.3.up_proj"
+    stored = {f"{prefix}.weight": q, f"{prefix}.weight_scale": scale, f"{prefix}.input_scale": torch.ones(1),
+              f"{prefix}.weight_zero_point": torch.zeros(16, 1, dtype=torch.int8), "model.norm.weight": w[0]}
+    reader = compressed_tensors.Reader(gptq_config.scheme({"quantization_config": CONFIG}), torch.device("cpu"))
+    values, used = reader.float_weight(prefix, stored.__contains__, stored.__getitem__)
+    assert torch.equal(values, want) and sorted(used) == sorted(set(stored) - {"model.norm.weight"})
+    assert reader.float_weight("model.norm", stored.__contains__, stored.__getitem__) is None
+    with caplog.at_level("INFO", logger="sluice.engine"):
+        reader.summary(torch.bfloat16)
+    assert "int8 experts dequantized at load (no quantized expert kernel): 1024 values, 0.0 MiB in torch.bfloat16" \
+        in caplog.text
+    stored[f"{prefix}.weight_zero_point"] = torch.ones(16, 1, dtype=torch.int8)
+    with pytest.raises(ValueError, match="weight_zero_point: an asymmetric weight"):
+        reader.float_weight(prefix, stored.__contains__, stored.__getitem__)
