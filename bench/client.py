@@ -48,12 +48,21 @@ class Connection:
         """POSTs a streaming request and times its events."""
         res = Result(start=time.perf_counter())
         try:
-            writer = await self._ensure()
             payload = json.dumps(body).encode()
-            writer.write(b"POST " + (self.prefix + path).encode() + b" HTTP/1.1\r\nHost: " +
-                         self.host.encode() + b"\r\nContent-Type: application/json\r\n" + self.auth +
-                         b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
-            status, chunked, length = await self._headers()
+            for attempt in (0, 1):  # a kept-alive connection the server closed meanwhile: once more, on a new one
+                reused = self.writer is not None
+                writer = await self._ensure()
+                writer.write(b"POST " + (self.prefix + path).encode() + b" HTTP/1.1\r\nHost: " +
+                             self.host.encode() + b"\r\nContent-Type: application/json\r\n" + self.auth +
+                             b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+                try:
+                    status, chunked, length = await self._headers()
+                    break
+                except ConnectionResetError:
+                    writer.close()
+                    self.writer = None
+                    if not reused or attempt:
+                        raise
             if status != 200:
                 await self._read_body(chunked, length)
                 res.error = f"http {status}"
@@ -85,7 +94,10 @@ class Connection:
 
     async def _headers(self) -> tuple[int, bool, int]:
         reader = self._reader()
-        status = int((await reader.readline()).split()[1])
+        line = await reader.readline()
+        if not line:
+            raise ConnectionResetError("the server closed the connection before answering")
+        status = int(line.split()[1])
         chunked, length = False, 0
         while (line := await reader.readline()) not in (b"\r\n", b""):
             name, _, value = line.partition(b":")
