@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from sluice.engine.gptq import q8_0
+from sluice.engine.gptq import q8_0, stored_prefixes
 from sluice.engine.gptq_config import Int8Scheme
 from sluice.engine.quant import QuantizedWeight
 
@@ -81,16 +81,11 @@ class Reader:
         """For a linear's `weight` stored as int8 (alone or as the parts of a stacked projection): (None, the
         tensors used) where the layer now holds Q8_0 blocks, (the float32 values [N, K], the tensors used)
         where it is dequantized; None where `name` is not stored quantized."""
-        from sluice.engine.layers import Linear, stacked_parts
+        from sluice.engine.layers import Linear
         from sluice.engine.quant import set_quantized
 
-        if not name.endswith(".weight"):
+        if (prefixes := stored_prefixes(name, has, "weight_scale")) is None:
             return None
-        prefixes = [name[: -len(".weight")]]
-        if not has(f"{prefixes[0]}.weight_scale"):
-            prefixes = [p[: -len(".weight")] for p in stacked_parts(name)]
-            if not prefixes or not all(has(f"{p}.weight_scale") for p in prefixes):
-                return None
         module = model.get_submodule(name[: -len(".weight")])
         used: list[str] = []
         parts: list[QuantizedWeight | torch.Tensor] = []

@@ -150,16 +150,11 @@ class Reader:
         """For a linear's `weight` stored packed (alone or as the parts of a stacked projection): (None, the
         tensors used) where the layer now holds its weight in a block format, (the float32 values [N, K],
         the tensors used) where it is dequantized; None where `name` is not stored packed."""
-        from sluice.engine.layers import Linear, stacked_parts
+        from sluice.engine.layers import Linear
         from sluice.engine.quant import set_quantized
 
-        if not name.endswith(".weight"):
+        if (prefixes := stored_prefixes(name, has, "qweight")) is None:
             return None
-        prefixes = [name[: -len(".weight")]]
-        if not has(f"{prefixes[0]}.qweight"):
-            prefixes = [p[: -len(".weight")] for p in stacked_parts(name)]
-            if not prefixes or not all(has(f"{p}.qweight") for p in prefixes):
-                return None
         module = model.get_submodule(name[: -len(".weight")])
         used: list[str] = []
         parts: list[QuantizedWeight | torch.Tensor] = []
@@ -210,3 +205,19 @@ def _zero_bias(prefix: str, has: Callable[[str], bool], fetch: Callable[[str], t
     if bool(fetch(f"{prefix}.bias").any()):
         raise ValueError(f"{prefix}.bias: the checkpoint has a bias the model's linear does not take")
     return [f"{prefix}.bias"]
+
+
+def stored_prefixes(name: str, has: Callable[[str], bool], marker: str) -> list[str] | None:
+    """The checkpoint prefixes a linear's `name` (`...weight`) is stored under in a quantized layout whose
+    tensors include `<prefix>.<marker>`: itself, or the parts of a stacked projection (q/k/v, gate/up); None
+    where it is not stored so."""
+    from sluice.engine.layers import stacked_parts
+
+    if not name.endswith(".weight"):
+        return None
+    prefixes = [name[: -len(".weight")]]
+    if not has(f"{prefixes[0]}.{marker}"):
+        prefixes = [p[: -len(".weight")] for p in stacked_parts(name)]
+        if not prefixes or not all(has(f"{p}.{marker}") for p in prefixes):
+            return None
+    return prefixes

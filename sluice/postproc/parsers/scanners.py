@@ -128,15 +128,21 @@ def _json_list(text: str, pos: int, final: bool, keys: tuple[str, ...]) -> Scan:
         end = p = after
 
 
+def _past_marker(text: str, p: int, marker: str) -> int | None:
+    """Where the next call begins: past whitespace and an optional `marker`; None while the text ends there or
+    inside the marker (the scan stays open)."""
+    p = _skip(text, p)
+    if text.startswith(marker, p):
+        p = _skip(text, p + len(marker))
+    return None if p == len(text) or marker.startswith(text[p:]) else p
+
+
 def scan_llama3(text: str, final: bool, _: dict) -> Scan:
     """`<|python_tag|>`? then `{"name": ..., "parameters": {...}}`, several separated by `;`."""
     calls: list[tuple[str, str]] = []
     end = p = 0
     while True:
-        p = _skip(text, p)
-        if text.startswith(formats.PYTHON_TAG, p):
-            p = _skip(text, p + len(formats.PYTHON_TAG))
-        if p == len(text) or formats.PYTHON_TAG.startswith(text[p:]):
+        if (p := _past_marker(text, p, formats.PYTHON_TAG)) is None:
             return Scan(calls, end, "open")
         if text[p] != "{":
             return Scan(calls, end, "closed" if calls else "bad")
@@ -163,12 +169,9 @@ def scan_mistral(text: str, final: bool, _: dict) -> Scan:
     calls: list[tuple[str, str]] = []
     end = p = 0
     while True:
-        p = _skip(text, p)
-        if text.startswith(formats.TOOL_CALLS, p):
-            p = _skip(text, p + len(formats.TOOL_CALLS))
-        rest = text[p:]
-        if not rest or formats.TOOL_CALLS.startswith(rest):
+        if (p := _past_marker(text, p, formats.TOOL_CALLS)) is None:
             return Scan(calls, end, "open")
+        rest = text[p:]
         if rest[0] == "[":
             found = _json_list(text, p, final, ("arguments",))
             calls += found.calls
