@@ -142,8 +142,9 @@ def scan_llama3(text: str, final: bool, _: dict) -> Scan:
     calls: list[tuple[str, str]] = []
     end = p = 0
     while True:
-        if (p := _past_marker(text, p, formats.PYTHON_TAG)) is None:
+        if (start := _past_marker(text, p, formats.PYTHON_TAG)) is None:
             return Scan(calls, end, "open")
+        p = start
         if text[p] != "{":
             return Scan(calls, end, "closed" if calls else "bad")
         call, after, scan = _json_call(text, p, final, ("parameters", "arguments"))
@@ -169,8 +170,9 @@ def scan_mistral(text: str, final: bool, _: dict) -> Scan:
     calls: list[tuple[str, str]] = []
     end = p = 0
     while True:
-        if (p := _past_marker(text, p, formats.TOOL_CALLS)) is None:
+        if (start := _past_marker(text, p, formats.TOOL_CALLS)) is None:
             return Scan(calls, end, "open")
+        p = start
         rest = text[p:]
         if rest[0] == "[":
             found = _json_list(text, p, final, ("arguments",))
