@@ -39,8 +39,9 @@ def _event(rid: str, seq: int, kind: str, status="in_progress") -> bytes:
 def _frame(rid: str, seq: int, kind: str, status="in_progress") -> Frame:
     """The postproc's frame of one event (numbered `seq`); the last one carries the finished response."""
     done = kind in ("completed", "incomplete", "failed")
-    return Frame(rid, _event(rid, seq, kind, status), done, sequence=seq + 1,
-                 stored=_json.encode(_response(rid, status)) if done else b"")
+    event = _event(rid, seq, kind, status)
+    return Frame(rid, event, done, sequence=seq + 1, stored=_json.encode(_response(rid, status)) if done else b"",
+                 sizes=[len(event)])
 
 
 class _Head(msgspec.Struct):

@@ -82,8 +82,8 @@ class Ingress(Pipeline):
                     log.info(ended_as(status), extra={"fields": {"route": label, "status": status}})
 
     async def _route(self, scope, receive, send) -> tuple[int, str]:
-        """Answers one HTTP request; returns the status it sent (0: none, the client left with its body unsent;
-        499: it left before its response ended) and the route's template."""
+        """Answers one HTTP request; returns the status it sent (499: the client left before its response ended,
+        or before its body was all sent) and the route's template."""
         path, method = scope["path"], scope["method"]
         dialect = DIALECTS.get(path)
         routes = find(path) if dialect is None or method != "POST" else []  # (GET /v1/chat/completions lists)
@@ -172,8 +172,8 @@ class Ingress(Pipeline):
         except BodyTimedOut:
             return await self.respond_failure(send, dialect, Failure(
                 408, f"the request body did not arrive within {self.cfg.body_timeout:g}s", "timeout"))
-        except ConnectionResetError:
-            return 0
+        except ConnectionResetError:  # (it left while sending its body: nothing can be answered)
+            return CLIENT_CLOSED
         form = "msgpack" if sends_msgpack(headers) else "JSON"
         try:
             if form == "msgpack":
@@ -291,9 +291,9 @@ class Ingress(Pipeline):
                     frame, after = after, None
                     parts.append(frame.data)
                 if frame.done and keep is not None and (unkept := await keep(frame)) is not None and \
-                        frame.error is None:  # (the last event goes: the error takes its place)
-                    parts[-1] = _before_last_event(frame.data) + dialect.errors.stream(unkept,
-                                                                                       max(frame.sequence - 1, 0))
+                        frame.error is None:  # (the closing event goes: the error takes its place)
+                    parts[-1] = frame.data[:len(frame.data) - sum(frame.sizes[-1:])] + dialect.errors.stream(
+                        unkept, max(frame.sequence - 1, 0))
                 body = parts[0] if len(parts) == 1 else b"".join(parts)
                 q.sending_since = time.monotonic()
                 await send({"type": "http.response.body", "body": body, "more_body": not frame.done})
@@ -376,12 +376,6 @@ def health_job(rid: str, model: str, chat: bool, reply_to: str) -> RenderJob:
                          reply_to, time.time())
     body = msgspec.json.encode({"model": model, "prompt": [0], "max_tokens": 1, "ignore_eos": True})
     return RenderJob(rid, "completions", body, reply_to, time.time())
-
-
-def _before_last_event(stream: bytes) -> bytes:
-    """A stream chunk without its last event (an event ends in a blank line; JSON escapes the newlines in it)."""
-    end = stream.rfind(b"\n\n", 0, len(stream) - 2)
-    return stream[:end + 2] if end >= 0 else b""
 
 
 def _uncancel() -> None:

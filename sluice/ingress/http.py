@@ -15,9 +15,9 @@ SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
 _PARAM = re.compile(r"at `\$\.([^`]+)`")
 _UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
-# An error says at most this many characters (a 1 MB field name does not come back whole), its param (a field's
-# path) at most MAX_PARAM of them
-MAX_MESSAGE, MAX_PARAM = 4096, 256
+# An error says at most this many characters, a few hundred (a 1 MB field name does not come back whole), its
+# param (a field's path) at most MAX_PARAM of them
+MAX_MESSAGE, MAX_PARAM = 512, 256
 
 
 class BodyTooLarge(Exception):
@@ -80,11 +80,13 @@ def validation_error(e: msgspec.MsgspecError) -> tuple[str, str | None]:
 
 
 def capped(text: str, limit: int = MAX_MESSAGE) -> str:
-    """`text`, cut to `limit` characters where it is longer (saying how much was left out)."""
+    """`text` within `limit` characters: a longer one (a client's value it echoes) keeps its head and its last
+    quarter (what the message says after the value), and says how much was left out between."""
     if len(text) <= limit:
         return text
-    kept = limit - 64  # (room for the tail)
-    return f"{text[:kept]}... ({len(text) - kept} more characters)"
+    tail = limit // 4
+    head = limit - tail - 48  # (room for the note: its count has at most 22 digits)
+    return f"{text[:head]} ...({len(text) - head - tail} more characters)... {text[len(text) - tail:]}"
 
 
 def capped_failure(failure: Failure) -> Failure:

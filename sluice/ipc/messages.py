@@ -4,6 +4,7 @@ Token ids travel as raw little-endian int32 buffers (`bytes`), never as lists.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Literal
 
 import msgspec
@@ -262,6 +263,15 @@ class Frame(msgspec.Struct, **_WIRE):
     error: Failure | None = None  # the request ends in this error instead (with done, and no data)
     stored: bytes = b""  # a request the ingress stores (PostprocSpec.store): its whole body, in its last frame
     sequence: int = 0  # a Responses stream: the sequence number its next event takes (its events come before it)
+    # The byte lengths of data's last len(sizes) events, as its framer wrote them: every event of a Responses
+    # stream (stored one by one), the closing event of any stream's last frame (an error takes its place when
+    # what ends cannot be stored). Nobody parses the SSE back.
+    sizes: list[int] = []
+
+    def events(self) -> list[bytes]:
+        """data's last len(sizes) events, in order."""
+        bounds = itertools.accumulate(self.sizes, initial=len(self.data) - sum(self.sizes))
+        return [self.data[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 class Frames(msgspec.Struct, tag=True, **_WIRE):

@@ -106,6 +106,7 @@ class AnthropicFramer(ItemFramer):
                            if reason == "stop_sequence" else None}}
         if self.framing.context_management is not None:  # (what the request's edits cleared: said at the end)
             delta["context_management"] = self.framing.context_management
+        self.closing = len(MESSAGE_STOP)
         return self._take() + event("message_delta", delta) + MESSAGE_STOP
 
     def _take(self) -> bytes:

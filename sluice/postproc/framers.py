@@ -16,13 +16,14 @@ TokenText = Callable[[int], str]
 
 
 class Framer:
-    sequence_number = 0  # the number the stream's next event takes (a dialect that numbers its events)
     """One request's output in its dialect. Streaming: `chunk` per frame, then `end`; a whole body: `add` per
     token, then `body`. A framer whose `takes_each_piece` gets `add` for every token when streaming too, and
     frames from that (`chunk` gets the pieces since the last frame merged, which keeps each kind's text but
     not the order between kinds)."""
 
     takes_each_piece = False
+    sequence_number = 0  # the number the stream's next event takes (a dialect that numbers its events)
+    closing = 0  # the byte length of the closing event that ends `end`'s bytes (set by `end`: Frame.sizes)
     reasoning_tokens = 0  # how many output tokens were reasoning: told before `end` / `body`
     # draft tokens of a predicted output (chat's `prediction`) the output kept, and those it did not: as they come
     accepted_prediction_tokens = 0
@@ -55,6 +56,12 @@ class Framer:
     def text_chunk(self, index: int, piece: Piece) -> bytes | None:
         """A fast way to frame an opened choice's piece of plain text alone; None: `chunk` it."""
         return None
+
+    def take_sizes(self) -> list[int]:
+        """The byte lengths of the last events of what this framer returned since the last take (Frame.sizes):
+        here, the closing event's once `end` wrote it."""
+        sizes, self.closing = [self.closing] if self.closing else [], 0
+        return sizes
 
 
 class ItemFramer(Framer, Events):

@@ -122,6 +122,7 @@ class OpenAIFramer(Framer):
 
     def end(self, completion_tokens: int, perf: PerfMetrics | None = None) -> bytes:
         """The stream's tail: the usage chunk when asked for (with the timings when asked for), then [DONE]."""
+        self.closing = len(DONE)
         if self.spec.include_usage or perf is not None:
             usage = self.usage(completion_tokens) if self.spec.include_usage else None
             return sse(self._envelope([], usage=usage, perf=perf)) + DONE

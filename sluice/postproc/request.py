@@ -9,9 +9,9 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from sluice.base import hooks, metrics, tracing
-from sluice.ipc.messages import Frame, PostprocSpec, Started, Timings
+from sluice.ipc.messages import Failure, Frame, PostprocSpec, Started, Timings
 from sluice.postproc.framers import framer_for
-from sluice.postproc.parsers import Piece, keeps_special_tokens, text_parser
+from sluice.postproc.parsers import Piece, ToolParser, keeps_special_tokens, text_parser
 from sluice.postproc.stop import StopStrings
 from sluice.schemas.openai import PerfMetrics
 
@@ -55,7 +55,7 @@ class Choice:
 
     @property
     def _calls_done(self) -> bool:
-        return any(getattr(parser, "done", False) for parser in self.parsers) if self.harmony is None else False
+        return any(isinstance(p, ToolParser) and p.done for p in self.parsers) if self.harmony is None else False
 
     def on_token(self, token: int, verdict: str | None) -> Piece:
         """Feeds one token with the engine's verdict on it (FinishReason); returns what it adds to the message.
@@ -234,14 +234,20 @@ class RequestOutput:
             ids = [t for i, t in enumerate(ids) if i not in withheld]
         return self.framer.chunk(index, choice.pending, choice.finish_reason, entries, ids, self.completion_tokens)
 
-    def final(self) -> Frame:
+    def final(self, before: bytes = b"") -> Frame:
+        """The last frame: `before` (chunks not yet sent), then the stream's tail or the whole body."""
         perf = self.perf() if self.spec.perf_metrics else None
         self.framer.reasoning_tokens = sum(c.reasoning_tokens for c in self.choices)
         if not self.spec.stream:
-            return Frame(self.spec.request_id, self.framer.body(self.completion_tokens, perf), True)
+            return self.frame(before + self.framer.body(self.completion_tokens, perf), True)
         tail = self.framer.end(self.completion_tokens, perf)
         stored = self.framer.body(self.completion_tokens, perf) if self.spec.store else b""
-        return Frame(self.spec.request_id, tail, True, stored=stored)
+        return self.frame(before + tail, True, stored=stored)
+
+    def frame(self, data: bytes, done: bool = False, error: Failure | None = None, stored: bytes = b"") -> Frame:
+        """A frame of this request: `data`, all the framer wrote since the last frame, numbered and sized by it."""
+        return Frame(self.spec.request_id, data, done, error, stored, self.framer.sequence_number,
+                     self.framer.take_sizes())
 
     def perf(self) -> PerfMetrics:
         t = self.timings or [Timings(self.spec.request_id, 0, self.spec.arrival_time, 0.0, 0.0, 0.0, 0.0)]

@@ -68,6 +68,7 @@ class ResponsesFramer(ItemFramer):
         self.items: list[OutputItem] = []
         self.emit = spec.stream
         self.events: list[Event] = []  # streaming: what the next frame sends
+        self._sizes: list[int] = []  # the byte length of each event sent since the last take_sizes
         self.sequence_number = framing.first_sequence_number
         self.resumed = framing.first_sequence_number > 0  # the background owner stored response.created
         self._ids: list[str] = []  # each item's id
@@ -93,15 +94,19 @@ class ResponsesFramer(ItemFramer):
                         response=msgspec.structs.replace(self.response, status="in_progress"))
 
     def _take(self) -> bytes:
-        events, self.events = self.events, []
-        return b"".join(sse(e) for e in events)
+        events, self.events = [sse(e) for e in self.events], []
+        self._sizes += map(len, events)
+        return b"".join(events)
+
+    def take_sizes(self) -> list[int]:
+        """Every event's byte length (a stored stream keeps each event, numbered)."""
+        sizes, self._sizes = self._sizes, []
+        return sizes
 
     def end(self, completion_tokens: int, perf: PerfMetrics | None = None) -> bytes:
         final = self.final(completion_tokens)
-        events = self._take()
-        self.sequence_number += 1
-        return events + sse(ResponseEvent(type=f"response.{final.status}", sequence_number=self.sequence_number - 1,
-                                          response=final))
+        self._event(ResponseEvent, type=f"response.{final.status}", response=final)
+        return self._take()
 
     # ---- one body --------------------------------------------------------------
 

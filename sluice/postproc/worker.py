@@ -86,17 +86,15 @@ class Shard:
         out: dict[str, list[Frame]] = defaultdict(list)
         for rid, (req, failure) in step.failed.items():
             if rid in data:  # chunks of its earlier steps (not coalescing): they went out before it failed
-                out[req.spec.reply_to].append(Frame(rid, data[rid], sequence=req.framer.sequence_number))
-            out[req.spec.reply_to].append(Frame(rid, b"", True, failure, sequence=req.framer.sequence_number))
+                out[req.spec.reply_to].append(req.frame(data[rid]))
+            out[req.spec.reply_to].append(req.frame(b"", True, failure))
         for rid, req in touched.items():
             if req.done:
                 del self.requests[rid]
                 self._finished(req)
-                final = req.final()
-                out[req.spec.reply_to].append(Frame(rid, data[rid] + final.data, True, stored=final.stored,
-                                                    sequence=req.framer.sequence_number))
+                out[req.spec.reply_to].append(req.final(data[rid]))
             elif data[rid]:
-                out[req.spec.reply_to].append(Frame(rid, data[rid], sequence=req.framer.sequence_number))
+                out[req.spec.reply_to].append(req.frame(data[rid]))
         self._gaps += step.gaps
         if not self.requests or time.monotonic() - metrics.LATER.at >= metrics.FLUSH_S:
             self._record_metrics()

@@ -391,8 +391,3 @@ class ResponseHead(msgspec.Struct):
     created_at: int
     previous_response_id: str | None = None
     background: bool = False
-
-
-def split_events(data: bytes) -> list[bytes]:
-    """An SSE body's events, each with its blank line (JSON escapes newlines: only a blank line ends an event)."""
-    return [event + b"\n\n" for event in data.split(b"\n\n") if event]

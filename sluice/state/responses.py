@@ -24,7 +24,7 @@ from sluice import state
 from sluice.base.config import ServerConfig
 from sluice.ipc.messages import Failure, Frame
 from sluice.schemas.responses import (TERMINAL, ErrorEvent, InputItem, Response, ResponseError, ResponseEvent,
-                                      ResponseHead, split_events, sse)
+                                      ResponseHead, sse)
 
 log = logging.getLogger("sluice.responses")
 MAX_CHAIN = 10_000  # responses a previous_response_id chain may reach back through
@@ -208,7 +208,7 @@ class Store:
         """A frame of a running background response: its events, numbered up to the frame's sequence, and its
         status: in progress, or the finished response its last frame carries (Frame.stored). False when the
         response is no longer running (cancelled, deleted): nobody wants the rest."""
-        events = split_events(frame.data)
+        events = frame.events()
         first = frame.sequence - len(events)
         with self._writing():
             row = self.conn.execute("SELECT status FROM responses WHERE id = ?", (rid,)).fetchone()

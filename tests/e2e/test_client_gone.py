@@ -6,6 +6,7 @@ import socket
 import time
 
 import httpx
+import pytest
 
 from bench.faults import ingress_workers, rss_mb, stream_request
 from tests.e2e.conftest import MODEL
@@ -35,6 +36,17 @@ def test_a_client_that_leaves_mid_stream_gets_a_request_log_line_with_status_499
     assert "route=/v1/chat/completions status=499" in line, line
     metrics = httpx.get(server.url + "/metrics").text
     assert 'sluice:requests_total{endpoint="/v1/chat/completions",status="499"}' in metrics
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses"])
+def test_a_client_that_leaves_while_sending_its_body_is_logged_as_499(server, route):
+    before = len(lines(server, f"route={route} status=499"))
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: 1000\r\n\r\n{{\"model\": ".encode())
+        time.sleep(0.2)  # (the ingress is reading the body when the client leaves)
+    wait_for(lambda: len(lines(server, f"route={route} status=499")) > before, timeout=30)
+    assert "client left" in lines(server, f"route={route} status=499")[-1]
 
 
 def test_streams_cut_for_clients_that_never_read_give_their_memory_back(server):

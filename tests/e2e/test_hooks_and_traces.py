@@ -13,12 +13,10 @@ import anthropic
 import httpx
 import openai
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from bench.server import Server
 from tests.e2e.test_anthropic import recording
-
-pytest.importorskip("opentelemetry.sdk", reason="the tracing extra (pip install -e '.[tracing]') is not installed")
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
 
 MODEL = "builtin:tiny-chat"
 HOOKS = "deploy/hooks_example.py"

@@ -5,7 +5,9 @@ from __future__ import annotations
 import socket
 import time
 
+import anthropic
 import httpx
+import openai
 import pytest
 
 from bench import faults
@@ -25,15 +27,18 @@ def server():
     assert s.stop() == 0, s.output()
 
 
-def ended(socks: list[socket.socket], within: float) -> dict[str, int]:
-    """How each held connection ended (see faults.how_it_ended), polling until none is open or time is up."""
-    ends: dict[int, str] = {}
+def ended(socks: list[socket.socket], within: float, ends: dict[int, str] | None = None) -> dict[str, int]:
+    """How each held connection ended (see faults.how_it_ended), polling until none is open or time is up (at
+    least once); `ends` keeps what earlier polls saw (a poll reads the answer it finds)."""
+    ends = {} if ends is None else ends
     deadline = time.monotonic() + within
-    while len(ends) < len(socks) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    while True:
         for i, s in enumerate(socks):
             if i not in ends and (end := faults.how_it_ended(s)) != "open":
                 ends[i] = end
+        if len(ends) == len(socks) or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
     outcomes = [ends.get(i, "open") for i in range(len(socks))]
     return {k: outcomes.count(k) for k in set(outcomes)}
 
@@ -41,11 +46,13 @@ def ended(socks: list[socket.socket], within: float) -> dict[str, int]:
 def test_held_connections_leave_room_and_are_let_go(server):
     socks = faults.hold_connections(server, 1100)  # silent, half a header, half a body: a third each
     try:
-        t0 = time.monotonic()
+        ends: dict[int, str] = {}
         assert httpx.get(server.url + "/health", timeout=30).status_code == 200
-        assert time.monotonic() - t0 < 1.0  # not queued behind them
+        # not queued behind them: answered while the server still held every one (it lets them go only at
+        # --header-timeout / --body-timeout), a count where a wall-clock bound would flake on loaded cores
+        assert ended(socks, 0, ends) == {"open": 1100}
         # the silent and half-header ones are closed at --header-timeout, the half-body ones answered 408
-        assert ended(socks, TIMEOUT_S + 5) == {"closed": 734, "408": 366}
+        assert ended(socks, TIMEOUT_S + 5, ends) == {"closed": 734, "408": 366}
     finally:
         for s in socks:
             s.close()
@@ -57,9 +64,9 @@ def test_at_the_connection_limit_a_new_client_waits_for_a_free_connection(server
     held ones time out), then it is served. Past the accept queue the kernel drops its SYN; it retries."""
     socks = faults.hold_connections(server, MAX_CONNECTIONS)
     try:
-        t0 = time.monotonic()
+        # (30 s: far past the held ones' timeouts, which are what lets it in)
         assert httpx.get(server.url + "/health", timeout=30).status_code == 200
-        assert 0.5 < time.monotonic() - t0 < TIMEOUT_S + 3
+        assert ended(socks, 0).get("open", 0) < MAX_CONNECTIONS  # it got in once a held one was let go
     finally:
         for s in socks:
             s.close()
@@ -71,7 +78,8 @@ def test_a_body_that_stops_coming_gets_408(server):
         s.sendall(faults._HALF_BODY)
         head = s.recv(4096)
         assert head.startswith(b"HTTP/1.1 408"), head
-        assert TIMEOUT_S - 0.5 < time.monotonic() - t0 < TIMEOUT_S + 2
+        # not before --body-timeout (a load can only make it later; the socket's timeout bounds the wait)
+        assert time.monotonic() - t0 > TIMEOUT_S - 0.5
 
 
 def test_unknown_paths_do_not_grow_the_metrics(server):
@@ -134,3 +142,32 @@ def test_a_deadline_ends_a_stream_stuck_on_a_client_that_reads_nothing():
         faults.wait_idle(s)
     finally:
         assert s.stop() == 0, s.output()
+
+
+@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
+def test_a_client_error_that_echoes_a_huge_value_is_a_short_4xx_in_its_dialect(server, sdk):
+    """(Issue 37: every client error a 4xx in the dialect's shape, its message a few hundred characters.)"""
+    huge = "m" * 100_000
+    if sdk == "openai":
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        calls = [lambda: client.chat.completions.create(model=huge, messages=[{"role": "user", "content": "x"}]),
+                 lambda: client.chat.completions.create(model=MODEL, messages=[{"role": huge, "content": "x"}])]
+        errors: tuple[type[Exception], ...] = (openai.NotFoundError, openai.BadRequestError)
+    else:
+        anth = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+        calls = [lambda: anth.messages.create(model=huge, max_tokens=1, messages=[{"role": "user", "content": "x"}]),
+                 lambda: anth.messages.create(model=MODEL, max_tokens=1,
+                                              messages=[{"role": huge, "content": "x"}])]  # type: ignore[misc]
+        errors = (anthropic.NotFoundError, anthropic.BadRequestError)
+    for call, error in zip(calls, errors):
+        with pytest.raises(error) as e:
+            call()
+        body = e.value.response.json()
+        if sdk == "anthropic":
+            assert body["type"] == "error" and body["error"]["type"] in ("not_found_error", "invalid_request_error")
+        else:
+            assert {"message", "type", "param", "code"} <= set(body["error"]), body
+        message = body["error"]["message"]
+        assert len(message) <= 512 and "more characters" in message, message
+    assert message.startswith("Invalid enum value 'mmm")
+

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from sluice.engine.cpu.backend import CpuBackend
 from sluice.engine.cpu.experts import F32Experts
@@ -12,8 +13,6 @@ from sluice.engine.loader import load_model
 from sluice.engine.models.mixtures import MoeConfig
 from sluice.engine.moe import SparseMoE, mix, route
 from tests.engine.helpers import assert_logits_match, generate, make_engine, seq
-
-transformers = pytest.importorskip("transformers")
 
 TINY: dict = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   max_position_embeddings=512)

@@ -113,3 +113,18 @@ def test_a_failure_that_echoes_input_is_capped():
     assert len(failure.message) + len(failure.param or "") + 2 <= MAX_MESSAGE
     assert capped_failure(Failure(400, "short", param="x")) == Failure(400, "short", param="x")
 
+
+@pytest.mark.parametrize("size", [1, 1_000, 10**6])
+def test_an_echoed_value_is_cut_in_the_middle_to_a_few_hundred_characters(size):
+    """(Issue 37: a client error's message is under a few hundred characters; what it says after the value it
+    echoes stays, and the count of what was left out is exact.)"""
+    text = "The model '" + "m" * size + "' does not exist; this server serves ['builtin:tiny-chat']"
+    message = capped_failure(Failure(404, text, "model_not_found", "model")).message
+    assert MAX_MESSAGE <= 512 and len(message) <= MAX_MESSAGE - len("model") - 2
+    if size == 1:
+        assert message == text
+        return
+    head, rest = message.split(" ...(")
+    count, tail = rest.split(" more characters)... ")
+    assert text.startswith(head) and text.endswith(tail) and len(head) + int(count) + len(tail) == len(text)
+    assert tail.endswith("' does not exist; this server serves ['builtin:tiny-chat']")

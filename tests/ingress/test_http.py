@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import msgspec
 import pytest
@@ -64,7 +63,6 @@ def test_a_body_in_pieces_is_joined():
 
 
 def test_a_body_that_stops_coming_times_out():
-    t0 = time.monotonic()
+    # (the raise is the proof: the stalled client would hold the read for an hour)
     with pytest.raises(BodyTimedOut):
         asyncio.run(read_body(receiver([b'{"model": '], then_stall=True), 1 << 20, 0.2))
-    assert time.monotonic() - t0 < 2

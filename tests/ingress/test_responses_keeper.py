@@ -61,11 +61,12 @@ def _stream() -> list[Frame]:
     done = new_response(REQUEST, "resp_1", 0, "completed")
     first = sse(ResponseEvent(type="response.created", sequence_number=0,
                               response=new_response(REQUEST, "resp_1", 0, "in_progress")))
-    last = (sse(TextEvent(type="response.output_text.delta", sequence_number=1, item_id="m", output_index=0,
-                          content_index=0, delta="Hi"))
-            + sse(ResponseEvent(type="response.completed", sequence_number=2, response=done)))
-    return [Frame("resp_1", first, sequence=1),
-            Frame("resp_1", last, True, stored=msgspec.json.encode(done), sequence=3)]
+    last = [sse(TextEvent(type="response.output_text.delta", sequence_number=1, item_id="m", output_index=0,
+                          content_index=0, delta="Hi")),
+            sse(ResponseEvent(type="response.completed", sequence_number=2, response=done))]
+    return [Frame("resp_1", first, sequence=1, sizes=[len(first)]),
+            Frame("resp_1", b"".join(last), True, stored=msgspec.json.encode(done), sequence=3,
+                  sizes=[len(e) for e in last])]
 
 
 def test_a_whole_response_that_could_not_be_stored_is_a_500_instead(tmp_path):

@@ -14,6 +14,7 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 from tokenizers import Tokenizer
 
+from sluice.ipc.messages import Frame
 from sluice.postproc.worker import Shard
 from sluice.schemas.responses import CreateResponse, FramerSpec, RenderBody, new_response
 from tests.postproc.test_shard import feed, start
@@ -40,15 +41,22 @@ def _output(text: str, calls=()) -> str:
 
 def _run(shard, text: str, stream: bool, groups=None, final="length", eos=True):
     eos_id = shard.tokenizer.token_to_id("<|im_end|>") if eos else None
-    data, _ = feed(shard, text, rid="resp_1", started=_start(shard, stream), final=final, eos=eos_id, groups=groups)
-    return sse_events(data) if stream else json.loads(data[-1])
+    frames: list[Frame] = []
+    data, _ = feed(shard, text, rid="resp_1", started=_start(shard, stream), final=final, eos=eos_id, groups=groups,
+                   frames=frames)
+    return framed_events(frames) if stream else json.loads(data[-1])
 
 
-def sse_events(data: list[bytes]) -> list[dict]:
-    """Each event's data; its `event:` line names the same type."""
-    events = [e.split("\ndata: ", 1) for chunk in data for e in chunk.decode().split("\n\n") if e]
-    assert all(head == "event: " + json.loads(body)["type"] for head, body in events)
-    return [json.loads(body) for _, body in events]
+def framed_events(frames: list[Frame]) -> list[dict]:
+    """Each event's data, cut out of its frame by the sizes the postproc gave (Frame.sizes: what the state
+    store keeps, one row an event, nothing parsed back): they cover the whole frame, one event each, and its
+    `event:` line names its type."""
+    assert all(sum(f.sizes) == len(f.data) for f in frames)
+    events = [e.decode() for f in frames for e in f.events()]
+    assert all(e.endswith("\n\n") and e.count("\n\n") == 1 for e in events)
+    heads = [e[:-2].split("\ndata: ", 1) for e in events]
+    assert all(head == "event: " + json.loads(body)["type"] for head, body in heads)
+    return [json.loads(body) for _, body in heads]
 
 
 def _sdk_final(events: list[dict]):
@@ -107,8 +115,9 @@ def test_the_cut_at_max_output_tokens_is_an_incomplete_response(shard):
 
 
 def test_a_background_stream_goes_on_from_its_stored_created_event(shard):
-    data, _ = feed(shard, "Hi", rid="resp_1", started=_start(shard, True, background=True), final="length")
-    events = sse_events(data)
+    frames: list[Frame] = []
+    feed(shard, "Hi", rid="resp_1", started=_start(shard, True, background=True), final="length", frames=frames)
+    events = framed_events(frames)
     assert events[0]["type"] == "response.in_progress" and events[0]["sequence_number"] == 1
 
 
@@ -164,14 +173,16 @@ def test_sealed_reasoning_and_a_namespace_call_as_codex_asks_for_them(shard, tmp
     started = start(shard, "resp_1", endpoint="responses", stream=stream, parsers=["think", "hermes"],
                     dialect=framing)
     text = _output("<think>Plan it.</think>", [("weather__get_weather", {"city": "Paris"})])
-    data, _ = feed(shard, text, rid="resp_1", started=started, eos=shard.tokenizer.token_to_id("<|im_end|>"))
-    body = sse_events(data)[-1]["response"] if stream else json.loads(data[-1])
+    frames: list[Frame] = []
+    data, _ = feed(shard, text, rid="resp_1", started=started, eos=shard.tokenizer.token_to_id("<|im_end|>"),
+                   frames=frames)
+    body = framed_events(frames)[-1]["response"] if stream else json.loads(data[-1])
     reasoning, call = body["output"]
     assert sealing.sealer(str(tmp_path)).open(reasoning["encrypted_content"]) == "Plan it."
     assert (call["name"], call["namespace"]) == ("get_weather", "weather")
     assert body["warnings"][0]["param"] == "tools[1]" and body["tools"][1] == {"type": "web_search"}
     if stream:
-        events = sse_events(data)
+        events = framed_events(frames)
         added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
         done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
         assert "encrypted_content" not in added[0] and done[0] == reasoning

@@ -25,9 +25,9 @@ def start(shard, rid, **spec):
     return Started(rid, msgspec.msgpack.encode(spec), num_prompt_tokens=5, num_cached_tokens=2)
 
 
-def feed(shard, text, rid="r1", started=None, final="length", eos=None, groups=None):
+def feed(shard, text, rid="r1", started=None, final="length", eos=None, groups=None, frames=None):
     """Feeds `text` token by token, one step each, the steps handed over in `groups` of the given sizes
-    (default: one at a time); returns every frame's data in order."""
+    (default: one at a time); returns every frame's data in order (and adds the frames to `frames`)."""
     ids = shard.tokenizer.encode(text, add_special_tokens=False).ids + ([eos] if eos is not None else [])
     steps = [StepOutputs([started] if (i == 0 and started) else [], [rid], ids_to_bytes([0]), ids_to_bytes([tok]),
                          [Finished(rid, 0, "stop_token" if eos is not None else final)] if i == len(ids) - 1 else [])
@@ -39,6 +39,8 @@ def feed(shard, text, rid="r1", started=None, final="length", eos=None, groups=N
         out, to_engine = shard.on_steps(steps[:size])
         del steps[:size]
         data += [f.data for f in out.get("ipc://r", [])]
+        if frames is not None:
+            frames += out.get("ipc://r", [])
         stopped += [choice for m in to_engine if isinstance(m, EndChoices) for choice in m.choices]
     return data, stopped
 
@@ -60,6 +62,18 @@ def test_streaming_chat_frames_and_usage(shard):
         "prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n,
         "prompt_tokens_details": {"cached_tokens": 2}}
     assert events[-1] == "[DONE]" and shard.requests == {}
+
+
+@pytest.mark.parametrize(("endpoint", "closing"), [
+    ("chat", b"data: [DONE]\n\n"), ("messages", b'event: message_stop\ndata: {"type":"message_stop"}\n\n')],
+    ids=["openai", "anthropic"])
+def test_a_streams_last_frame_sizes_its_closing_event(shard, endpoint, closing):
+    """(What the ingress cuts, without parsing the SSE, to put an error there when the output cannot be stored.)"""
+    frames: list = []
+    feed(shard, "Hi there", started=start(shard, "r1", stream=True, include_usage=True, endpoint=endpoint),
+         frames=frames)
+    assert [f.sizes for f in frames[:-1]] == [[]] * (len(frames) - 1)
+    assert frames[-1].done and frames[-1].events() == [closing] and frames[-1].data.endswith(closing)
 
 
 def test_non_streaming_body_hides_the_stop_token(shard):

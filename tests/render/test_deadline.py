@@ -57,11 +57,10 @@ class Jobs:
 
 
 def test_a_render_past_its_deadline_stops_where_it_is():
-    start = time.monotonic()
-    with pytest.raises(deadline.RenderStopped) as e:
+    with pytest.raises(deadline.RenderStopped) as e:  # (not stopped, the work would end without a raise)
         with deadline.watched("r1", 0.2, lambda: None):
             busy(30)
-    assert e.value.reason == "timeout" and time.monotonic() - start < 2
+    assert e.value.reason == "timeout"
     assert signal.getitimer(signal.ITIMER_PROF) == (0.0, 0.0)  # no tick left running between jobs
 
 
@@ -109,14 +108,13 @@ def test_a_render_past_render_timeout_is_a_408_and_the_worker_takes_the_next_job
     alarm, (timer, _) = signal.getsignal(signal.SIGALRM), signal.getitimer(signal.ITIMER_REAL)
     assert worker.wait(0)
     slow, following = worker.batch()
-    start = time.monotonic()
-    answer = worker.render(slow)
-    assert time.monotonic() - start < 3
+    answer = worker.render(slow)  # (the 408 says the deadline stopped it: the template's own limit is a 400)
     assert isinstance(answer, Frame) and answer.done and answer.error.status == 408
     assert answer.error.code == "render_timeout" and "--render-timeout (0.3s)" in answer.error.message
     # the chat template's own alarm (stopped inside it) is put back as it was: pytest-timeout's, if it runs one
     assert signal.getsignal(signal.SIGALRM) == alarm
     assert (signal.getitimer(signal.ITIMER_REAL)[0] > 0) == (timer > 0)
+    worker.timeout = 30  # (the next job's own 0.3 s could pass on loaded cores; a stop left over would not wait)
     assert isinstance(worker.render(following), EngineRequest)
 
 
@@ -126,10 +124,8 @@ def test_an_abort_stops_the_render_running_and_drops_the_job_waiting(core):
     worker = RenderWorker(core, jobs, timeout=30)
     assert worker.wait(0)
     answers = {}
-    start = time.monotonic()
-    for j in worker.batch():
+    for j in worker.batch():  # (the 499 says the abort stopped it: its deadline, 30 s, would be a 408)
         answers[j.request_id] = worker.render(j)
-    assert time.monotonic() - start < 5
     assert list(answers) == ["left", "stays"]
     assert answers["left"].error.status == 499 and isinstance(answers["stays"], EngineRequest)
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import pytest
 
@@ -53,9 +52,7 @@ def test_llguidance_compiles_the_adversarial_schema_at_once_within_small_limits(
     """The schema that grew a render worker to 17 GB under xgrammar: llguidance builds its lexer as it goes."""
     gc = compiler(tiny_chat_dir, memory=512 << 20, compile_timeout=5, max_grammar_bytes=1 << 20)
     gc.compile(SMALL)
-    t0 = time.perf_counter()
-    assert gc.compile(wide_any_of(50, 50))
-    assert time.perf_counter() - t0 < 5
+    assert gc.compile(wide_any_of(50, 50))  # (within its compile_timeout, 5 s: past it, a 408 is raised)
 
 
 def test_a_compile_past_its_time_is_a_408_and_the_next_one_works(tiny_chat_dir):
