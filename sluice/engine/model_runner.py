@@ -68,9 +68,8 @@ def kv_pools(model: torch.nn.Module) -> dict[int | None, str]:
 
 
 # Plain-greedy rows beside sampled ones in a step take the LM head's argmax path from this many up, where
-# that path writes no logits (the CPU kernel; screened in int8, ~0.45 ms for the weight's read, then ~0.08
-# ms a row); fewer ride the logits path (~0.18 ms a row at batch 16 in the bf16 kernel, plus the sampling
-# pass over it).
+# that path writes no logits (the CPU kernel: one read of the weight, then little a row); fewer ride the
+# logits path with the sampled rows (a row's logits and the sampling pass over them; bench/RESULTS.md#cpu-kernels).
 _SPLIT_GREEDY_MIN = 4
 
 

@@ -257,7 +257,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """The first index of each row's maximum [B], as torch.argmax (which on the CPU scans 200k columns
     5-10x slower than a blocked max, then the one block that holds it). bf16 rows are compared as they
     are: converting them to float32 first is faster on logits already in cache, but slower on the LM
-    head's fresh output (1.1-1.2 against 0.8 ms at batch 16), which is what a step has."""
+    head's fresh output, which is what a step has (bench/RESULTS.md#cpu-kernels)."""
     if x.device.type != "cpu":
         return x.argmax(dim=-1)
     x = x.contiguous()

@@ -24,9 +24,9 @@ _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc mallopt parameters
 def keep_heap_memory() -> None:
     """Keeps large tensors on the heap. glibc maps each allocation above 32 MiB afresh and unmaps it when
     freed, so a step's vocabulary-sized temporaries (batch-64 float32 logits are 51 MB) pay page faults on
-    every step: 16 ms at batch 64 here, more than the LM head itself. Without mmap'd chunks (and with
-    trimming only above 2 GiB free) those pages are reused. The engine is the one process with such
-    temporaries; elsewhere, or without glibc, this does nothing."""
+    every step, which can cost more than the LM head itself (bench/RESULTS.md#decode-step-parts). Without
+    mmap'd chunks (and with trimming only above 2 GiB free) those pages are reused. The engine is the one
+    process with such temporaries; elsewhere, or without glibc, this does nothing."""
     if not sys.platform.startswith("linux"):
         return
     try:

@@ -58,10 +58,10 @@ def row_bucket(n: int) -> int:
 
 class BucketedLinear:
     """A half-precision linear through torch (oneDNN), its rows padded to `row_bucket` sizes: oneDNN compiles
-    a kernel for each new shape (0.5-5 ms here, against ~0.2 ms to run it) and keeps 1,024 of them, while a
+    a kernel for each new shape (several times what running it costs) and keeps 1,024 of them, while a
     server's steps come in every token count up to --max-num-batched-tokens. With a small weight, up to 16
     rows run on a float32 copy of it instead (the same products, accumulated in float32 either way; oneDNN's
-    bf16 matmul costs ~17 us a call whatever its size)."""
+    bf16 matmul has a fixed cost a call that a small product does not repay; bench/RESULTS.md#cpu-kernels)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight, self.bias = weight, bias

@@ -2,8 +2,8 @@
 (AVX512-BF16), csrc/f32_layers.c for float32 (AVX-512F, else built for AVX2 and FMA; its linears on
 csrc/f32_matmul.c, or on csrc/quant_blocks.h where the weight is kept in a GGUF block format). Each row attends as one
 query (a decode, or a prefill chunk's row at its position; see the C files). Op by op, a layer is ~20 torch
-calls and kernel calls, each 10-100 us, against a few microseconds of arithmetic at a small model's decode
-step."""
+calls and kernel calls, each costing more than a small model's decode arithmetic for it
+(bench/RESULTS.md#avx2-step, #decode-step-parts)."""
 from __future__ import annotations
 
 import ctypes
