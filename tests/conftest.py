@@ -21,7 +21,7 @@ _SLOW = {"test_architectures", "test_moe", "test_gguf", "test_gpt_oss", "test_mo
          "test_engine_postproc", "test_kv_handoff", "test_structured_output", "test_prefix_cache", "test_layers",
          "test_harness", "test_lint", "test_harmony", "test_structured", "test_unsatisfiable_constraints",
          "test_health_generate", "test_thinking_budget", "test_prediction_model", "test_gptq", "test_w8a8",
-         "test_tool_formats_held", "test_avx2_step"}
+         "test_tool_formats_held", "test_avx2_step", "test_quant_repack"}
 
 
 def pytest_collection_modifyitems(config, items):

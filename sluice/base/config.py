@@ -155,6 +155,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         "CPUs the engine and the postproc workers share (they trade a message every step): auto (where the stages "
         "outnumber the cores and the engine does not compute on the CPU: the last core; else none), off, or a "
         "list such as 3 or 2-3,6", pattern=r"^(auto|off|\d+(-\d+)?(,\d+(-\d+)?)*)$")] = "auto"
+    cpu_threads: Annotated[str, option(
+        "threads the engine's CPU kernels run on: auto (every core it may use, but one for the batch sizes whose "
+        "steps measure faster on one: where others use the cores too, threads in lock-step stall), or a number",
+        pattern=r"^(auto|[1-9]\d*)$")] = "auto"
     kv_timing_output: Annotated[str | None, option("append one JSON line of timings per finished request to this "
                                                    "file")] = None
     otlp_traces_endpoint: Annotated[str | None, option(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from pathlib import Path
@@ -26,6 +27,7 @@ from sluice.engine.prediction import Prediction, can_draft
 from sluice.engine.replay import ReplayRunner, load_recordings
 from sluice.engine.scheduler import Scheduler, StepResult
 from sluice.engine.sequence import Sequence
+from sluice.engine.threads import ThreadTuner
 from sluice.ipc.messages import Abort, EndChoices, EngineInput, EngineRequest, Failed, Ready, bytes_to_ids
 
 log = logging.getLogger("sluice.engine")
@@ -50,12 +52,23 @@ def pick_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dtype:
     return torch.float16 if declared == "float16" else torch.bfloat16
 
 
+def cpu_threads(spec: str) -> ThreadTuner | None:
+    """--cpu-threads: a number sets torch's (and so the C kernels') thread count; auto starts from every core's
+    and lets each batch size's steps run on one where that measures faster (engine/threads.py)."""
+    if spec != "auto":
+        torch.set_num_threads(int(spec))
+        return None
+    most = torch.get_num_threads()
+    return ThreadTuner(most, torch.set_num_threads) if most > 1 else None
+
+
 class Engine:
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
         hf = cfg.hf_config()
         device = pick_device(cfg.device)
         self.cpu_compute = cfg.runner != "replay" and device.type == "cpu"  # its kernels use every core
+        self.threads = cpu_threads(cfg.cpu_threads) if self.cpu_compute else None  # (before the warm-up)
         dtype = pick_dtype(cfg.dtype, hf, device)
         exporter = exporter_for(cfg, dtype, device)  # a context worker's cache where its KV transport reads it
         self.runner: ModelRunner | ReplayRunner
@@ -210,8 +223,14 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return StepResult(), None
+        rows = len(batch.seqs)
+        if self.threads is not None:
+            self.threads.threads_for(rows)
         try:
+            t0 = time.perf_counter()
             samples = self.runner.run(batch)
+            if self.threads is not None and max(batch.num_new_tokens) == 1:  # (a decode step: its time is its size's)
+                self.threads.record(rows, time.perf_counter() - t0)
         except Exception:
             # One request's bad state must not take every request down with the engine; a step that keeps
             # failing means the engine itself is broken, and it exits (the server restarts).

@@ -185,8 +185,9 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, x, positions, kv, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # (the residual adds in place: x is the step's own, and a prompt's [T, D] is worth no copy per add)
+        x.add_(self.self_attn(self.input_layernorm(x), positions, kv, meta))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 @dataclass(frozen=True)
@@ -218,10 +219,14 @@ class NormedLayer(nn.Module):
     def _norm(self, name: str | None, x: torch.Tensor) -> torch.Tensor:
         return x if name is None else self.get_submodule(name)(x)
 
+    def _scaled(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.residual_scale == 1.0 else y * self.residual_scale
+
     def forward(self, x, positions, kv, meta: AttentionMetadata) -> torch.Tensor:
         attn_in, attn_out, mlp_in, mlp_out = self.names
-        x = x + self._norm(attn_out, self.self_attn(self._norm(attn_in, x), positions, kv, meta)) * self.residual_scale
-        return x + self._norm(mlp_out, self.mlp(self._norm(mlp_in, x))) * self.residual_scale
+        # (the residual adds in place, as DecoderLayer's)
+        x.add_(self._scaled(self._norm(attn_out, self.self_attn(self._norm(attn_in, x), positions, kv, meta))))
+        return x.add_(self._scaled(self._norm(mlp_out, self.mlp(self._norm(mlp_in, x)))))
 
 
 class Backbone(nn.Module):

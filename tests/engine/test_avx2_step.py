@@ -4,7 +4,9 @@ linears csrc/f32_matmul_avx2.c's): the path taken is that build's, and its value
 within float32 rounding (hidden states, cache, logits), with the same greedy tokens, batched and alone,
 decode steps and steps that carry prefill chunks, grouped-query heads, Qwen3's q/k norms, biases, a sliding
 window and attention sinks. Prompts too long for the step in one call attend on csrc/causal_attention.c built for
-AVX2 (torch's values, the same tokens), and the sampler's exp pass runs csrc/exp_blocks.c's AVX2 build."""
+AVX2 (torch's values, the same tokens), with their SwiGLU on f32_layers.c's; the sampler's exp pass runs
+csrc/exp_blocks.c's AVX2 build, and the LM head's greedy rows are screened on csrc/f32_int8_argmax.c's AVX2 build
+(VPMADDUBSW): the plain argmax's tokens."""
 from __future__ import annotations
 
 import os
@@ -12,6 +14,7 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sluice.engine.cpu import build as kernel_build
@@ -19,6 +22,7 @@ from sluice.engine.cpu import kernels, ops
 from sluice.engine.cpu.backend import CpuBackend
 from sluice.engine.cpu.matmul import F32Matmul
 from sluice.engine.cpu.stack import DecoderStack
+from sluice.engine.lm_head import lm_head
 from tests.engine import test_f32_kernels as f32_tests
 from tests.engine.helpers import seq
 from tests.engine.test_f32_kernels import PROMPTS, VARIANTS, _bf16_checkpoint, _close, _engines, decode_step_is_torchs
@@ -44,6 +48,7 @@ def _assert_avx2_step(runner) -> None:
     linears = [m.run for m in runner.model.modules() if hasattr(m, "run")]
     assert linears and all(isinstance(k, F32Matmul) and k.isa == "AVX2" for k in linears)
     assert runner.lm_head.kernel.isa == "AVX2"
+    assert runner.lm_head.screen.fn is kernels.f32_int8_library(kernel_build._AVX2).sluice_f32_int8_argmax
 
 
 def _one_call_spy(calls: list):
@@ -162,18 +167,83 @@ def test_avx2_paged_prompts_attention_reads_queries_and_keys_where_they_lie():
 
 def test_avx2_long_prompts_attend_on_the_causal_kernel_with_torchs_logits_and_tokens(tmp_path):
     """A prompt too long for the step in one call (rows x keys past 65,536), its first chunk from position 0 and
-    its second from 260: its attention on causal_attention.c's AVX2 build, every step's logits torch's within
-    float32 rounding and its greedy tokens."""
+    its second from 260: its attention on causal_attention.c's AVX2 build and its SwiGLU on f32_layers.c's (after
+    the gate-and-up product: no fused epilogue on AVX2), every step's logits torch's within float32 rounding and
+    its greedy tokens."""
     path = _bf16_checkpoint(tmp_path / "m", **VARIANTS["llama-gqa"])
-    run, starts = ops.paged_causal_attention, []
+    run, starts, swiglu, fused = ops.paged_causal_attention, [], F32Matmul.swiglu, []
 
     def spy(*args):
         ran = run(*args)
         starts.append(int(args[7].max()) if ran else -1)
         return ran
 
-    with mock.patch.object(ops, "paged_causal_attention", side_effect=spy):
+    def swiglu_spy(kernel, x):
+        fused.append(kernel.swiglu_fused)
+        return swiglu(kernel, x)
+
+    with mock.patch.object(ops, "paged_causal_attention", side_effect=spy), \
+            mock.patch.object(F32Matmul, "swiglu", autospec=True, side_effect=swiglu_spy):
         _lockstep(*_engines(path, block_size=16, num_blocks=128, budget=260),
                   [[(3 * i) % 390 + 5 for i in range(520)]], max_tokens=4)
     assert kernels.causal_attention_f32() is kernels.causal_library(kernel_build._AVX2).sluice_f32_causal_attention
     assert sorted(set(starts)) == [0, 260]  # each layer's attention of both chunks on the kernel
+    assert fused and not any(fused)  # each chunk's layers' SwiGLU after the product, on the kernel
+
+
+def test_avx2_prompts_swiglu_is_torchs_on_f32_layers():
+    """A gate-and-up product without the fused epilogue (AVX2's) runs f32_layers.c's SwiGLU over its rows: torch's
+    silu(gate) * up of the same product within float32 rounding (tails of 8 lanes; rows split among threads)."""
+    assert kernels.f32_swiglu() is kernels.f32_layers_avx2().sluice_f32_swiglu
+    g = torch.Generator().manual_seed(0)
+    for rows, inter, dim in [(3, 37, 16), (300, 200, 32), (1, 8, 4)]:
+        kernel = F32Matmul.build(torch.randn(2 * inter, dim, generator=g))
+        assert kernel is not None and kernel.isa == "AVX2" and kernel.swiglu_ok
+        x = torch.randn(rows, dim, generator=g) * 3
+        gate, up = kernel(x).chunk(2, dim=-1)
+        torch.testing.assert_close(kernel.swiglu(x), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+def _screen_case(vocab: int, dim: int, rows: int, ties: int, cluster: int, outlier: bool, g: torch.Generator):
+    """Random rows; exact ties (copies: the first index wins) and copies one float32 step off, with hidden rows
+    along them; a cluster of close rows with hidden rows along it (top logits closer than the int8 error); a
+    hidden outlier column (coarse quantization)."""
+    weight, hidden = torch.randn(vocab, dim, generator=g), torch.randn(rows, dim, generator=g)
+    if cluster:
+        base = torch.randn(dim, generator=g) * 3
+        weight[-cluster:] = base + 1e-3 * torch.randn(cluster, dim, generator=g)
+        hidden = base + 1e-3 * hidden
+    for i in range(ties):
+        j = int(torch.randint(vocab - ties, (1,), generator=g))
+        weight[vocab - 1 - i] = weight[j]
+        if i % 2:
+            weight[vocab - 1 - i, 0] = torch.nextafter(weight[j, 0], torch.tensor(9.0))
+        hidden[i % rows] = weight[j] * 3
+    if outlier:
+        hidden[:, 0] = 60
+    return weight, hidden
+
+
+def test_avx2_int8_screen_gives_the_plain_argmax(caplog):
+    """csrc/f32_int8_argmax.c built for AVX2 (chosen at run time, and logged) settles every greedy row on the
+    first index of the maximum of the head's logits: bf16 and float32 weights, k past and below one 64-byte
+    row of the int8 tiles, vocabularies with tails of a tile, near and exact ties, and rows the screen cannot
+    narrow (hundreds of equal top logits: computed again in full, and counted)."""
+    with caplog.at_level("INFO", logger="sluice.engine"):
+        fn = kernels.f32_int8_argmax()
+    assert fn is kernels.f32_int8_library(kernel_build._AVX2).sluice_f32_int8_argmax is not None
+    assert "CPU kernel f32_int8_argmax: AVX2 (VPMADDUBSW)" in caplog.text
+    g = torch.Generator().manual_seed(1)
+    screened = redone = 0
+    for vocab, dim, rows, ties, cluster, outlier, bf16 in [
+            (3001, 128, 23, 6, 0, False, False), (2000, 260, 9, 3, 40, False, True), (17, 4, 5, 2, 0, True, False),
+            (1500, 64, 40, 0, 0, True, True), (700, 32, 6, 0, 300, False, False)]:
+        weight, hidden = _screen_case(vocab, dim, rows, ties, cluster, outlier, g)
+        head = lm_head(weight.bfloat16() if bf16 else weight, torch.float32)
+        assert head.kernel.isa == "AVX2" and head.screen is not None and head.screen.fn is fn
+        logits = head(hidden)
+        first_max = (logits == logits.amax(dim=1, keepdim=True)).float().argmax(dim=1)
+        tokens = head.screen(hidden)
+        assert torch.equal(tokens, first_max) and torch.equal(tokens, head.kernel.argmax(hidden))
+        screened, redone = screened + rows, redone + head.screen.redone
+    assert 0 < redone < screened / 4  # (the 300-row cluster's rows redone; the others settled by the screen)

@@ -275,7 +275,7 @@ def _engine_of(model, backend=None):
 
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
-def test_a_quantized_model_decodes_in_one_call_with_the_dequantized_weights_logits(isa, tmp_path):
+def test_a_quantized_model_decodes_in_one_call_with_the_dequantized_weights_logits(isa, tmp_path, monkeypatch):
     """The layers of each step in one call (csrc/f32_layers.c, its linears on the quantized product), the
     embedding and LM head on the quantized table: every step's logits within float32 rounding of torch's path
     over the same weights dequantized to float32, the same greedy tokens, batched (prefill chunks beside
@@ -289,6 +289,7 @@ def test_a_quantized_model_decodes_in_one_call_with_the_dequantized_weights_logi
     from tests.engine.helpers import seq
 
     kernel_build.clear()
+    monkeypatch.setenv("SLUICE_QUANT_ACTIVATIONS", "float")  # (int8, the default for Q4_0, moves the logits)
     path = write_llama_family(tmp_path / "m", architecture="Qwen2ForCausalLM", num_heads=4, num_kv_heads=2,
                               head_dim=32, intermediate_size=88, num_shards=1)
     model = load_model(path, torch.float32, torch.device("cpu"), "q4")
@@ -349,6 +350,7 @@ def test_int8_activations_run_in_one_call_as_they_do_op_by_op(isa, tmp_path, mon
     kinds = {(type(k).__name__, k.int8) for layer in runner.model.model.stack.stack._layers for k in (layer.qkv,
                                                                                                      layer.down)}
     assert kinds == {("QuantMatmul", True)}
+    assert all(p.type & 0x100 for layer in runner.model.model.stack.stack._layers for p in layer.qkv.spec)  # (repacked)
     for i, p in enumerate([[5, 6, 7, 8, 9], list(range(20, 57)), [300] * 3]):
         sched.add(seq(f"r{i}", p, max_tokens=4, temperature=0.0))
         ref_sched.add(seq(f"r{i}", p, max_tokens=4, temperature=0.0))

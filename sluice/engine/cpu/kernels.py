@@ -74,9 +74,19 @@ def int8_argmax():
 _F32_INT8_ARGMAX = [P, P, P, P, P, P, INT, INT, INT, FLOAT, FLOAT, FLOAT, P, INT, P]
 
 
+# the builds of csrc/f32_int8_argmax.c (int8_screen.h's two), the best first, and their names in the log
+SCREEN_ISAS: dict[tuple[str, ...], str] = {_AVX512_VL_VNNI: "AVX512-VNNI", _AVX2: "AVX2 (VPMADDUBSW)"}
+
+
 @_cached
+def f32_int8_library(isa: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
+    """csrc/f32_int8_argmax.c built for `isa` (None: the best of SCREEN_ISAS this CPU runs, logged), or None."""
+    return _library("f32_int8_argmax", {"sluice_f32_int8_argmax": _F32_INT8_ARGMAX}, isa, SCREEN_ISAS)
+
+
 def f32_int8_argmax():
-    return _function("f32_int8_argmax", _AVX512_VL_VNNI, "sluice_f32_int8_argmax", _F32_INT8_ARGMAX)
+    """The float32 head's int8 screen (csrc/f32_int8_argmax.c) of the best build this CPU runs, or None."""
+    return None if (lib := f32_int8_library()) is None else lib.sluice_f32_int8_argmax
 
 
 @_cached
@@ -92,16 +102,18 @@ def f32_int8_argmax_amx():
 F32_ISAS: dict[tuple[str, ...], str] = {_AVX512: "AVX-512F", _AVX2: "AVX2 and FMA"}
 
 
-def _library(name: str, symbols: dict[str, list], isa: tuple[str, ...] | None) -> ctypes.CDLL | None:
-    """csrc/<name>.c built for `isa` (None: the widest of F32_ISAS this CPU runs, logged) with its symbols'
-    signatures set, or None where it cannot run."""
-    for each in F32_ISAS if isa is None else [isa]:
+def _library(name: str, symbols: dict[str, list], isa: tuple[str, ...] | None,
+             isas: dict[tuple[str, ...], str] | None = None) -> ctypes.CDLL | None:
+    """csrc/<name>.c built for `isa` (None: the first of `isas`, by default F32_ISAS, this CPU runs, logged) with
+    its symbols' signatures set, or None where it cannot run."""
+    isas = F32_ISAS if isas is None else isas
+    for each in isas if isa is None else [isa]:
         if (lib := load(name, each)) is not None:
             for symbol, argtypes in symbols.items():
                 fn = getattr(lib, symbol)
                 fn.restype, fn.argtypes = ctypes.c_int, argtypes
             if isa is None:
-                log.info("CPU kernel %s: %s", name, F32_ISAS[each])
+                log.info("CPU kernel %s: %s", name, isas[each])
             return lib
     return None
 
@@ -173,6 +185,12 @@ def f32_step():
     return f32_layers() or f32_layers_avx2()
 
 
+def f32_swiglu():
+    """csrc/f32_layers.c's SwiGLU over rows of a gate-and-up product (gate columns, then up) of the best instruction
+    set this CPU runs, or None."""
+    return None if (lib := f32_step()) is None else lib.sluice_f32_swiglu
+
+
 def _f32_entries(lib: ctypes.CDLL, swiglu: bool) -> ctypes.CDLL:
     from sluice.engine.cpu.stack import F32LayerSpec, StepSpec
 
@@ -182,6 +200,7 @@ def _f32_entries(lib: ctypes.CDLL, swiglu: bool) -> ctypes.CDLL:
             ("sluice_f32_rope_store", [P, L, P, L, INT, INT, INT, INT, P, P, FLOAT, P, P, P, INT, P, L, P, P, P]),
             ("sluice_f32_decode_attention", [P, L, P, P, P, P, P, P, INT, INT, INT, INT, INT, FLOAT, P]),
             ("sluice_f32_matmul", _LINEAR_F32),
+            ("sluice_f32_swiglu", [P, INT, INT, P]),
             *([("sluice_f32_matmul_swiglu", _LINEAR_F32[:-1])] if swiglu else [])):
         fn = getattr(lib, symbol)
         fn.restype, fn.argtypes = ctypes.c_int, argtypes

@@ -1,15 +1,15 @@
 """The LM head on the CPU. With a small model and a big vocabulary this product is most of a decode step, and
-torch's F.linear runs it at about a third of memory bandwidth here. The first path that applies:
+torch's F.linear runs it well below memory bandwidth (bench/RESULTS.md#cpu-kernels). The first path that applies:
 
 - float32 activations, AVX-512F (else AVX2 and FMA: csrc/f32_matmul_avx2.c, the same values): csrc/f32_matmul.c
   on the weight packed once (a bf16 weight kept in bf16 and widened in registers: exact), logits in float32 or
-  each greedy row's argmax without writing them; with AVX512-VNNI, greedy rows screened in int8 first
-  (csrc/f32_int8_argmax.c): the same tokens.
-- bf16 weight and activations, AVX512-BF16: csrc/bf16_matmul.c, which reads the weight at about the
+  each greedy row's argmax without writing them; greedy rows screened in int8 first (csrc/f32_int8_argmax.c,
+  with AVX512-VNNI, else built for AVX2: VPMADDUBSW + VPMADDWD): the same tokens.
+- bf16 weight and activations, AVX512-BF16: csrc/bf16_matmul.c, which reads the weight near the
   machine's read bandwidth at batch 1 and finds greedy rows' argmax without writing the logits; with
   AVX512-VNNI too, greedy rows are first screened on an int8 copy of the weight (csrc/int8_argmax.c): the
-  same tokens, exactly, at about twice the speed.
-- other weights: oneDNN with the weight reordered once into its blocked layout (2-3x F.linear here, the same
+  same tokens, exactly, in fewer instructions.
+- other weights: oneDNN with the weight reordered once into its blocked layout (faster than F.linear, the same
   values), else F.linear.
 """
 from __future__ import annotations

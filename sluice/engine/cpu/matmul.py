@@ -5,7 +5,8 @@
   float32. A bf16 weight is widened in registers (exact), so a bf16 checkpoint served in float32 reads half
   the bytes of its float32 copy for the same products.
 - `Bf16Matmul` (csrc/bf16_matmul.c, AVX512-BF16): bf16 rows against a bf16 weight (VDPBF16PS).
-- `Int8Argmax` (csrc/int8_argmax.c, AVX512-VNNI): greedy rows of the bf16 LM head screened in int8.
+- `Int8Argmax` (csrc/int8_argmax.c, AVX512-VNNI; csrc/f32_int8_argmax.c, AVX512-VNNI or else AVX2): greedy rows of
+  the bf16 or float32 LM head screened in int8.
 """
 from __future__ import annotations
 
@@ -94,15 +95,25 @@ class F32Matmul:
         return out
 
     @property
-    def swiglu_ok(self) -> bool:
+    def swiglu_fused(self) -> bool:
+        """Whether `swiglu` runs in the product's epilogue (f32_matmul.c's, whole groups of 64 columns a half)."""
         return self._swiglu is not None
 
+    @property
+    def swiglu_ok(self) -> bool:
+        return self.swiglu_fused or (self.n % 2 == 0 and kernels.f32_swiglu() is not None)
+
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of this stacked product (gate outputs first) for float32 rows x [M, K], as [M, N / 2],
-        the [M, N] product never written (only where `swiglu_ok`)."""
-        assert self._swiglu is not None
-        rows = self._rows(x)
+        """silu(gate) * up of this stacked product (gate outputs first) for float32 rows x [M, K], as [M, N / 2]
+        (only where `swiglu_ok`): in the product's epilogue, the [M, N] product never written, where this build
+        has one (f32_matmul.c's), else the product and then f32_layers.c's SwiGLU over it."""
         out = torch.empty(*x.shape[:-1], self.n // 2, dtype=torch.float32)
+        if self._swiglu is None:
+            gate_up = self(x).view(-1, self.n)
+            if out.numel():
+                kernels.f32_swiglu()(gate_up.data_ptr(), gate_up.shape[0], self.n // 2, out.data_ptr())
+            return out
+        rows = self._rows(x)
         if out.numel() and self._swiglu(self.packed.data_ptr(), self.mode, self.n, self.k, rows.data_ptr(),
                                         rows.stride(0), rows.shape[0],
                                         None if self.bias is None else self.bias.data_ptr(), out.data_ptr(),
@@ -208,7 +219,8 @@ class Int8Argmax:
     @classmethod
     def build(cls, kernel: Bf16Matmul | F32Matmul | None, weight: torch.Tensor) -> "Int8Argmax | None":
         """The screen for a kernel's weight, or None where it does not apply (no kernel, K not a multiple of
-        4) or cannot run (see `load`: AVX512-VNNI, and AVX512-BF16 for the bf16 kernel's)."""
+        4) or cannot run (see `load`: AVX512-VNNI, and AVX512-BF16 for the bf16 kernel's; the float32 kernel's
+        also on AVX2, `kernels.f32_int8_library`)."""
         if kernel is None or kernel.k % 4:
             return None
         if isinstance(kernel, F32Matmul):  # (an AMX head's rows settled the AMX way: its own logits)

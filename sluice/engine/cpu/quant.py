@@ -2,17 +2,22 @@
 
 Two paths, one kernel source built for AVX512-VNNI or for AVX2 (chosen at run time, logged once):
 
-- `float` (the default): float32 rows times the weight dequantized in registers, a few weight rows and rows of
-  x at a time (csrc/quant_blocks.h: exactly the float32 values `QuantizedWeight.dequantize` gives, multiplied
-  in float32). The one-call decoder step (csrc/f32_layers.c) runs the same product, so a quantized model's
-  decode step is one call as a float32 one's is.
-- `int8`: each row of x quantized once per block of 32 (llama.cpp's dot products), int8 products summed
-  exactly (VPDPBUSD; VPMADDUBSW + VPMADDWD without it), then scaled in float32, in the float path's tiles of
-  weight rows by rows of x (csrc/quant_int8.h), the one-call step included. Fewer instructions a weight than
-  the float path (the decode step's cost), but it moves logits by x's rounding: on the trained SmolLM2-135M
-  Q4_1 file it changes the greedy answer, and other loaders' tests hold float activations to transformers'
-  logits, so it is not the default: SLUICE_QUANT_ACTIVATIONS=int8 chooses it, `auto` whichever measures
-  faster at start (logged).
+- `int8` (the default for Q4_0, Q4_1 and Q8_0 weights): each row of x quantized once per block of 32
+  (llama.cpp's dot products), int8 products summed exactly (VPDPBUSD; VPMADDUBSW + VPMADDWD without it), then
+  scaled in float32. Q4_0 / Q4_1 / Q8_0 weights are repacked once at load (csrc/quant_repack.h: 16 weight rows
+  interleaved, their scales side by side, as llama.cpp's Q4_0x8 / Q8_0x4 layouts; as many bytes as the file's),
+  so one load feeds 16 output columns and each row of x's values is broadcast once for all of them, for up to
+  8 rows of x at a time (4 on AVX2); the K-quants run their tiles on the file's layout (csrc/quant_int8.h). The
+  one-call decoder step (csrc/f32_layers.c) runs the same tiles. It moves logits by x's rounding (perplexity
+  within 1% of llama.cpp's on the same file, bench/RESULTS.md), and is faster than float32 weights at decode
+  and at prefill.
+- `float` (the default for the K-quants, whose int8 tiles are no faster): float32 rows times the weight
+  dequantized in registers, a few weight rows and rows of x at a time (csrc/quant_blocks.h: exactly the float32
+  values `QuantizedWeight.dequantize` gives, multiplied in float32): the path the loaders' exactness tests
+  hold to transformers' logits.
+
+SLUICE_QUANT_ACTIVATIONS=int8 or float chooses one for every weight, `auto` whichever measures faster at start
+(logged).
 
 The LM head of a quantized table (a GGUF file's `output`, or its token embedding where tied) is the same
 product over the vocabulary (`QuantLMHead`): float logits, greedy rows screened with int8 activations first
@@ -30,7 +35,7 @@ import torch.nn.functional as F
 
 from sluice.base import envs
 from sluice.engine.backend import LMHead
-from sluice.engine.cpu.build import _AVX2, _AVX512_VL_VNNI, load
+from sluice.engine.cpu.build import _AVX2, _AVX512_VL_VNNI, cpu_flags, load
 from sluice.engine.cpu.kernels import _cached
 from sluice.engine.quant import QuantizedWeight, dequantized
 from sluice.engine.sampler import argmax
@@ -38,6 +43,8 @@ from sluice.engine.sampler import argmax
 log = logging.getLogger("sluice.engine")
 
 P, INT, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+_PACKED = 0x100  # csrc/quant_repack.h's QR_PACKED: a part's type for its repacked copy
+_REPACKABLE = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 
 
 class QuantPart(ctypes.Structure):
@@ -56,16 +63,29 @@ def library() -> tuple[ctypes.CDLL, str] | None:
             lib.sluice_quant_linear.argtypes = [ctypes.POINTER(QuantPart), INT, INT, P, L, INT, P, P, L, INT]
             lib.sluice_quant_dequantize.restype = INT
             lib.sluice_quant_dequantize.argtypes = [P, INT, INT, INT, L, P]
-            log.info("quantized linears: csrc/quant_matmul.c on %s, %s activations", name,
-                     envs.quant_activations() or "float")
+            lib.sluice_quant_repack.restype = INT
+            lib.sluice_quant_repack.argtypes = [P, INT, INT, INT, L, P]
+            lib.sluice_quant_group_rows.restype = INT
+            log.info("quantized linears: csrc/quant_matmul.c on %s, %s", name,
+                     f"{envs.quant_activations()} activations" if envs.quant_activations() else
+                     "int8 activations for Q4_0 / Q4_1 / Q8_0 (repacked at load), float for the K-quants")
             return lib, name
     return None
 
 
-def activations() -> str:
-    """`int8` or `float` (see the module's doc): SLUICE_QUANT_ACTIVATIONS's, `auto` the one measured faster."""
-    chosen = envs.quant_activations() or "float"
+def activations(parts: tuple[QuantizedWeight, ...] = ()) -> str:
+    """`int8` or `float` for a weight of these parts (see the module's doc): SLUICE_QUANT_ACTIVATIONS's, `auto`
+    the one measured faster; unset, int8 where every part is repacked at load, else float."""
+    chosen = envs.quant_activations()
+    if chosen is None:
+        found = library()
+        return "int8" if found and parts and all(_repacks(found[1], p) for p in parts) else "float"
     return _measured() if chosen == "auto" else chosen
+
+
+def _repacks(isa: str, weight: QuantizedWeight) -> bool:
+    """Whether the int8 tiles take this weight repacked (csrc/quant_repack.h; F16C: every AVX2 CPU has it)."""
+    return weight.qtype.name in _REPACKABLE and (isa.startswith("AVX512") or "f16c" in cpu_flags())
 
 
 @_cached
@@ -100,22 +120,27 @@ class QuantMatmul:
     given as parts stacked on N."""
 
     def __init__(self, lib: ctypes.CDLL, isa: str, parts: tuple[QuantizedWeight, ...], bias: torch.Tensor | None,
-                 int8: bool) -> None:
+                 int8: bool, repack: bool = True) -> None:
         self.parts = parts
         self.n, self.k = sum(p.shape[0] for p in parts), parts[0].shape[1]
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.int8 = int8
         self.isa = f"{isa}, {'int8' if int8 else 'float'} activations"
         self.lib = lib
-        # (what csrc/f32_layers.c's step reads too: pointers into the parts' bytes, which this object keeps)
-        self.spec = (QuantPart * len(parts))(*[QuantPart(p.data.data_ptr(), p.data.stride(0), p.qtype.ggml,
-                                                         p.shape[0]) for p in parts])
+        # (int8: Q4_0 / Q4_1 / Q8_0 parts repacked once, csrc/quant_repack.h; the kernel reads only the copy)
+        self.packed = [_repacked(lib, p) if repack and int8 and _repacks(isa, p) else None for p in parts]
+        # (what csrc/f32_layers.c's step reads too: pointers into the bytes, which this object keeps)
+        self.spec = (QuantPart * len(parts))(*[
+            QuantPart(p.data.data_ptr(), p.data.stride(0), p.qtype.ggml, p.shape[0]) if packed is None
+            else QuantPart(packed.data_ptr(), p.data.stride(0), p.qtype.ggml | _PACKED, p.shape[0])
+            for p, packed in zip(parts, self.packed)])
 
     @classmethod
     def build(cls, weight: QuantizedWeight | tuple[QuantizedWeight, ...], bias: torch.Tensor | None = None,
-              int8: bool | None = None) -> "QuantMatmul | None":
-        """The kernel for this weight (int8 activations or not: `activations()` unless given), or None where it
-        cannot run here."""
+              int8: bool | None = None, repack: bool = True) -> "QuantMatmul | None":
+        """The kernel for this weight (int8 activations or not: `activations` unless given), or None where it
+        cannot run here. With int8 activations, Q4_0 / Q4_1 / Q8_0 parts are repacked once (csrc/quant_repack.h)
+        unless `repack` is False (their tiles on the file's layout: for tests and benchmarks)."""
         found = library()
         if found is None:
             return None
@@ -123,7 +148,7 @@ class QuantMatmul:
         parts = (weight,) if isinstance(weight, QuantizedWeight) else tuple(weight)
         if any(p.data.stride(1) != 1 for p in parts):
             parts = tuple(QuantizedWeight(p.data.contiguous(), p.qtype, p.shape) for p in parts)
-        return cls(lib, isa, parts, bias, activations() == "int8" if int8 is None else int8)
+        return cls(lib, isa, parts, bias, activations(parts) == "int8" if int8 is None else int8, repack)
 
     @property
     def nbytes(self) -> int:
@@ -146,6 +171,18 @@ class QuantMatmul:
             raise MemoryError("the quantized matmul kernel could not allocate its workspace")
         if status:
             raise ValueError("the quantized matmul kernel refused a part's type")
+
+
+def _repacked(lib: ctypes.CDLL, weight: QuantizedWeight) -> torch.Tensor:
+    """The weight's bytes interleaved for the int8 tiles (csrc/quant_repack.h), its rows padded to whole groups:
+    as many bytes a row as the file's."""
+    n, k = weight.shape
+    group = lib.sluice_quant_group_rows()
+    out = torch.empty((n + group - 1) // group * group, weight.data.stride(0), dtype=torch.uint8)
+    if lib.sluice_quant_repack(weight.data.data_ptr(), weight.qtype.ggml, n, k, weight.data.stride(0),
+                               out.data_ptr()):
+        raise ValueError(f"the repack kernel refused {weight.qtype.name}")
+    return out
 
 
 class DequantizedLinear:

@@ -7,15 +7,17 @@
  * the same bits), the first index of a tie winning. Here the logits are float32 and compared unrounded, so
  * the slack below the best lower bound L is the float32 sums' rounding alone (2 G: the token's and L's
  * column's), with 2^-16 of |L| and of the largest bound for the screen's own float rounding.
+ *
+ * Built for AVX2 and FMA (no AVX-512), the screen multiplies with VPMADDUBSW + VPMADDWD (int8_screen.h) and the
+ * exact logits are f32_matmul_avx2.c's (the same bits as f32_matmul.c's): the same tokens on either build.
  */
+#ifdef __AVX512F__
 #include "f32_matmul.c"
+#else
+#include "f32_matmul_avx2.c"
+#endif
 
-enum { TILE = F32_TILE, GROUP = F32_GROUP, ROWS = F32_ROWS, CHUNK = 8 };
-
-static inline __m512i columns(int col0) {
-    return _mm512_add_epi32(_mm512_set1_epi32(col0),
-                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-}
+enum { TILE = F32_TILE, GROUP = F32_GROUP, CHUNK = 8 };
 
 static inline int take_groups(int *next, int groups, int *g0, int *g1) { return f32_take(next, CHUNK, groups, g0, g1); }
 

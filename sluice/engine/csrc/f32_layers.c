@@ -37,6 +37,8 @@ enum { F32_PV_HEADS = 4, F32_PV_VECS = 2 };
 #endif
 /* attention multiply-adds below which one thread does it all (see decode_attention.c) */
 #define F32_ATTENTION_SERIAL 2e5
+/* SwiGLU outputs below which one thread does them all */
+#define F32_SWIGLU_SERIAL 6e4
 
 typedef struct {
     const void *w;     /* packed (see f32_matmul.c) */
@@ -260,6 +262,15 @@ static void f32_swiglu(const float *gu, int rows, int inter, float *out) {
         for (int c = 0; c < inter; c += F32V)
             vf_storen(out + (size_t)r * inter + c, inter - c, vf_silu_mul(vf_loadn(gate + c, inter - c), vf_loadn(up + c, inter - c)));
     }
+}
+
+/* The same over rows on the team's threads, for the op-by-op path (a prompt's MLP) where the gate-and-up product has
+ * no SwiGLU epilogue (f32_matmul_avx2.c's; f32_matmul.c's for halves of whole groups of 64 only); gu rows 2 * inter
+ * apart. Returns 0. */
+int sluice_f32_swiglu(const float *gu, int rows, int inter, float *out) {
+#pragma omp parallel for schedule(static) if ((double)rows * inter >= F32_SWIGLU_SERIAL)
+    for (int r = 0; r < rows; r++) f32_swiglu(gu + (size_t)r * 2 * inter, 1, inter, out + (size_t)r * inter);
+    return 0;
 }
 
 static void f32_add_into(float *x, const float *y, size_t n) {

@@ -1,13 +1,20 @@
 /* The int8 screen of greedy rows against the LM head, shared by the bf16 head (int8_argmax.c) and the float32
  * one (f32_int8_argmax.c), and their one driver (screened_argmax), which each head parametrises; see
- * int8_argmax.c for the method and its bounds. The file that includes this one defines TILE, GROUP, ROWS,
- * columns() and take_groups() first (its matmul's). */
+ * int8_argmax.c for the method and its bounds. The file that includes this one defines TILE, GROUP and
+ * take_groups() first (its matmul's: blocks of GROUP tiles handed out to the threads).
+ *
+ * One source for two builds: with AVX512-VNNI (VPDPBUSD, 64 multiply-adds an instruction), else with AVX2
+ * (VPMADDUBSW + VPMADDWD, 32 in three). Both give every screened value exactly (int32 sums of the same int8
+ * products, scaled the same way), so they keep the same columns and give the same tokens. */
 #ifndef SLUICE_INT8_SCREEN_H
 #define SLUICE_INT8_SCREEN_H
 
+#include <string.h>
+
 enum { CAP = 128 };
 
-/* The int8 weight: per column (padded to whole tiles, zero past n) -128 sum(q_v), s_v, e_v and n_v. */
+/* The int8 weight: per column (padded to whole tiles, zero past n) -128 sum(q_v) (the VNNI build's), s_v, e_v and
+ * n_v. */
 typedef struct {
     const int8_t *q;
     const int32_t *start;
@@ -29,30 +36,81 @@ typedef struct {
     float val[CAP]; /* their upper bounds */
 } Pool;
 
-/* acc + (the sums of four products of u's unsigned and w's signed bytes), as _mm512_dpbusd_epi32. GCC 12
+#ifdef __AVX512VNNI__
+/* 16 lanes a vector, a tile's 16 columns in one. R rows x NT tiles a call: 6 x 4 (24 accumulators of 32). */
+#define SL 16
+#define S_ROWS 6
+#define S_TILES 4
+enum { X_OFFSET = 128 }; /* q_x is fed to VPDPBUSD unsigned, as q_x + 128 */
+typedef __m512i si;
+typedef __m512 sf;
+static inline si s_load(const void *p) { return _mm512_loadu_si512(p); }
+/* a column's accumulator starts at -128 sum(q_v) (given), taking the offset of q_x back off */
+static inline si s_start(const int32_t *start) { return _mm512_loadu_si512(start); }
+/* the four bytes of a row at u, in every lane */
+static inline si s_row(const uint8_t *u) { return _mm512_set1_epi32(*(const int32_t *)u); }
+/* acc + (the sums of four products of x's unsigned and w's signed bytes), as _mm512_dpbusd_epi32. GCC 12
  * compiles that intrinsic with a copy of the accumulator per use, and with 24 of them spills them all
  * to the stack in the inner loop (a third slower); this is the one instruction. */
-static inline __m512i dpbusd(__m512i acc, __m512i u, __m512i w) {
-    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(w));
+static inline si s_dot(si acc, si x, si w) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
     return acc;
 }
+static inline sf s_loadf(const float *p) { return _mm512_loadu_ps(p); }
+static inline void s_storef(float *p, sf v) { _mm512_storeu_ps(p, v); }
+static inline sf s_set1(float x) { return _mm512_set1_ps(x); }
+static inline sf s_scaled(si acc, sf scale) { return _mm512_mul_ps(_mm512_cvtepi32_ps(acc), scale); }
+static inline sf s_add(sf a, sf b) { return _mm512_add_ps(a, b); }
+static inline sf s_mul(sf a, sf b) { return _mm512_mul_ps(a, b); }
+static inline sf s_fmadd(sf a, sf b, sf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline int s_reaches(sf v, float floor) { return _mm512_cmp_ps_mask(v, _mm512_set1_ps(floor), _CMP_GE_OQ) != 0; }
+#else
+/* AVX2: 8 lanes a vector, a tile's 16 columns in two. Without VPDPBUSD the sums of four products are VPMADDUBSW's
+ * pairs (unsigned |x| by w with x's sign: |q_x|, |q_v| <= 127, so a pair's int16 sum cannot saturate) added by
+ * VPMADDWD, as llama.cpp's AVX2 dot products; q_x is signed, so nothing comes off. R rows x 1 tile a call: 4 x 1
+ * (8 accumulators of 16 ymm registers, beside the tile's bytes and a row's). */
+#define SL 8
+#define S_ROWS 4
+#define S_TILES 1
+enum { X_OFFSET = 0 };
+typedef __m256i si;
+typedef __m256 sf;
+static inline si s_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline si s_start(const int32_t *start) { (void)start; return _mm256_setzero_si256(); }
+static inline si s_row(const uint8_t *u) { return _mm256_set1_epi32(*(const int32_t *)u); }
+static inline si s_dot(si acc, si x, si w) {
+    const si pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(w, x));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+static inline sf s_loadf(const float *p) { return _mm256_loadu_ps(p); }
+static inline void s_storef(float *p, sf v) { _mm256_storeu_ps(p, v); }
+static inline sf s_set1(float x) { return _mm256_set1_ps(x); }
+static inline sf s_scaled(si acc, sf scale) { return _mm256_mul_ps(_mm256_cvtepi32_ps(acc), scale); }
+static inline sf s_add(sf a, sf b) { return _mm256_add_ps(a, b); }
+static inline sf s_mul(sf a, sf b) { return _mm256_mul_ps(a, b); }
+static inline sf s_fmadd(sf a, sf b, sf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline int s_reaches(sf v, float floor) {
+    return _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(floor), _CMP_GE_OQ)) != 0;
+}
+#endif
+enum { HALVES = TILE / SL }; /* vectors a tile */
 
 /* The floor of a row whose best lower bound is top. */
 static inline float floor_of(float top, const Row *row) { return top - (row->fixed + row->rel * fabsf(top)); }
 
-/* Each column's B_v for row `row`, for the 16 columns of tile t. */
-static inline __m512 bound(const Weight *c, int t, const Row *row) {
-    return _mm512_fmadd_ps(_mm512_loadu_ps(c->err + (size_t)t * TILE), _mm512_set1_ps(row->nx),
-                           _mm512_mul_ps(_mm512_loadu_ps(c->norm + (size_t)t * TILE), _mm512_set1_ps(row->ndx)));
+/* Each column's B_v for row `row`, for the SL columns from col. */
+static inline sf bound(const Weight *c, size_t col, const Row *row) {
+    return s_fmadd(s_loadf(c->err + col), s_set1(row->nx), s_mul(s_loadf(c->norm + col), s_set1(row->ndx)));
 }
 
-/* Takes the screened values a (units of s_x) of the 16 columns of tile t, some of whose upper bounds reach
- * the row's floor, into its pool. */
-__attribute__((noinline)) static void keep(Pool *p, __m512 a, const Weight *c, int t, const Row *row) {
-    const __m512i cols = columns(t * TILE);
-    const __mmask16 valid = _mm512_cmplt_epi32_mask(cols, _mm512_set1_epi32(c->n));
-    const __m512 b = bound(c, t, row), upper = _mm512_add_ps(a, b);
-    const float m = _mm512_mask_reduce_max_ps(valid, _mm512_sub_ps(a, b));
+/* Takes the screened values a (units of s_x) of the 16 columns of tile t, some of whose upper bounds reach the
+ * row's floor, into its pool. */
+__attribute__((noinline)) static void keep(Pool *p, const float *a, const Weight *c, int t, const Row *row) {
+    float b[TILE];
+    for (int h = 0; h < HALVES; h++) s_storef(b + h * SL, bound(c, (size_t)t * TILE + h * SL, row));
+    const int valid = c->n - t * TILE < TILE ? c->n - t * TILE : TILE;
+    float m = -INFINITY;
+    for (int i = 0; i < valid; i++) m = a[i] - b[i] > m ? a[i] - b[i] : m;
     if (m > p->top) {
         p->top = m;
         p->floor = floor_of(m, row);
@@ -64,16 +122,18 @@ __attribute__((noinline)) static void keep(Pool *p, __m512 a, const Weight *c, i
             }
         p->count = kept;
     }
-    const __mmask16 keep = _mm512_mask_cmp_ps_mask(valid, upper, _mm512_set1_ps(p->floor), _CMP_GE_OQ);
-    const int add = __builtin_popcount(keep);
+    int add = 0;
+    for (int i = 0; i < valid; i++) add += a[i] + b[i] >= p->floor;
     if (p->count + add > CAP) {
         p->overflow = 1;
         p->floor = INFINITY; /* this row is computed again in full: keep nothing more */
         return;
     }
-    _mm512_mask_compressstoreu_epi32(p->col + p->count, keep, cols);
-    _mm512_mask_compressstoreu_ps(p->val + p->count, keep, upper);
-    p->count += add;
+    for (int i = 0; i < valid; i++)
+        if (a[i] + b[i] >= p->floor) {
+            p->col[p->count] = t * TILE + i;
+            p->val[p->count++] = a[i] + b[i];
+        }
 }
 
 /* R quantized rows u (k bytes apart) against NT int8 tiles from tile0: the screened values into out
@@ -84,40 +144,47 @@ __attribute__((noinline)) static void keep(Pool *p, __m512 a, const Weight *c, i
     static uint32_t screen_##R##_##NT(const Weight *c, const uint8_t *restrict u, int tile0, const Row *rows, \
                                       const Pool *pools, float *restrict out, const int8_t *pf) {            \
         const int k = c->k;                                                                                  \
-        __m512i acc[R][NT];                                                                                  \
-        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                               \
-            const __m512i s0 = _mm512_loadu_si512(c->start + (size_t)(tile0 + t) * TILE);                    \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][t] = s0;                              \
+        si acc[R][NT * HALVES];                                                                              \
+        _Pragma("GCC unroll 8") for (int j = 0; j < NT * HALVES; j++) {                                      \
+            const si s0 = s_start(c->start + (size_t)tile0 * TILE + j * SL);                                 \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][j] = s0;                              \
         }                                                                                                    \
         const int8_t *wt = c->q + (size_t)tile0 * k * TILE;                                                  \
         for (int p = 0; p < k / 4; p++) {                                                                    \
-            __m512i wv[NT];                                                                                  \
-            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                             \
-                wv[t] = _mm512_loadu_si512(wt + (size_t)t * k * TILE + p * 64);                              \
+            si wv[NT * HALVES];                                                                              \
+            _Pragma("GCC unroll 8") for (int j = 0; j < NT * HALVES; j++)                                    \
+                wv[j] = s_load(wt + (size_t)(j / HALVES) * k * TILE + p * 64 + (j % HALVES) * SL * 4);       \
             if (pf)                                                                                          \
                 _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                         \
                     _mm_prefetch((const char *)(pf + (size_t)t * k * TILE + p * 64), _MM_HINT_T1);           \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                            \
-                const __m512i ub = _mm512_set1_epi32(*(const int32_t *)(u + (size_t)r * k + 4 * p));         \
-                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                         \
-                    acc[r][t] = dpbusd(acc[r][t], ub, wv[t]);                                                \
+                const si ub = s_row(u + (size_t)r * k + 4 * p);                                              \
+                _Pragma("GCC unroll 8") for (int j = 0; j < NT * HALVES; j++)                                \
+                    acc[r][j] = s_dot(acc[r][j], ub, wv[j]);                                                 \
             }                                                                                                \
         }                                                                                                    \
         uint32_t hits = 0;                                                                                   \
-        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                               \
-            const __m512 sv = _mm512_loadu_ps(c->scale + (size_t)(tile0 + t) * TILE);                        \
+        _Pragma("GCC unroll 8") for (int j = 0; j < NT * HALVES; j++) {                                      \
+            const size_t col = (size_t)tile0 * TILE + j * SL;                                                \
+            const sf sv = s_loadf(c->scale + col);                                                           \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                            \
-                const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][t]), sv);                           \
-                _mm512_storeu_ps(out + (r * NT + t) * TILE, a);                                              \
-                const __m512 upper = _mm512_add_ps(a, bound(c, tile0 + t, rows + r));                        \
-                if (_mm512_cmp_ps_mask(upper, _mm512_set1_ps(pools[r].floor), _CMP_GE_OQ))                   \
-                    hits |= 1u << (r * NT + t);                                                              \
+                const sf a = s_scaled(acc[r][j], sv);                                                        \
+                s_storef(out + (r * NT + j / HALVES) * TILE + (j % HALVES) * SL, a);                         \
+                if (s_reaches(s_add(a, bound(c, col, rows + r)), pools[r].floor))                            \
+                    hits |= 1u << (r * NT + j / HALVES);                                                     \
             }                                                                                                \
         }                                                                                                    \
         return hits;                                                                                         \
     }
+#if S_TILES == 1
+#define SCREENS(R) SCREEN(R, 1)
+#else
 #define SCREENS(R) SCREEN(R, 4) SCREEN(R, 1)
-SCREENS(1) SCREENS(2) SCREENS(3) SCREENS(4) SCREENS(5) SCREENS(6)
+#endif
+SCREENS(1) SCREENS(2) SCREENS(3) SCREENS(4)
+#if S_ROWS == 6
+SCREENS(5) SCREENS(6)
+#endif
 
 typedef uint32_t (*screen_fn)(const Weight *, const uint8_t *, int, const Row *, const Pool *, float *,
                               const int8_t *);
@@ -128,14 +195,20 @@ static void offer(uint32_t hits, const float *out, int rows, int nt, const Weigh
     for (int r = 0; r < rows; r++)
         for (int t = 0; t < nt; t++)
             if (hits >> (r * nt + t) & 1)
-                keep(pools + r, _mm512_loadu_ps(out + (r * nt + t) * TILE), c, tile0 + t, row + r);
+                keep(pools + r, out + (r * nt + t) * TILE, c, tile0 + t, row + r);
 }
-static const screen_fn SCREEN_FULL[ROWS + 1] = {0, screen_1_4, screen_2_4, screen_3_4, screen_4_4, screen_5_4,
-                                                screen_6_4};
-static const screen_fn SCREEN_ONE[ROWS + 1] = {0, screen_1_1, screen_2_1, screen_3_1, screen_4_1, screen_5_1,
-                                               screen_6_1};
+/* by rows: S_ROWS x S_TILES tiles, and x 1 tile (a block's last tiles) */
+#if S_ROWS == 6
+static const screen_fn SCREEN_FULL[S_ROWS + 1] = {0, screen_1_4, screen_2_4, screen_3_4, screen_4_4, screen_5_4,
+                                                  screen_6_4};
+static const screen_fn SCREEN_ONE[S_ROWS + 1] = {0, screen_1_1, screen_2_1, screen_3_1, screen_4_1, screen_5_1,
+                                                 screen_6_1};
+#else
+static const screen_fn SCREEN_ONE[S_ROWS + 1] = {0, screen_1_1, screen_2_1, screen_3_1, screen_4_1};
+#define SCREEN_FULL SCREEN_ONE
+#endif
 
-/* Quantizes row h (k float values) into u (q_x + 128) and gives its bounds (err_w, norm_w, norm_q: the
+/* Quantizes row h (k float values) into u (q_x + X_OFFSET) and gives its bounds (err_w, norm_w, norm_q: the
  * largest e_v, ||w_v|| and n_v; the exact logits' slack beyond the screen's: rounds * G of their float32
  * sums' rounding G, and rel of the largest bound and of |L|); 0, or -1 when the row cannot be screened (all
  * zero, or not finite). */
@@ -153,7 +226,7 @@ static int quantize_row(const float *h, int k, uint8_t *u, float err_w, float no
         const float x = h[i];
         float q = nearbyintf(x / sx);
         q = q > 127 ? 127 : q < -127 ? -127 : q;
-        u[i] = (uint8_t)((int)q + 128);
+        u[i] = (uint8_t)((int)q + X_OFFSET);
         const double d = (double)x - (double)sx * q;
         xx += (double)x * x;
         dd += d * d;
@@ -193,22 +266,20 @@ static void screen_rows(const Weight *c, const uint8_t *u, int m, const Row *row
 #pragma omp parallel num_threads(threads)
     {
         Pool *mine = pools + (size_t)omp_get_thread_num() * m;
-        float out[ROWS * GROUP * TILE];
+        float out[S_ROWS * S_TILES * TILE];
         for (int g0, g1; take_groups(&next, groups, &g0, &g1);) {
             for (int g = g0; g < g1; g++) {
                 const int tile0 = g * GROUP, nt = tiles - tile0 < GROUP ? tiles - tile0 : GROUP;
-                for (int r0 = 0; r0 < m; r0 += ROWS) {
-                    const int r = m - r0 < ROWS ? m - r0 : ROWS;
+                for (int r0 = 0; r0 < m; r0 += S_ROWS) {
+                    const int r = m - r0 < S_ROWS ? m - r0 : S_ROWS;
                     const uint8_t *ur = u + (size_t)r0 * k;
-                    if (nt == GROUP) {
-                        const int8_t *pf = r0 == 0 && g + 1 < groups ? c->q + (size_t)(tile0 + GROUP) * k * TILE : NULL;
-                        const uint32_t hits = SCREEN_FULL[r](c, ur, tile0, rows + r0, mine + r0, out, pf);
-                        if (hits) offer(hits, out, r, GROUP, c, tile0, rows + r0, mine + r0);
-                    } else {
-                        for (int t = 0; t < nt; t++) {
-                            const uint32_t hits = SCREEN_ONE[r](c, ur, tile0 + t, rows + r0, mine + r0, out, NULL);
-                            if (hits) offer(hits, out, r, 1, c, tile0 + t, rows + r0, mine + r0);
-                        }
+                    for (int t = 0, step; t < nt; t += step) {
+                        step = nt - t < S_TILES ? 1 : S_TILES;
+                        const int8_t *pf = r0 == 0 && nt == GROUP && g + 1 < groups
+                                               ? c->q + (size_t)(tile0 + t + GROUP) * k * TILE : NULL;
+                        const uint32_t hits = (step == S_TILES ? SCREEN_FULL : SCREEN_ONE)[r](
+                            c, ur, tile0 + t, rows + r0, mine + r0, out, pf);
+                        if (hits) offer(hits, out, r, step, c, tile0 + t, rows + r0, mine + r0);
                     }
                 }
             }

@@ -8,9 +8,10 @@
  * The product (qm_linear_part, one thread's share): a tile of QM_NR weight rows decoded unit by unit into
  * registers and multiplied by up to QM_R rows of x at a time (QM_R x QM_NR accumulators), so each weight byte
  * is read once for every QM_R rows of x and never written out; past QM_DIRECT_ROWS rows of x (a prompt's) the
- * tile is dequantized once into a buffer the rows then read. With int8 activations (quant_int8.h) the same
- * tiles multiply x's rows quantized per block of 32. A stacked projection's parts (of different types, as
- * Q4_K_M files' q and v are) run as one weight.
+ * tile is dequantized once into a buffer the rows then read. With int8 activations (quant_int8.h) x's rows
+ * are quantized per block of 32 and multiplied by the K-quants' tiles of the same shape, or, for a part
+ * repacked at load (Q4_0 / Q4_1 / Q8_0, its type | QR_PACKED), by quant_repack.h's groups of 16 weight rows. A
+ * stacked projection's parts (of different types, as Q4_K_M files' q and v are) run as one weight.
  */
 #ifndef SLUICE_QUANT_BLOCKS_H
 #define SLUICE_QUANT_BLOCKS_H
@@ -208,7 +209,9 @@ typedef struct {
     int type, n;
 } quant_part_t;
 
-static inline int qm_tiles_of(const quant_part_t *p) { return (p->n + QM_NR - 1) / QM_NR; }
+/* weight rows a tile of part p: a repacked group's (quant_repack.h), else QM_NR */
+static inline int qm_tile_rows(const quant_part_t *p) { return qr_packed(p->type) ? QR_ROWS : QM_NR; }
+static inline int qm_tiles_of(const quant_part_t *p) { return (p->n + qm_tile_rows(p) - 1) / qm_tile_rows(p); }
 
 /* Rows of x up to which the weight is decoded in registers for every QM_R of them; past it, each tile of
  * weight rows is dequantized once into a buffer the rows of x then read (a prompt's many rows) */
@@ -216,12 +219,35 @@ enum { QM_DIRECT_ROWS = 8 };
 /* multiply-adds below which one thread does it all (waking the other costs more) */
 #define QM_SERIAL_WORK 1e6
 
-/* One tile: weight rows [j0, j0 + count) of part p (count <= QM_NR) times every row of x (x8 set: its int8
- * rows instead), into out's columns at `col`. buf: QM_NR * k floats, and q, gs, mn a row's unpacking (see
- * unpack_row), or NULL: decoded in registers for every QM_R rows of x. */
+/* One repacked group: weight rows [j0, j0 + count) of part p (j0 a multiple of QR_ROWS) times x8's rows, into
+ * out's columns at `col`: QR_VL rows of the group by up to QR_R rows of x a tile. */
+static void qr_group(const quant_part_t *p, int j0, int count, int col, int k, const qm_x8_t *x8, int m,
+                     const float *bias, float *out, long ldo) {
+    const qr_tile_fn *tiles = qr_tiles(p->type & ~QR_PACKED);
+    const uint8_t *group = p->w + (size_t)j0 * p->row_bytes;
+    for (int h = 0; h * QR_VL < count; h++) {
+        const int lanes = count - h * QR_VL < QR_VL ? count - h * QR_VL : QR_VL, c0 = col + h * QR_VL;
+        for (int r0 = 0; r0 < m; r0 += QR_R) {
+            const int rr = m - r0 < QR_R ? m - r0 : QR_R;
+            float sums[QR_R * QR_VL];
+            tiles[rr](group, k / 32, h, x8, r0, sums);
+            for (int r = 0; r < rr; r++)
+                for (int i = 0; i < lanes; i++)
+                    out[(size_t)(r0 + r) * ldo + c0 + i] = sums[r * QR_VL + i] + (bias ? bias[c0 + i] : 0.0f);
+        }
+    }
+}
+
+/* One tile: weight rows [j0, j0 + count) of part p (count <= QM_NR; a repacked part's, a group: qr_group)
+ * times every row of x (x8 set: its int8 rows instead), into out's columns at `col`. buf: QM_NR * k floats, and
+ * q, gs, mn a row's unpacking (see unpack_row), or NULL: decoded in registers for every QM_R rows of x. */
 static void qm_tile(const quant_part_t *p, int j0, int count, int col, int k, const float *x, long ldx,
                     const qm_x8_t *x8, int m, const float *bias, float *out, long ldo, float *buf, int8_t *q,
                     float *gs, float *mn) {
+    if (qr_packed(p->type)) { /* (x8 set: sluice_quant_linear refuses a repacked part without it) */
+        qr_group(p, j0, count, col, k, x8, m, bias, out, ldo);
+        return;
+    }
     const uint8_t *rows[QM_NR];
     for (int i = 0; i < QM_NR; i++) {
         const int last = i < count ? i : count - 1; /* (a last tile's missing rows: its last again) */
@@ -272,7 +298,8 @@ static void qm_linear_part(const quant_part_t *parts, int num_parts, int k, cons
         while (t0 - before >= qm_tiles_of(parts + p)) before += qm_tiles_of(parts + p), col += parts[p++].n;
         for (int t = t0; t < t0 + chunk && t < tiles; t++) {
             if (t - before >= qm_tiles_of(parts + p)) before += qm_tiles_of(parts + p), col += parts[p++].n;
-            const int j0 = (t - before) * QM_NR, count = parts[p].n - j0 < QM_NR ? parts[p].n - j0 : QM_NR;
+            const int rows = qm_tile_rows(parts + p), j0 = (t - before) * rows;
+            const int count = parts[p].n - j0 < rows ? parts[p].n - j0 : rows;
             qm_tile(parts + p, j0, count, col + j0, k, x, ldx, x8, m, bias, out, ldo, buf, q, gs, mn);
         }
     }

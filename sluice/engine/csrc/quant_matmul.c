@@ -5,6 +5,8 @@
  *   of x at a time (the one-call step, f32_layers.c, runs the same tiles), with float activations (the weight
  *   dequantized exactly, multiplied in float32) or int8 ones (x's rows quantized per block of 32 as
  *   llama.cpp's dot products do, quant_int8.h);
+ * - sluice_quant_repack: a Q4_0 / Q4_1 / Q8_0 weight interleaved QR_ROWS rows a group for the int8 tiles
+ *   (quant_repack.h), made once at load;
  * - sluice_quant_dequantize: a weight's float32 values (the gguf package's, exactly).
  *
  * Built once per instruction set (engine/cpu/kernels.py); K is a multiple of 32 (of 256 for the K-quants).
@@ -23,7 +25,9 @@ int sluice_quant_linear(const quant_part_t *parts, int num_parts, int k, const f
                         const float *bias, float *out, long ldo, int int8) {
     double n = 0;
     for (int p = 0; p < num_parts; p++) {
-        if (!sluice_quant_supported(parts[p].type) || k % 32) return -1;
+        const int type = parts[p].type & ~QR_PACKED;
+        if (!sluice_quant_supported(type) || k % 32 || (qr_packed(parts[p].type) && (!int8 || !qr_repackable(type))))
+            return -1;
         n += parts[p].n;
     }
     void *mem = int8 ? malloc(qm_x8_bytes(m, k)) : NULL;
@@ -42,6 +46,18 @@ int sluice_quant_linear(const quant_part_t *parts, int num_parts, int k, const f
         qm_linear_part(parts, num_parts, k, x, ldx, int8 ? &x8 : NULL, m, bias, out, ldo, &next, chunk);
     }
     free(mem);
+    return 0;
+}
+
+/* Weight rows a repacked group holds in this build (QR_ROWS): sluice_quant_repack's output takes ceil(n / it)
+ * times it rows of row_bytes. */
+int sluice_quant_group_rows(void) { return QR_ROWS; }
+
+/* w [n][row_bytes] (Q4_0, Q4_1 or Q8_0, k values a row) repacked into out for int8 activations: its parts then
+ * name it as type | QR_PACKED (see quant_repack.h). Returns 0, or -1 where the type is not one of these. */
+int sluice_quant_repack(const uint8_t *w, int type, int n, int k, long row_bytes, uint8_t *out) {
+    if (!qr_repackable(type) || k % 32) return -1;
+    qr_repack(w, type, n, k, row_bytes, out);
     return 0;
 }
 

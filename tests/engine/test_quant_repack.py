@@ -1,0 +1,85 @@
+"""Q4_0, Q4_1 and Q8_0 weights repacked at load for int8 activations (csrc/quant_repack.h): groups of 16 weight
+rows interleaved, multiplied by the AVX512-VNNI build's tiles and by the AVX2 build's. The product is the
+dequantized weight's in float64 within the int8 path's bound (x's rounding, half a level a value), and the file
+layout's int8 tiles' up to float32 sums (both sum the same int8 products exactly); odd shapes: N not a multiple
+of the group, K not a multiple of 64 or 256, more rows of x than a tile takes."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from sluice.engine.cpu import build as kernel_build
+from sluice.engine.cpu import quant as cpu_quant
+from sluice.engine.cpu.quant import QuantMatmul
+from tests.engine import test_quant
+from tests.engine.test_quant import ISAS, random_weight, reference
+
+isa = test_quant.isa  # (the fixture: the kernels built for one instruction set)
+
+REPACKED = ["Q8_0", "Q4_0", "Q4_1"]
+PACKED = 0x100  # (csrc/quant_repack.h's QR_PACKED, in a part's type)
+
+
+def int8_bound(weight, x: torch.Tensor) -> torch.Tensor:
+    """Half a level of each block of 32 of x a value, times the weight's magnitude, plus float32 sums' room."""
+    m, k = x.shape
+    w = weight.dequantize().double()
+    level = x.view(m, -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(m, k).double() / 127
+    return (level / 2) @ w.abs().T + 1e-5 * (x.abs().double() @ w.abs().T) + 1e-6
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("name", REPACKED)
+@pytest.mark.parametrize("shape", [(1, 17, 96), (9, 33, 160)])
+def test_repacked_tiles_give_the_products_bound_and_the_file_layouts_sums(isa, name, shape):
+    m, n, k = shape
+    weight = random_weight(name, n, k, seed=n)
+    x, bias = torch.randn(m, k), torch.randn(n)
+    packed = QuantMatmul.build(weight, bias, int8=True)
+    on_file = QuantMatmul.build(weight, bias, int8=True, repack=False)
+    assert packed.spec[0].type == weight.qtype.ggml | PACKED and on_file.spec[0].type == weight.qtype.ggml
+    got = packed(x).double()
+    assert ((got - reference(weight, x, bias)).abs() <= int8_bound(weight, x)).all()
+    scale = x.abs().double() @ weight.dequantize().abs().double().T
+    assert ((got - on_file(x).double()).abs() <= 1e-5 * scale + 1e-6).all()
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_a_repacked_weight_takes_the_files_bytes_a_row(isa, n=21):
+    """Groups of 16 rows, the last one's missing rows zero: the file's bytes rearranged, no float copy."""
+    weight = random_weight("Q4_1", n, 64)
+    packed = QuantMatmul.build(weight, None, int8=True).packed[0]
+    assert packed.shape == ((n + 15) // 16 * 16, weight.data.shape[1])
+    padding = torch.zeros(packed.numel() - weight.data.numel(), dtype=torch.uint8)
+    assert torch.equal(packed.flatten().bincount(minlength=256),
+                       torch.cat([weight.data.flatten(), padding]).bincount(minlength=256))
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_repacked_and_file_layout_parts_run_as_one_stacked_weight(isa, m=11):
+    """A Q4_K_M file's stacked projection: parts of different types, some repacked, in one call."""
+    parts = (random_weight("Q4_K", 7, 256), random_weight("Q4_0", 18, 256, seed=1), random_weight("Q8_0", 3, 256))
+    x, bias = torch.randn(m, 256), torch.randn(28)
+    kernel = QuantMatmul.build(parts, bias, int8=True)
+    assert [bool(p.type & PACKED) for p in kernel.spec] == [False, True, True]
+    want = torch.cat([reference(p, x, None) for p in parts], 1) + bias.double()
+    bound = torch.cat([int8_bound(p, x) for p in parts], 1)
+    assert ((kernel(x).double() - want).abs() <= bound).all()
+
+
+def test_unset_activations_are_int8_where_every_part_is_repacked_else_float_and_logged(monkeypatch, caplog):
+    """The default: int8 for Q4_0 / Q4_1 / Q8_0 weights (faster than float32 weights, bench/RESULTS.md), float
+    for the K-quants and any stack holding one; SLUICE_QUANT_ACTIVATIONS=float keeps the float path."""
+    monkeypatch.delenv("SLUICE_QUANT_ACTIVATIONS", raising=False)
+    kernel_build.clear()
+    with caplog.at_level(logging.INFO, logger="sluice.engine"):
+        if cpu_quant.library() is None:
+            pytest.skip("no quantized kernel builds here")
+    assert "int8 activations for Q4_0 / Q4_1 / Q8_0 (repacked at load), float for the K-quants" in caplog.text
+    q4_0, q4_k = random_weight("Q4_0", 16, 256), random_weight("Q4_K", 16, 256)
+    assert QuantMatmul.build(q4_0).int8 and QuantMatmul.build(random_weight("Q8_0", 3, 64)).int8
+    assert not QuantMatmul.build(q4_k).int8 and not QuantMatmul.build((q4_0, q4_k)).int8
+    monkeypatch.setenv("SLUICE_QUANT_ACTIVATIONS", "float")
+    assert not QuantMatmul.build(q4_0).int8
