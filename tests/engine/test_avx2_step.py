@@ -25,7 +25,8 @@ from sluice.engine.cpu.stack import DecoderStack
 from sluice.engine.lm_head import lm_head
 from tests.engine import test_f32_kernels as f32_tests
 from tests.engine.helpers import seq
-from tests.engine.test_f32_kernels import PROMPTS, VARIANTS, _bf16_checkpoint, _close, _engines, decode_step_is_torchs
+from tests.engine.test_f32_kernels import (PROMPTS, VARIANTS, _bf16_checkpoint, _close, _engines, decode_step_is_torchs,
+                                           screen_case)
 
 pytestmark = pytest.mark.skipif(not {"avx2", "fma"} <= kernel_build.cpu_flags(), reason="this CPU lacks AVX2/FMA")
 
@@ -204,26 +205,6 @@ def test_avx2_prompts_swiglu_is_torchs_on_f32_layers():
         torch.testing.assert_close(kernel.swiglu(x), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
 
 
-def _screen_case(vocab: int, dim: int, rows: int, ties: int, cluster: int, outlier: bool, g: torch.Generator):
-    """Random rows; exact ties (copies: the first index wins) and copies one float32 step off, with hidden rows
-    along them; a cluster of close rows with hidden rows along it (top logits closer than the int8 error); a
-    hidden outlier column (coarse quantization)."""
-    weight, hidden = torch.randn(vocab, dim, generator=g), torch.randn(rows, dim, generator=g)
-    if cluster:
-        base = torch.randn(dim, generator=g) * 3
-        weight[-cluster:] = base + 1e-3 * torch.randn(cluster, dim, generator=g)
-        hidden = base + 1e-3 * hidden
-    for i in range(ties):
-        j = int(torch.randint(vocab - ties, (1,), generator=g))
-        weight[vocab - 1 - i] = weight[j]
-        if i % 2:
-            weight[vocab - 1 - i, 0] = torch.nextafter(weight[j, 0], torch.tensor(9.0))
-        hidden[i % rows] = weight[j] * 3
-    if outlier:
-        hidden[:, 0] = 60
-    return weight, hidden
-
-
 def test_avx2_int8_screen_gives_the_plain_argmax(caplog):
     """csrc/f32_int8_argmax.c built for AVX2 (chosen at run time, and logged) settles every greedy row on the
     first index of the maximum of the head's logits: bf16 and float32 weights, k past and below one 64-byte
@@ -238,7 +219,7 @@ def test_avx2_int8_screen_gives_the_plain_argmax(caplog):
     for vocab, dim, rows, ties, cluster, outlier, bf16 in [
             (3001, 128, 23, 6, 0, False, False), (2000, 260, 9, 3, 40, False, True), (17, 4, 5, 2, 0, True, False),
             (1500, 64, 40, 0, 0, True, True), (700, 32, 6, 0, 300, False, False)]:
-        weight, hidden = _screen_case(vocab, dim, rows, ties, cluster, outlier, g)
+        weight, hidden = screen_case(vocab, dim, rows, ties, cluster, outlier, g)
         head = lm_head(weight.bfloat16() if bf16 else weight, torch.float32)
         assert head.kernel.isa == "AVX2" and head.screen is not None and head.screen.fn is fn
         logits = head(hidden)

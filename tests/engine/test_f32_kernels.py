@@ -343,22 +343,13 @@ def test_the_float32_lm_head_runs_the_best_kernel_this_cpu_has_and_says_which():
     assert torch.equal(head.argmax(hidden), logits.argmax(dim=1))
 
 
-needs_vnni = pytest.mark.skipif(not _ISA | {"avx512_vnni"} <= kernel_build.cpu_flags(), reason="no AVX512-VNNI")
-
-
-@needs_vnni
-@settings(max_examples=40, deadline=None)
-@given(vocab=st.integers(1, 3000), dim=st.sampled_from([4, 32, 128, 260]), rows=st.integers(1, 40),
-       ties=st.integers(0, 8), cluster=st.integers(0, 60), eps=st.sampled_from([1e-4, 0.01, 1.0]),
-       bf16=st.booleans(), outlier=st.booleans(), seed=st.integers(0, 2**16))
-def test_int8_screened_float32_argmax_is_the_float32_kernels(vocab, dim, rows, ties, cluster, eps, bf16, outlier,
-                                                               seed):
-    """The screen settles every row on the float32 kernel's token (bf16 and float32 weights): random rows,
-    exact ties (the first index), near copies one step apart, and a cluster of close rows with hidden rows
-    along it (top logits closer than the int8 error)."""
-    g = torch.Generator().manual_seed(seed)
-    weight = torch.randn(vocab, dim, generator=g)
-    hidden = torch.randn(rows, dim, generator=g)
+def screen_case(vocab: int, dim: int, rows: int, ties: int, cluster: int, outlier: bool, g: torch.Generator,
+                eps: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor]:
+    """An LM head's weight [vocab, dim] and hidden rows for its int8 screen: random rows; exact ties (copies: the
+    first index wins) and copies one float32 step off, with hidden rows along them; a cluster of close rows (eps
+    apart) with hidden rows along it (top logits closer than the int8 error); a hidden outlier column (coarse
+    quantization)."""
+    weight, hidden = torch.randn(vocab, dim, generator=g), torch.randn(rows, dim, generator=g)
     cluster = min(cluster, vocab)
     if cluster:
         base = torch.randn(dim, generator=g) * 3
@@ -372,6 +363,23 @@ def test_int8_screened_float32_argmax_is_the_float32_kernels(vocab, dim, rows, t
         hidden[i % rows] = weight[j] * 3
     if outlier:
         hidden[:, 0] = 60
+    return weight, hidden
+
+
+needs_vnni = pytest.mark.skipif(not _ISA | {"avx512_vnni"} <= kernel_build.cpu_flags(), reason="no AVX512-VNNI")
+
+
+@needs_vnni
+@settings(max_examples=40, deadline=None)
+@given(vocab=st.integers(1, 3000), dim=st.sampled_from([4, 32, 128, 260]), rows=st.integers(1, 40),
+       ties=st.integers(0, 8), cluster=st.integers(0, 60), eps=st.sampled_from([1e-4, 0.01, 1.0]),
+       bf16=st.booleans(), outlier=st.booleans(), seed=st.integers(0, 2**16))
+def test_int8_screened_float32_argmax_is_the_float32_kernels(vocab, dim, rows, ties, cluster, eps, bf16, outlier,
+                                                               seed):
+    """The screen settles every row on the float32 kernel's token (bf16 and float32 weights): random rows,
+    exact ties (the first index), near copies one step apart, and a cluster of close rows with hidden rows
+    along it (top logits closer than the int8 error)."""
+    weight, hidden = screen_case(vocab, dim, rows, ties, cluster, outlier, torch.Generator().manual_seed(seed), eps)
     if bf16:
         weight = weight.bfloat16()
     head = lm_head(weight, torch.float32)
