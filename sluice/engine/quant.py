@@ -38,6 +38,7 @@ class QuantizedWeight:
     data: torch.Tensor  # uint8 [N, K / block_size * block_bytes]
     qtype: QuantType
     shape: tuple[int, int]  # (N, K)
+    mapped: bool = False  # data lies in a read-only map of a file (a GGUF file's): its pages may be given back
 
     def __post_init__(self) -> None:
         n, k = self.shape

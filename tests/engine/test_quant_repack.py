@@ -1,24 +1,29 @@
-"""Q4_0, Q4_1 and Q8_0 weights repacked at load for int8 activations (csrc/quant_repack.h): groups of 16 weight
-rows interleaved, multiplied by the AVX512-VNNI build's tiles and by the AVX2 build's. The product is the
+"""Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights repacked at load for int8 activations (csrc/quant_repack.h): groups
+of 16 weight rows interleaved, multiplied by the AVX512-VNNI build's tiles and by the AVX2 build's. The product is the
 dequantized weight's in float64 within the int8 path's bound (x's rounding, half a level a value), and the file
 layout's int8 tiles' up to float32 sums (both sum the same int8 products exactly); odd shapes: N not a multiple
 of the group, K not a multiple of 64 or 256, more rows of x than a tile takes."""
 from __future__ import annotations
 
 import logging
+import re
+import warnings
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from sluice.engine.cpu import build as kernel_build
 from sluice.engine.cpu import quant as cpu_quant
 from sluice.engine.cpu.quant import QuantMatmul
+from sluice.engine.quant import QuantizedWeight
 from tests.engine import test_quant
 from tests.engine.test_quant import ISAS, random_weight, reference
 
 isa = test_quant.isa  # (the fixture: the kernels built for one instruction set)
 
-REPACKED = ["Q8_0", "Q4_0", "Q4_1"]
+REPACKED = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
 PACKED = 0x100  # (csrc/quant_repack.h's QR_PACKED, in a part's type)
 
 
@@ -35,6 +40,7 @@ def int8_bound(weight, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("shape", [(1, 17, 96), (9, 33, 160)])
 def test_repacked_tiles_give_the_products_bound_and_the_file_layouts_sums(isa, name, shape):
     m, n, k = shape
+    k = k // 32 * 256 if name.endswith("_K") else k  # (super-blocks of 256: 3 and 5 of them)
     weight = random_weight(name, n, k, seed=n)
     x, bias = torch.randn(m, k), torch.randn(n)
     packed = QuantMatmul.build(weight, bias, int8=True)
@@ -48,38 +54,75 @@ def test_repacked_tiles_give_the_products_bound_and_the_file_layouts_sums(isa, n
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 def test_a_repacked_weight_takes_the_files_bytes_a_row(isa, n=21):
-    """Groups of 16 rows, the last one's missing rows zero: the file's bytes rearranged, no float copy."""
+    """Groups of 16 rows, the last one's missing rows zero: the file's bytes rearranged, no float copy; a Q4_K /
+    Q5_K row 148 / 180 bytes a super-block for the file's 144 / 176 (their 6-bit scales and mins as bytes), a
+    Q6_K row the file's 210."""
     weight = random_weight("Q4_1", n, 64)
     packed = QuantMatmul.build(weight, None, int8=True).packed[0]
     assert packed.shape == ((n + 15) // 16 * 16, weight.data.shape[1])
     padding = torch.zeros(packed.numel() - weight.data.numel(), dtype=torch.uint8)
     assert torch.equal(packed.flatten().bincount(minlength=256),
                        torch.cat([weight.data.flatten(), padding]).bincount(minlength=256))
+    for name, row_bytes in {"Q4_K": 148, "Q5_K": 180, "Q6_K": 210}.items():
+        kernel = QuantMatmul.build(random_weight(name, n, 512), None, int8=True)
+        assert kernel.packed[0].shape == ((n + 15) // 16 * 16, 2 * row_bytes)
+        assert kernel.spec[0].row_bytes == 2 * row_bytes
 
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
-def test_repacked_and_file_layout_parts_run_as_one_stacked_weight(isa, m=11):
-    """A Q4_K_M file's stacked projection: parts of different types, some repacked, in one call."""
-    parts = (random_weight("Q4_K", 7, 256), random_weight("Q4_0", 18, 256, seed=1), random_weight("Q8_0", 3, 256))
+def test_repacked_parts_of_different_types_run_as_one_stacked_weight(isa, m=11):
+    """A Q4_K_M file's stacked projection (q, k, v of different types), repacked, in one call."""
+    parts = (random_weight("Q5_K", 7, 256), random_weight("Q4_0", 18, 256, seed=1), random_weight("Q6_K", 3, 256))
     x, bias = torch.randn(m, 256), torch.randn(28)
     kernel = QuantMatmul.build(parts, bias, int8=True)
-    assert [bool(p.type & PACKED) for p in kernel.spec] == [False, True, True]
+    assert [bool(p.type & PACKED) for p in kernel.spec] == [True, True, True]
     want = torch.cat([reference(p, x, None) for p in parts], 1) + bias.double()
     bound = torch.cat([int8_bound(p, x) for p in parts], 1)
     assert ((kernel(x).double() - want).abs() <= bound).all()
 
 
-def test_unset_activations_are_int8_where_every_part_is_repacked_else_float_and_logged(monkeypatch, caplog):
-    """The default: int8 for Q4_0 / Q4_1 / Q8_0 weights (faster than float32 weights, bench/RESULTS.md), float
-    for the K-quants and any stack holding one; SLUICE_QUANT_ACTIVATIONS=float keeps the float path."""
+def test_unset_activations_are_int8_with_every_block_format_repacked_and_logged(monkeypatch, caplog):
+    """The default: int8 for every block format, repacked (faster than float32 weights and than the file
+    layout's tiles, bench/RESULTS.md); SLUICE_QUANT_ACTIVATIONS=float keeps the float path."""
     monkeypatch.delenv("SLUICE_QUANT_ACTIVATIONS", raising=False)
     kernel_build.clear()
     with caplog.at_level(logging.INFO, logger="sluice.engine"):
         if cpu_quant.library() is None:
             pytest.skip("no quantized kernel builds here")
-    assert "int8 activations for Q4_0 / Q4_1 / Q8_0 (repacked at load), float for the K-quants" in caplog.text
-    q4_0, q4_k = random_weight("Q4_0", 16, 256), random_weight("Q4_K", 16, 256)
-    assert QuantMatmul.build(q4_0).int8 and QuantMatmul.build(random_weight("Q8_0", 3, 64)).int8
-    assert not QuantMatmul.build(q4_k).int8 and not QuantMatmul.build((q4_0, q4_k)).int8
+    assert "int8 activations (every block format repacked at load)" in caplog.text
+    for name in REPACKED:
+        kernel = QuantMatmul.build(random_weight(name, 16, 256))
+        assert kernel.int8 and kernel.spec[0].type == kernel.parts[0].qtype.ggml | PACKED
     monkeypatch.setenv("SLUICE_QUANT_ACTIVATIONS", "float")
-    assert not QuantMatmul.build(q4_0).int8
+    assert not QuantMatmul.build(random_weight("Q4_0", 16, 256)).int8
+
+
+def test_a_file_mapped_weight_gives_its_pages_back_once_repacked(tmp_path):
+    """A GGUF file's weight lies in a read-only map of the file: once repacked, its pages leave this process's
+    resident set (the kernel reads the copy), and its bytes still read the same (from the page cache)."""
+    if cpu_quant.library() is None:
+        pytest.skip("no quantized kernel builds here")
+    weight = random_weight("Q4_0", 4096, 512)  # (4096 rows of 288 bytes: 1.2 MB)
+    path = tmp_path / "weight.bin"
+    weight.data.numpy().tofile(path)
+    with warnings.catch_warnings():  # (a read-only map: nothing writes to it)
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r", shape=tuple(weight.data.shape)))
+    mapped = QuantizedWeight(data, weight.qtype, weight.shape, mapped=True)
+    assert torch.equal(mapped.data, weight.data) and resident_kb(path) >= 1024  # (every page read once)
+    kernel = QuantMatmul.build(mapped, None, int8=True)
+    assert resident_kb(path) <= 8  # (at most the pages the weight's first and last bytes share)
+    x = torch.randn(3, 512)
+    assert torch.equal(kernel(x), QuantMatmul.build(weight, None, int8=True)(x))
+    assert torch.equal(mapped.data, weight.data)
+
+
+def resident_kb(path: Path) -> int:
+    """This process's resident kB in its maps of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total

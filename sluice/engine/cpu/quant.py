@@ -2,19 +2,18 @@
 
 Two paths, one kernel source built for AVX512-VNNI or for AVX2 (chosen at run time, logged once):
 
-- `int8` (the default for Q4_0, Q4_1 and Q8_0 weights): each row of x quantized once per block of 32
-  (llama.cpp's dot products), int8 products summed exactly (VPDPBUSD; VPMADDUBSW + VPMADDWD without it), then
-  scaled in float32. Q4_0 / Q4_1 / Q8_0 weights are repacked once at load (csrc/quant_repack.h: 16 weight rows
-  interleaved, their scales side by side, as llama.cpp's Q4_0x8 / Q8_0x4 layouts; as many bytes as the file's),
-  so one load feeds 16 output columns and each row of x's values is broadcast once for all of them, for up to
-  8 rows of x at a time (4 on AVX2); the K-quants run their tiles on the file's layout (csrc/quant_int8.h). The
-  one-call decoder step (csrc/f32_layers.c) runs the same tiles. It moves logits by x's rounding (perplexity
-  within 1% of llama.cpp's on the same file, bench/RESULTS.md), and is faster than float32 weights at decode
-  and at prefill.
-- `float` (the default for the K-quants, whose int8 tiles are no faster): float32 rows times the weight
-  dequantized in registers, a few weight rows and rows of x at a time (csrc/quant_blocks.h: exactly the float32
-  values `QuantizedWeight.dequantize` gives, multiplied in float32): the path the loaders' exactness tests
-  hold to transformers' logits.
+- `int8` (the default): each row of x quantized once per block of 32 (llama.cpp's dot products), int8 products
+  summed exactly (VPDPBUSD; VPMADDUBSW + VPMADDWD without it), then scaled in float32. The weight is repacked
+  once at load (csrc/quant_repack.h: 16 weight rows interleaved, their scales side by side, as llama.cpp's
+  Q4_0x8 / Q8_0x4 / Q4_Kx8 layouts; as many bytes as the file's, Q4_K's and Q5_K's 3% more), so one load feeds
+  16 output columns and each row of x's values is broadcast once for all of them, for up to 8 rows of x at a
+  time (4 on AVX2). The one-call decoder step (csrc/f32_layers.c) runs the same tiles. It moves logits by x's
+  rounding (perplexity within 1% of llama.cpp's on the same file, bench/RESULTS.md), and is faster than
+  float32 weights at decode and at prefill; the tiles on the file's own layout (csrc/quant_int8.h, for a
+  weight not repacked: tests, benchmarks) are 6-8x slower at one row (RESULTS#quant-kernels).
+- `float`: float32 rows times the weight dequantized in registers, a few weight rows and rows of x at a time
+  (csrc/quant_blocks.h: exactly the float32 values `QuantizedWeight.dequantize` gives, multiplied in float32):
+  the path the loaders' exactness tests hold to transformers' logits.
 
 SLUICE_QUANT_ACTIVATIONS=int8 or float chooses one for every weight, `auto` whichever measures faster at start
 (logged).
@@ -27,7 +26,9 @@ dequantized once and run by F.linear (correct, but the float32 copy costs the me
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
+import mmap
 import time
 
 import torch
@@ -44,7 +45,7 @@ log = logging.getLogger("sluice.engine")
 
 P, INT, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
 _PACKED = 0x100  # csrc/quant_repack.h's QR_PACKED: a part's type for its repacked copy
-_REPACKABLE = frozenset({"Q4_0", "Q4_1", "Q8_0"})
+_REPACKABLE = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
 
 
 class QuantPart(ctypes.Structure):
@@ -66,9 +67,11 @@ def library() -> tuple[ctypes.CDLL, str] | None:
             lib.sluice_quant_repack.restype = INT
             lib.sluice_quant_repack.argtypes = [P, INT, INT, INT, L, P]
             lib.sluice_quant_group_rows.restype = INT
+            lib.sluice_quant_repacked_row_bytes.restype = L
+            lib.sluice_quant_repacked_row_bytes.argtypes = [INT, INT, L]
             log.info("quantized linears: csrc/quant_matmul.c on %s, %s", name,
                      f"{envs.quant_activations()} activations" if envs.quant_activations() else
-                     "int8 activations for Q4_0 / Q4_1 / Q8_0 (repacked at load), float for the K-quants")
+                     "int8 activations (every block format repacked at load)")
             return lib, name
     return None
 
@@ -127,19 +130,19 @@ class QuantMatmul:
         self.int8 = int8
         self.isa = f"{isa}, {'int8' if int8 else 'float'} activations"
         self.lib = lib
-        # (int8: Q4_0 / Q4_1 / Q8_0 parts repacked once, csrc/quant_repack.h; the kernel reads only the copy)
+        # (int8: parts repacked once, csrc/quant_repack.h; the kernel reads only the copy)
         self.packed = [_repacked(lib, p) if repack and int8 and _repacks(isa, p) else None for p in parts]
         # (what csrc/f32_layers.c's step reads too: pointers into the bytes, which this object keeps)
         self.spec = (QuantPart * len(parts))(*[
             QuantPart(p.data.data_ptr(), p.data.stride(0), p.qtype.ggml, p.shape[0]) if packed is None
-            else QuantPart(packed.data_ptr(), p.data.stride(0), p.qtype.ggml | _PACKED, p.shape[0])
+            else QuantPart(packed.data_ptr(), packed.stride(0), p.qtype.ggml | _PACKED, p.shape[0])
             for p, packed in zip(parts, self.packed)])
 
     @classmethod
     def build(cls, weight: QuantizedWeight | tuple[QuantizedWeight, ...], bias: torch.Tensor | None = None,
               int8: bool | None = None, repack: bool = True) -> "QuantMatmul | None":
         """The kernel for this weight (int8 activations or not: `activations` unless given), or None where it
-        cannot run here. With int8 activations, Q4_0 / Q4_1 / Q8_0 parts are repacked once (csrc/quant_repack.h)
+        cannot run here. With int8 activations, the parts are repacked once (csrc/quant_repack.h)
         unless `repack` is False (their tiles on the file's layout: for tests and benchmarks)."""
         found = library()
         if found is None:
@@ -175,14 +178,39 @@ class QuantMatmul:
 
 def _repacked(lib: ctypes.CDLL, weight: QuantizedWeight) -> torch.Tensor:
     """The weight's bytes interleaved for the int8 tiles (csrc/quant_repack.h), its rows padded to whole groups:
-    as many bytes a row as the file's."""
+    as many bytes a row as the file's (Q4_K: 148 a super-block for 144)."""
     n, k = weight.shape
     group = lib.sluice_quant_group_rows()
-    out = torch.empty((n + group - 1) // group * group, weight.data.stride(0), dtype=torch.uint8)
+    row_bytes = lib.sluice_quant_repacked_row_bytes(weight.qtype.ggml, k, weight.data.stride(0))
+    out = torch.empty((n + group - 1) // group * group, row_bytes, dtype=torch.uint8)
     if lib.sluice_quant_repack(weight.data.data_ptr(), weight.qtype.ggml, n, k, weight.data.stride(0),
                                out.data_ptr()):
         raise ValueError(f"the repack kernel refused {weight.qtype.name}")
+    if weight.mapped:
+        _give_back(weight.data)
     return out
+
+
+_MADV_DONTNEED = 4
+
+
+def _give_back(data: torch.Tensor) -> None:
+    """Drops this process's resident pages of bytes that lie in a read-only file map, once the kernels read a
+    repacked copy: the whole pages inside them (the file's pages stay in the page cache and come back on a read,
+    as the LM head's and the embedding's reads of their tables do). A model near the machine's memory would
+    otherwise hold each such weight twice."""
+    start = data.data_ptr()
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (start + data.numel() * data.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > first and _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), _MADV_DONTNEED):
+        log.debug("madvise(MADV_DONTNEED) failed: errno %d", ctypes.get_errno())
+
+
+@_cached
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 class DequantizedLinear:
@@ -258,7 +286,8 @@ def quant_lm_head(weight: QuantizedWeight) -> LMHead:
     kernel = QuantMatmul.build(weight, None, int8=False)
     if kernel is None:
         return LMHead(weight.dequantize())
-    return QuantLMHead(weight, kernel, QuantMatmul.build(weight, None, int8=True))
+    # (the table's own pages are kept: the float product reads them every step a row is sampled)
+    return QuantLMHead(weight, kernel, QuantMatmul.build(dataclasses.replace(weight, mapped=False), None, int8=True))
 
 
 def dequantize(weight: QuantizedWeight) -> torch.Tensor | None:

@@ -5,18 +5,19 @@
  * the stored values' offset (q = r - off) and a type's min taken off per lane: the offset exactly in int32,
  * from -off * (the lane's sum of xq), the min in float32, from d * that sum.
  *
- * Here the K-quants' tiles, on the file's layout: a weight unit decoded once for every QM_R rows of x (QM_NR
- * weight rows a tile, as the float path's), two units a vector with AVX-512BW, one with AVX2. Q4_0, Q4_1 and
- * Q8_0 weights are repacked at load and run quant_repack.h's tiles (16 weight rows a load), which this file's
- * shims and rows of x serve too; their tiles here run a weight not repacked. Included by quant_blocks.h after
- * its qm_raw_<type>.
+ * Here the tiles on the file's layout: a weight unit decoded once for every QM_R rows of x (QM_NR weight rows a
+ * tile, as the float path's), two units a vector with AVX-512BW, one with AVX2. Served weights are repacked at
+ * load and run quant_repack.h's tiles (16 weight rows a load; 4-10x these at one row of x), which this file's
+ * shims and rows of x serve too; the tiles here run a weight not repacked (tests, benchmarks). Included by
+ * quant_blocks.h after its qm_raw_<type>.
  */
 #ifndef SLUICE_QUANT_INT8_H
 #define SLUICE_QUANT_INT8_H
 
 /* Rows of x as the int8 path reads them: per row, ld values (k padded with zeros to a multiple of 64) and per
  * lane of 4 of them, the block's d, minus the lane's sum of xq, and d times that sum; per block of 32 (the
- * repacked tiles', quant_repack.h), the same three. */
+ * repacked tiles', quant_repack.h), the same three; per half block of 16 (Q6_K's repacked tiles), minus its sum
+ * of xq. */
 typedef struct {
     int8_t *q;     /* [m][ld] */
     float *d;      /* [m][ld / 4] */
@@ -25,13 +26,16 @@ typedef struct {
     float *bd;     /* [m][ld / 32] */
     int32_t *bneg; /* [m][ld / 32] */
     float *bsum;   /* [m][ld / 32] */
+    int32_t *hneg; /* [m][ld / 16] */
     long ld;
 } qm_x8_t;
 
 static inline long qm_x8_ld(int k) { return (k + 63) / 64 * 64; }
 
 /* bytes a workspace for m rows of k values takes (see qm_x8_at) */
-static inline size_t qm_x8_bytes(int m, int k) { return (size_t)m * (qm_x8_ld(k) * 4 + qm_x8_ld(k) / 32 * 12); }
+static inline size_t qm_x8_bytes(int m, int k) {
+    return (size_t)m * (qm_x8_ld(k) * 4 + qm_x8_ld(k) / 32 * 12 + qm_x8_ld(k) / 16 * 4);
+}
 
 static inline qm_x8_t qm_x8_at(void *mem, int m, int k) {
     const long ld = qm_x8_ld(k);
@@ -41,7 +45,8 @@ static inline qm_x8_t qm_x8_at(void *mem, int m, int k) {
     int32_t *neg = (int32_t *)(d + lane);
     float *sum = (float *)(neg + lane), *bd = sum + lane;
     int32_t *bneg = (int32_t *)(bd + block);
-    return (qm_x8_t){q, d, neg, sum, bd, bneg, (float *)(bneg + block), ld};
+    float *bsum = (float *)(bneg + block);
+    return (qm_x8_t){q, d, neg, sum, bd, bneg, bsum, (int32_t *)(bsum + block), ld};
 }
 
 /* Rows [r0, r1) of x (k values each, ldx apart) quantized into x8. */
@@ -69,16 +74,20 @@ static void qm_quantize_rows(const float *x, long ldx, int r0, int r1, int k, co
             _mm256_storeu_ps(x8->d + at + i / 4, d);
             _mm256_storeu_si256((__m256i *)(x8->neg + at + i / 4), _mm256_sub_epi32(_mm256_setzero_si256(), sums));
             _mm256_storeu_ps(x8->sum + at + i / 4, _mm256_mul_ps(d, _mm256_cvtepi32_ps(sums)));
-            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
-            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-            const int32_t total = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+            __m128i lo = _mm256_castsi256_si128(sums), hi = _mm256_extracti128_si256(sums, 1); /* (the halves') */
+            lo = _mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0x4e)), hi = _mm_add_epi32(hi, _mm_shuffle_epi32(hi, 0x4e));
+            const int32_t first = _mm_cvtsi128_si32(_mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0xb1)));
+            const int32_t second = _mm_cvtsi128_si32(_mm_add_epi32(hi, _mm_shuffle_epi32(hi, 0xb1)));
+            const int32_t total = first + second;
             x8->bd[at / 8 + i / 32] = amax / 127.0f, x8->bneg[at / 8 + i / 32] = -total;
             x8->bsum[at / 8 + i / 32] = amax / 127.0f * (float)total;
+            x8->hneg[at / 4 + i / 16] = -first, x8->hneg[at / 4 + i / 16 + 1] = -second;
         }
         for (long i = k; i < x8->ld; i += 32) { /* (the padding: zeros, which add nothing) */
             memset(q + i, 0, 32);
             memset(x8->d + at + i / 4, 0, 32), memset(x8->neg + at + i / 4, 0, 32), memset(x8->sum + at + i / 4, 0, 32);
             x8->bd[at / 8 + i / 32] = 0.0f, x8->bneg[at / 8 + i / 32] = 0, x8->bsum[at / 8 + i / 32] = 0.0f;
+            x8->hneg[at / 4 + i / 16] = x8->hneg[at / 4 + i / 16 + 1] = 0;
         }
     }
 }

@@ -5,8 +5,8 @@
  *   of x at a time (the one-call step, f32_layers.c, runs the same tiles), with float activations (the weight
  *   dequantized exactly, multiplied in float32) or int8 ones (x's rows quantized per block of 32 as
  *   llama.cpp's dot products do, quant_int8.h);
- * - sluice_quant_repack: a Q4_0 / Q4_1 / Q8_0 weight interleaved QR_ROWS rows a group for the int8 tiles
- *   (quant_repack.h), made once at load;
+ * - sluice_quant_repack: a weight of any of these types interleaved QR_ROWS rows a group for the int8
+ *   tiles (quant_repack.h), made once at load;
  * - sluice_quant_dequantize: a weight's float32 values (the gguf package's, exactly).
  *
  * Built once per instruction set (engine/cpu/kernels.py); K is a multiple of 32 (of 256 for the K-quants).
@@ -50,13 +50,18 @@ int sluice_quant_linear(const quant_part_t *parts, int num_parts, int k, const f
 }
 
 /* Weight rows a repacked group holds in this build (QR_ROWS): sluice_quant_repack's output takes ceil(n / it)
- * times it rows of row_bytes. */
+ * times it rows of sluice_quant_repacked_row_bytes. */
 int sluice_quant_group_rows(void) { return QR_ROWS; }
 
-/* w [n][row_bytes] (Q4_0, Q4_1 or Q8_0, k values a row) repacked into out for int8 activations: its parts then
- * name it as type | QR_PACKED (see quant_repack.h). Returns 0, or -1 where the type is not one of these. */
+/* A repacked row's bytes for a weight of this type, k values a row, row_bytes a row in the file (the same but
+ * for Q4_K's 148 a super-block to the file's 144, Q5_K's 180 to 176). */
+long sluice_quant_repacked_row_bytes(int type, int k, long row_bytes) { return qr_row_bytes(type, k, row_bytes); }
+
+/* w [n][row_bytes] (any of the types above, k values a row) repacked into out for int8 activations: its parts
+ * then name it as type | QR_PACKED, their row_bytes the repacked rows' (see quant_repack.h). Returns 0, or -1
+ * where the type is not one of these. */
 int sluice_quant_repack(const uint8_t *w, int type, int n, int k, long row_bytes, uint8_t *out) {
-    if (!qr_repackable(type) || k % 32) return -1;
+    if (!qr_repackable(type) || k % (type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32)) return -1;
     qr_repack(w, type, n, k, row_bytes, out);
     return 0;
 }

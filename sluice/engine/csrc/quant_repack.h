@@ -1,20 +1,33 @@
-/* Q4_0, Q4_1 and Q8_0 weights repacked at load for int8 activations (llama.cpp's interleaved layouts, Q4_0x8 /
- * Q8_0x4, in our own form): QR_ROWS weight rows a group, each block's values stored lane by lane, so that one
- * load holds 4 values of every row of the group (a lane of 4 int8 products a row), each row of x's 4 values
- * broadcast to all of them, and the group's scales side by side (converted by one VCVTPH2PS).
+/* Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights repacked at load for int8 activations (llama.cpp's interleaved layouts,
+ * Q4_0x8 / Q8_0x4 / Q4_Kx8, in our own form): QR_ROWS weight rows a group, each block's values stored lane by
+ * lane, so that one load holds 4 values of every row of the group (a lane of 4 int8 products a row), each row of
+ * x's 4 values broadcast to all of them, and the group's scales side by side (converted by one VCVTPH2PS).
  *
- * A group (QR_ROWS rows of k values, blocks = k / 32; the rows past n zero) takes the bytes its rows take in the
- * file, as:
+ * A group (QR_ROWS rows of k values, blocks = k / 32; the rows past n zero) takes, for Q4_0 / Q4_1 / Q8_0, the
+ * bytes its rows take in the file, as:
  *   scales [blocks][QR_ROWS] float16, then (Q4_1) mins [blocks][QR_ROWS] float16, then
  *   values [blocks][chunks][QR_ROWS][4] bytes, a chunk 4 stored bytes of each row: Q4's 4 bytes of nibbles
  *   (the low nibbles values 4c..4c+3, the high ones 16+4c..), Q8_0's values 4c..4c+3 (8 chunks a block).
+ * Q4_K (super-blocks of 256 values: d, dmin, 8 sub-blocks' 6-bit scales and mins, 4-bit q; w = d sc q - dmin m)
+ * takes 148 bytes a super-block a row for the file's 144 (its 6-bit scales and mins as bytes):
+ *   d [supers][QR_ROWS] float16, dmin [supers][QR_ROWS] float16, sc [blocks][QR_ROWS] and m [blocks][QR_ROWS]
+ *   bytes, then values as Q4_0's (a sub-block's 32 nibbles re-paired: value l with value 16 + l). Q5_K the same,
+ *   180 bytes for 176, each block's fifth bits after its nibbles [QR_ROWS][4]: byte t's bits 2c and 2c + 1 those
+ *   of values 4c + t and 16 + 4c + t.
+ * Q6_K (w = d sc (q - 32), q of 6 bits, an int8 scale sc per 16 values) takes the file's 210:
+ *   d [supers][QR_ROWS] float16, sc [blocks][2][QR_ROWS] int8 (a block's halves), then per block its low 4 bits
+ *   as Q4_0's nibbles [4 chunks][QR_ROWS][4], then its high 2 bits [2][QR_ROWS][4]: byte t of vector v holds
+ *   those of values 4v + t, 16 + 4v + t, 8 + 4v + t and 24 + 4v + t (bits 0-1, 2-3, 4-5, 6-7), so chunk c's
+ *   high bits are vector c & 1's, 4 (c >> 1) bits up. Its halves' dots are summed apart, each from minus 32
+ *   times its half's sum of x (qm_x8_t's hneg).
  *
  * The tile (QR_VL rows of a group, the vector's lanes, by up to QR_R rows of x): per block, each chunk decoded
  * once and multiplied by every row of x's broadcast 4 values, int8 pairs summed exactly in int32 per lane
  * (VPDPBUSD; VPMADDUBSW + VPMADDWD without it, a Q4 block's pairs summed in int16 first: 8 of |15 * 127 * 2|
  * fit), the offset taken off through the block's sum of x (-off * sum, in the int32 start), then scaled in
- * float32 by the row's scale times the block's d, and Q4_1's min added as min * d * sum. Included by
- * quant_int8.h after its shims.
+ * float32 by the row's scale times the block's d, and Q4_1's min added as min * d * sum (Q4_K's scale d sc and
+ * min dmin m formed in float32 from the bytes, exactly: the float path's values). Included by quant_int8.h after
+ * its shims.
  */
 #ifndef SLUICE_QUANT_REPACK_H
 #define SLUICE_QUANT_REPACK_H
@@ -26,16 +39,94 @@ enum { QR_ROWS = 16, QR_PACKED = 0x100, QR_AHEAD = 16384 };
 
 /* a part's type for its weight repacked (quant_part_t's w then a repacked copy, its row_bytes the file's) */
 static inline int qr_packed(int type) { return type & QR_PACKED; }
-static inline int qr_repackable(int type) { return type == Q4_0 || type == Q4_1 || type == Q8_0; }
+static inline int qr_repackable(int type) {
+    return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q5_K || type == Q6_K;
+}
 static inline int qr_block_bytes(int type) { return type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34; }
+/* a repacked row's bytes (row_bytes: the file's) */
+static inline long qr_row_bytes(int type, int k, long row_bytes) {
+    return type == Q4_K ? (long)k / 256 * 148 : type == Q5_K ? (long)k / 256 * 180 : row_bytes;
+}
 
-/* w [n][row_bytes] (type's blocks, k values a row) as ceil(n / QR_ROWS) groups into out (the same bytes a
- * row, the last group's missing rows zero). */
+/* Q4_K or Q5_K rows [n][row_bytes] (k values a row) as groups of QR_ROWS (see above) into out, `packed` bytes a
+ * row */
+static inline void qr_repack_k(const uint8_t *w, int type, int n, int k, long row_bytes, long packed, uint8_t *out) {
+    const int supers = k / 256, blocks = k / 32, five = type == Q5_K, bytes_a_super = five ? 176 : 144;
+    for (int j = 0; j < n; j++) {
+        const int i = j % QR_ROWS;
+        uint8_t *g = out + (size_t)(j / QR_ROWS) * QR_ROWS * packed;
+        uint8_t *sc = g + (size_t)supers * QR_ROWS * 4, *mins = sc + (size_t)blocks * QR_ROWS;
+        uint8_t *values = mins + (size_t)blocks * QR_ROWS;
+        for (int s = 0; s < supers; s++) {
+            const uint8_t *sb = w + (size_t)j * row_bytes + (size_t)s * bytes_a_super;
+            memcpy(g + ((size_t)s * QR_ROWS + i) * 2, sb, 2);
+            memcpy(g + ((size_t)(supers + s) * QR_ROWS + i) * 2, sb + 2, 2);
+            for (int sub = 0; sub < 8; sub++) {
+                const int b = 8 * s + sub;
+                int scale, min;
+                k4_scale_min(sub, sb + 4, &scale, &min);
+                sc[(size_t)b * QR_ROWS + i] = (uint8_t)scale, mins[(size_t)b * QR_ROWS + i] = (uint8_t)min;
+                const uint8_t *qs = sb + (five ? 48 : 16) + 32 * (sub >> 1), *qh = sb + 16;
+                const int shift = 4 * (sub & 1);
+                uint8_t bytes[16], high[4] = {0};
+                for (int t = 0; t < 16; t++) {
+                    bytes[t] = (uint8_t)(((qs[t] >> shift) & 0xF) | (((qs[16 + t] >> shift) & 0xF) << 4));
+                    if (five) /* (value t's fifth bit, and value 16 + t's: chunk t / 4's bits of byte t % 4) */
+                        high[t % 4] |= (uint8_t)((((qh[t] >> sub) & 1) | (((qh[16 + t] >> sub) & 1) << 1)) << (2 * (t / 4)));
+                }
+                uint8_t *vb = values + (size_t)b * (4 + five) * QR_ROWS * 4;
+                for (int c = 0; c < 4; c++) memcpy(vb + ((size_t)c * QR_ROWS + i) * 4, bytes + 4 * c, 4);
+                if (five) memcpy(vb + ((size_t)4 * QR_ROWS + i) * 4, high, 4);
+            }
+        }
+    }
+}
+
+/* Q6_K rows [n][row_bytes] (k values a row) as groups of QR_ROWS (see above) into out, `packed` bytes a row */
+static inline void qr_repack_q6_k(const uint8_t *w, int n, int k, long row_bytes, long packed, uint8_t *out) {
+    const int supers = k / 256, blocks = k / 32;
+    for (int j = 0; j < n; j++) {
+        const int i = j % QR_ROWS;
+        uint8_t *g = out + (size_t)(j / QR_ROWS) * QR_ROWS * packed;
+        uint8_t *sc = g + (size_t)supers * QR_ROWS * 2, *values = sc + (size_t)blocks * 2 * QR_ROWS;
+        for (int s = 0; s < supers; s++) {
+            const uint8_t *sb = w + (size_t)j * row_bytes + (size_t)s * 210;
+            memcpy(g + ((size_t)s * QR_ROWS + i) * 2, sb + 208, 2);
+            for (int u = 0; u < 8; u++) { /* (unit u = 4 h + t: values 128 h + 32 t + l, as qm_raw_Q6_K reads) */
+                const int b = 8 * s + u, h = u >> 2, t = u & 3;
+                uint8_t q[32];
+                for (int l = 0; l < 32; l++)
+                    q[l] = (uint8_t)(((sb[64 * h + 32 * (t & 1) + l] >> (4 * (t >> 1))) & 0xF) |
+                                     (((sb[128 + 32 * h + l] >> (2 * t)) & 3) << 4));
+                sc[((size_t)b * 2 + 0) * QR_ROWS + i] = sb[192 + 2 * u];
+                sc[((size_t)b * 2 + 1) * QR_ROWS + i] = sb[192 + 2 * u + 1];
+                uint8_t *low = values + (size_t)b * 6 * QR_ROWS * 4, *high = low + 4 * QR_ROWS * 4;
+                for (int c = 0; c < 4; c++)
+                    for (int e = 0; e < 4; e++) {
+                        low[((size_t)c * QR_ROWS + i) * 4 + e] = (uint8_t)((q[4 * c + e] & 0xF) | ((q[16 + 4 * c + e] & 0xF) << 4));
+                        high[((size_t)(c & 1) * QR_ROWS + i) * 4 + e] |=
+                            (uint8_t)(((q[4 * c + e] >> 4) | ((q[16 + 4 * c + e] >> 4) << 2)) << (4 * (c >> 1)));
+                    }
+            }
+        }
+    }
+}
+
+/* w [n][row_bytes] (type's blocks, k values a row) as ceil(n / QR_ROWS) groups into out (qr_row_bytes a row,
+ * the last group's missing rows zero). */
 static inline void qr_repack(const uint8_t *w, int type, int n, int k, long row_bytes, uint8_t *out) {
     const int blocks = k / 32, bb = qr_block_bytes(type), chunks = type == Q8_0 ? 8 : 4;
     const int head = type == Q4_1 ? 4 : 2;
     const long groups = (n + QR_ROWS - 1) / QR_ROWS;
-    memset(out, 0, (size_t)groups * QR_ROWS * row_bytes);
+    memset(out, 0, (size_t)groups * QR_ROWS * qr_row_bytes(type, k, row_bytes));
+    if (type == Q6_K) {
+        qr_repack_q6_k(w, n, k, row_bytes, qr_row_bytes(type, k, row_bytes), out);
+        return;
+    }
+    if (type == Q4_K || type == Q5_K) {
+        qr_repack_k(w, type, n, k, row_bytes, qr_row_bytes(type, k, row_bytes), out);
+        return;
+    }
     for (int j = 0; j < n; j++) {
         const int i = j % QR_ROWS;
         uint8_t *g = out + (size_t)(j / QR_ROWS) * QR_ROWS * row_bytes;
@@ -61,6 +152,12 @@ static inline qi_t qr_set1(int v) { return _mm512_set1_epi32(v); }
 static inline qi_t qr_lo(qi_t v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
 static inline qi_t qr_hi(qi_t v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
 static inline qf_t qr_halves(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline qf_t qr_bytes(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+static inline qf_t qr_sbytes(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+static inline qi_t qr_and(qi_t v, int mask) { return _mm512_and_si512(v, _mm512_set1_epi8((char)mask)); }
+static inline qi_t qr_or(qi_t a, qi_t b) { return _mm512_or_si512(a, b); }
+static inline qi_t qr_shl(qi_t v, int by) { return _mm512_slli_epi16(v, by); }
+static inline qi_t qr_shr(qi_t v, int by) { return _mm512_srli_epi16(v, by); }
 static inline qf_t qr_setf(float v) { return _mm512_set1_ps(v); }
 static inline qf_t qr_mul(qf_t a, qf_t b) { return _mm512_mul_ps(a, b); }
 static inline qf_t qr_cvt(qi_t v) { return _mm512_cvtepi32_ps(v); }
@@ -88,6 +185,12 @@ static inline qi_t qr_set1(int v) { return _mm256_set1_epi32(v); }
 static inline qi_t qr_lo(qi_t v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 static inline qi_t qr_hi(qi_t v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
 static inline qf_t qr_halves(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline qf_t qr_bytes(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+static inline qf_t qr_sbytes(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+static inline qi_t qr_and(qi_t v, int mask) { return _mm256_and_si256(v, _mm256_set1_epi8((char)mask)); }
+static inline qi_t qr_or(qi_t a, qi_t b) { return _mm256_or_si256(a, b); }
+static inline qi_t qr_shl(qi_t v, int by) { return _mm256_slli_epi16(v, by); }
+static inline qi_t qr_shr(qi_t v, int by) { return _mm256_srli_epi16(v, by); }
 static inline qf_t qr_setf(float v) { return _mm256_set1_ps(v); }
 static inline qf_t qr_mul(qf_t a, qf_t b) { return _mm256_mul_ps(a, b); }
 static inline qf_t qr_cvt(qi_t v) { return _mm256_cvtepi32_ps(v); }
@@ -103,7 +206,8 @@ static inline qi_t qr_dot_signed(qi_t aw, qi_t w, qi_t x) {
 #endif
 
 /* one weight chunk w (values 4cc..4cc+3 of the lanes' rows) times every row of x: Q4 (V = 0) into int16 pairs
- * s16, Q8_0 without VPDPBUSD signed into dot, else VPDPBUSD into dot */
+ * s16, Q5_K's (V = 0; 8 of |31 * 127 * 2| would not fit) and Q8_0's without VPDPBUSD into dot, else VPDPBUSD
+ * into dot */
 #define QR_DOT(V, T, R, DOT, w, cc)                                                                             \
     do {                                                                                                       \
         const qi_t aw_ = QI_SIGNED(T, V) ? qr_abs(w) : (w);                                                    \
@@ -111,18 +215,27 @@ static inline qi_t qr_dot_signed(qi_t aw, qi_t w, qi_t x) {
             const qi_t xb = qr_bcast(xq[r] + 32 * b + 4 * (cc));                                               \
             if (V) dot[r] = DOT(dot[r], w, xb);                                                                \
             else if (QI_SIGNED(T, V)) dot[r] = qr_add32(dot[r], qr_dot_signed(aw_, w, xb));                    \
+            else if (T == Q5_K) dot[r] = qr_add32(dot[r], qr_pairs(qr_maddubs(w, xb)));                        \
             else s16[r] = qr_add16(s16[r], qr_maddubs(w, xb));                                                 \
         }                                                                                                      \
     } while (0)
+
+/* Q4_K and Q5_K (super-blocks: each block's scale and min of bytes, d and dmin a super-block's) */
+#define QR_K(T) (T == Q4_K || T == Q5_K)
+/* v shifted left by `by` bits (right where negative), 16-bit lanes */
+#define QR_SHIFT(v, by) ((by) > 0 ? qr_shl(v, (by)) : (by) < 0 ? qr_shr(v, -(by)) : (v))
 
 /* sums[r][i] = row half * QR_VL + i of the group . row r0 + r of x8, over `blocks` blocks, for R rows of x */
 #define QR_TILE(NAME, V, DOT, T, R)                                                                            \
     static void NAME##_##T##_##R(const uint8_t *group, int blocks, int half, const qm_x8_t *x8, int r0,        \
                                  float *sums) {                                                                \
-        const int chunks = T == Q8_0 ? 8 : 4;                                                                  \
+        const int chunks = T == Q8_0 ? 8 : 4, supers = QR_K(T) ? blocks / 8 : 0;                               \
         const uint16_t *scales = (const uint16_t *)group + half * QR_VL;                                       \
-        const uint16_t *mins = scales + (size_t)blocks * QR_ROWS;                                              \
-        const uint8_t *values = group + (size_t)blocks * QR_ROWS * (T == Q4_1 ? 4 : 2) + half * QR_VL * 4;     \
+        const uint16_t *mins = scales + (size_t)(QR_K(T) ? supers : blocks) * QR_ROWS;                         \
+        const uint8_t *ksc = group + (size_t)supers * QR_ROWS * 4 + half * QR_VL;                              \
+        const uint8_t *kmin = ksc + (size_t)blocks * QR_ROWS;                                                  \
+        const uint8_t *values = group + half * QR_VL * 4 + (QR_K(T) ? (size_t)supers * QR_ROWS * 4             \
+            + (size_t)blocks * QR_ROWS * 2 : (size_t)blocks * QR_ROWS * (T == Q4_1 ? 4 : 2));                  \
         const long lb = x8->ld / 32;                                                                           \
         const int8_t *xq[R];                                                                                   \
         qf_t acc[R];                                                                                           \
@@ -137,23 +250,31 @@ static inline qi_t qr_dot_signed(qi_t aw, qi_t w, qi_t x) {
                 dot[r] = QI_OFF(T, V) ? qr_set1(neg * QI_OFF(T, V)) : qi_zero();                               \
                 s16[r] = qi_zero();                                                                            \
             }                                                                                                  \
-            const uint8_t *vb = values + (size_t)b * chunks * QR_ROWS * 4;                                     \
-            _Pragma("GCC unroll 8") for (int c = 0; c < chunks; c++)                                           \
+            const uint8_t *vb = values + (size_t)b * (chunks + (T == Q5_K)) * QR_ROWS * 4;                     \
+            _Pragma("GCC unroll 8") for (int c = 0; c < chunks + (T == Q5_K); c++)                             \
                 _mm_prefetch((const char *)(vb + QR_AHEAD + c * QR_ROWS * 4), _MM_HINT_T1);                    \
+            const qi_t fifth = T == Q5_K ? qi_load(vb + 4 * QR_ROWS * 4) : qi_zero();                          \
             _Pragma("GCC unroll 8") for (int c = 0; c < chunks; c++) {                                         \
                 const qi_t raw = qi_load(vb + c * QR_ROWS * 4);                                                \
                 if (T == Q8_0) {                                                                               \
                     const qi_t w = (V) ? qi_xor80(raw) : raw;                                                  \
                     QR_DOT(V, T, R, DOT, w, c);                                                                \
+                } else if (T == Q5_K) { /* (bits 2c and 2c + 1 of fifth to bit 4) */                           \
+                    const qi_t lo = qr_or(qr_lo(raw), qr_and(QR_SHIFT(fifth, 4 - 2 * c), 0x10));               \
+                    const qi_t hi = qr_or(qr_hi(raw), qr_and(QR_SHIFT(fifth, 3 - 2 * c), 0x10));               \
+                    QR_DOT(V, T, R, DOT, lo, c);                                                                \
+                    QR_DOT(V, T, R, DOT, hi, c + 4);                                                            \
                 } else {                                                                                       \
                     const qi_t lo = qr_lo(raw), hi = qr_hi(raw);                                               \
                     QR_DOT(V, T, R, DOT, lo, c);                                                                \
                     QR_DOT(V, T, R, DOT, hi, c + 4);                                                            \
                 }                                                                                              \
             }                                                                                                  \
-            const qf_t ws = qr_halves(scales + (size_t)b * QR_ROWS);                                           \
+            const qf_t ws = QR_K(T) ? qr_mul(qr_bytes(ksc + (size_t)b * QR_ROWS),                            \
+                                               qr_halves(scales + (size_t)(b >> 3) * QR_ROWS))                 \
+                                      : qr_halves(scales + (size_t)b * QR_ROWS);                               \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                              \
-                if (!(V) && T != Q8_0) dot[r] = qr_add32(dot[r], qr_pairs(s16[r]));                            \
+                if (!(V) && T != Q8_0 && T != Q5_K) dot[r] = qr_add32(dot[r], qr_pairs(s16[r]));               \
                 const qf_t d = qr_setf(x8->bd[(size_t)(r0 + r) * lb + b]);                                     \
                 acc[r] = qf_fmadd(qr_cvt(dot[r]), qr_mul(ws, d), acc[r]);                                      \
             }                                                                                                  \
@@ -161,6 +282,61 @@ static inline qi_t qr_dot_signed(qi_t aw, qi_t w, qi_t x) {
                 const qf_t wm = qr_halves(mins + (size_t)b * QR_ROWS);                                         \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                            \
                     acc[r] = qf_fmadd(wm, qr_setf(x8->bsum[(size_t)(r0 + r) * lb + b]), acc[r]);               \
+            }                                                                                                  \
+            if (QR_K(T)) { /* (w = d sc q - dmin m: the min taken off) */                                      \
+                const qf_t wm = qr_mul(qr_bytes(kmin + (size_t)b * QR_ROWS),                                   \
+                                       qr_halves(mins + (size_t)(b >> 3) * QR_ROWS));                          \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                            \
+                    acc[r] = qf_fnmadd(wm, qr_setf(x8->bsum[(size_t)(r0 + r) * lb + b]), acc[r]);              \
+            }                                                                                                  \
+        }                                                                                                      \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) qr_store(sums + r * QR_VL, acc[r]);                \
+    }
+/* Q6_K's tile (see above): q of 6 bits (<= 63: VPMADDUBSW's pairs fit in int16, each chunk's summed on in
+ * int32), each block's two halves summed apart from -32 times their sums of x and scaled by their own scales */
+#define QR_DOT6(V, R, DOT, w, acc, half_at)                                                                     \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                      \
+        const qi_t xb = qr_bcast(xq[r] + 32 * b + (half_at));                                                  \
+        acc[r] = (V) ? DOT(acc[r], w, xb) : qr_add32(acc[r], qr_pairs(qr_maddubs(w, xb)));                     \
+    }
+#define QR_TILE6(NAME, V, DOT, R)                                                                              \
+    static void NAME##_Q6_K_##R(const uint8_t *group, int blocks, int half, const qm_x8_t *x8, int r0,         \
+                                float *sums) {                                                                 \
+        const int supers = blocks / 8;                                                                         \
+        const uint16_t *scales = (const uint16_t *)group + half * QR_VL;                                       \
+        const uint8_t *sc = group + (size_t)supers * QR_ROWS * 2 + half * QR_VL;                               \
+        const uint8_t *values = group + (size_t)supers * QR_ROWS * 2 + (size_t)blocks * QR_ROWS * 2 + half * QR_VL * 4; \
+        const long lb = x8->ld / 32;                                                                           \
+        const int8_t *xq[R];                                                                                   \
+        qf_t acc[R];                                                                                           \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                  \
+            xq[r] = x8->q + (size_t)(r0 + r) * x8->ld;                                                         \
+            acc[r] = qf_zero();                                                                                \
+        }                                                                                                      \
+        for (int b = 0; b < blocks; b++) {                                                                     \
+            qi_t lo[R], hi[R];                                                                                 \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                              \
+                const int32_t *hneg = x8->hneg + (size_t)(r0 + r) * lb * 2 + 2 * b;                            \
+                lo[r] = qr_set1(32 * hneg[0]), hi[r] = qr_set1(32 * hneg[1]);                                  \
+            }                                                                                                  \
+            const uint8_t *vb = values + (size_t)b * 6 * QR_ROWS * 4;                                          \
+            _Pragma("GCC unroll 8") for (int c = 0; c < 6; c++)                                                \
+                _mm_prefetch((const char *)(vb + QR_AHEAD + c * QR_ROWS * 4), _MM_HINT_T1);                    \
+            const qi_t h01 = qi_load(vb + 4 * QR_ROWS * 4), h23 = qi_load(vb + 5 * QR_ROWS * 4);               \
+            _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {                                              \
+                const qi_t raw = qi_load(vb + c * QR_ROWS * 4), h = c & 1 ? h23 : h01;                         \
+                const qi_t hl = c < 2 ? qr_shl(h, 4) : h, hh = c < 2 ? qr_shl(h, 2) : qr_shr(h, 2);            \
+                const qi_t wl = qr_or(qr_lo(raw), qr_and(hl, 0x30)), wh = qr_or(qr_hi(raw), qr_and(hh, 0x30));  \
+                QR_DOT6(V, R, DOT, wl, lo, 4 * c)                                                              \
+                QR_DOT6(V, R, DOT, wh, hi, 16 + 4 * c)                                                         \
+            }                                                                                                  \
+            const qf_t d = qr_halves(scales + (size_t)(b >> 3) * QR_ROWS);                                     \
+            const qf_t sl = qr_mul(qr_sbytes(sc + (size_t)b * 2 * QR_ROWS), d);                                \
+            const qf_t sh = qr_mul(qr_sbytes(sc + (size_t)(b * 2 + 1) * QR_ROWS), d);                          \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                              \
+                const qf_t dx = qr_setf(x8->bd[(size_t)(r0 + r) * lb + b]);                                    \
+                acc[r] = qf_fmadd(qr_cvt(lo[r]), qr_mul(sl, dx), acc[r]);                                      \
+                acc[r] = qf_fmadd(qr_cvt(hi[r]), qr_mul(sh, dx), acc[r]);                                      \
             }                                                                                                  \
         }                                                                                                      \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) qr_store(sums + r * QR_VL, acc[r]);                \
@@ -170,20 +346,34 @@ typedef void (*qr_tile_fn)(const uint8_t *, int, int, const qm_x8_t *, int, floa
 #define QR_TILES(NAME, V, DOT, T)                                                                              \
     QR_TILE(NAME, V, DOT, T, 1) QR_TILE(NAME, V, DOT, T, 2) QR_TILE(NAME, V, DOT, T, 3) QR_TILE(NAME, V, DOT, T, 4) \
     QR_TILE(NAME, V, DOT, T, 5) QR_TILE(NAME, V, DOT, T, 6) QR_TILE(NAME, V, DOT, T, 7) QR_TILE(NAME, V, DOT, T, 8)
+#define QR_TILES6(NAME, V, DOT)                                                                                \
+    QR_TILE6(NAME, V, DOT, 1) QR_TILE6(NAME, V, DOT, 2) QR_TILE6(NAME, V, DOT, 3) QR_TILE6(NAME, V, DOT, 4)         \
+    QR_TILE6(NAME, V, DOT, 5) QR_TILE6(NAME, V, DOT, 6) QR_TILE6(NAME, V, DOT, 7) QR_TILE6(NAME, V, DOT, 8)
 #define QR_BY_ROWS(NAME, T)                                                                                    \
     {0, NAME##_##T##_1, NAME##_##T##_2, NAME##_##T##_3, NAME##_##T##_4, NAME##_##T##_5, NAME##_##T##_6,          \
      NAME##_##T##_7, NAME##_##T##_8}
 #else
 #define QR_TILES(NAME, V, DOT, T)                                                                              \
     QR_TILE(NAME, V, DOT, T, 1) QR_TILE(NAME, V, DOT, T, 2) QR_TILE(NAME, V, DOT, T, 3) QR_TILE(NAME, V, DOT, T, 4)
+#define QR_TILES6(NAME, V, DOT)                                                                                \
+    QR_TILE6(NAME, V, DOT, 1) QR_TILE6(NAME, V, DOT, 2) QR_TILE6(NAME, V, DOT, 3) QR_TILE6(NAME, V, DOT, 4)
 #define QR_BY_ROWS(NAME, T) {0, NAME##_##T##_1, NAME##_##T##_2, NAME##_##T##_3, NAME##_##T##_4}
 #endif
 #define QR_ALL(NAME, V, DOT)                                                                                   \
     QR_TILES(NAME, V, DOT, Q8_0) QR_TILES(NAME, V, DOT, Q4_0) QR_TILES(NAME, V, DOT, Q4_1)                     \
+    QR_TILES(NAME, V, DOT, Q4_K) QR_TILES(NAME, V, DOT, Q5_K) QR_TILES6(NAME, V, DOT)                          \
     static const qr_tile_fn *NAME##s(int type) {                                                               \
         static const qr_tile_fn q8_0[] = QR_BY_ROWS(NAME, Q8_0), q4_0[] = QR_BY_ROWS(NAME, Q4_0),              \
-                                q4_1[] = QR_BY_ROWS(NAME, Q4_1);                                               \
-        return type == Q8_0 ? q8_0 : type == Q4_0 ? q4_0 : q4_1;                                               \
+                                q4_1[] = QR_BY_ROWS(NAME, Q4_1), q4_k[] = QR_BY_ROWS(NAME, Q4_K),              \
+                                q5_k[] = QR_BY_ROWS(NAME, Q5_K), q6_k[] = QR_BY_ROWS(NAME, Q6_K);              \
+        switch (type) {                                                                                        \
+        case Q8_0: return q8_0;                                                                                \
+        case Q4_0: return q4_0;                                                                                \
+        case Q4_1: return q4_1;                                                                                \
+        case Q4_K: return q4_k;                                                                                \
+        case Q5_K: return q5_k;                                                                                \
+        default: return q6_k;                                                                                  \
+        }                                                                                                      \
     }
 
 /* The tiles of a type, chosen as quant_int8.h's qi_tiles are. */
