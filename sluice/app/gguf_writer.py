@@ -107,7 +107,7 @@ def write_gguf(checkpoint: Path, out: Path, types: dict[str, str], default: str 
                               raw_dtype=gguf.GGMLQuantizationType[qname])
         elif qname in BY_NAME:
             writer.add_tensor(target, quantize(w, qname).data.numpy(), raw_dtype=gguf.GGMLQuantizationType[qname])
-        else:  # (a type no kernel reads, Q5_0 / Q5_1: the gguf package's quantization of it)
+        else:  # (a type no kernel reads: the gguf package's quantization of it)
             qtype = gguf.GGMLQuantizationType[qname]
             writer.add_tensor(target, gguf.quants.quantize(w.float().numpy(), qtype), raw_dtype=qtype)
     writer.write_header_to_file()

@@ -7,14 +7,7 @@ head multiplies by the table as it lies). Other tensors (norms, tables of other 
 model's dtype. On a device other than the CPU every tensor is dequantized.
 
 Q5_0 and Q5_1, which llama-quantize writes for rows whose length is not a multiple of 256 (a Q4_K_M / Q5_K_M
-file of a model of hidden size 576, SmolLM2's), have no kernel: they are repacked at load into Q8_0 blocks
-(34 bytes for Q5_x's 22 / 24: the file's memory map is not used for them). Q5_0 (d * (q - 16), q in 0..31)
-is exactly a Q8_0 block with the same float16 d and the int8 q - 16. Q5_1 (d * q + m) has no exact home
-among the kernels' formats: its offset m is no integer multiple of d in general (Q8_0, Q4_0 hold d * q
-only), and Q4_1, which has a float16 offset, has 4-bit q. It is requantized to Q8_0 from its exact values,
-to the nearest step, adding an error of at most half a Q8_0 step (about the block's largest |value| / 254;
-where the block's values span zero, as a weight's do, its 32 levels' 31 d bound that, and the error is an
-eighth of Q5_1's own step d or less).
+file of a model of hidden size 576, SmolLM2's, or 896, Qwen2.5-0.5B's), are kernel formats like the others.
 
 llama.cpp's converter permutes the rows of a Llama model's q and k projections (its rotary pairs
 interleaved); they are put back in Hugging Face's order here, as transformers' GGUF loader does.
@@ -34,7 +27,7 @@ import torch
 from sluice.base.gguf_checkpoint import ROPE_FREQS, gguf_file
 from sluice.engine.layers import Embedding, Linear, stacked_parts
 from sluice.engine.loader import empty_model
-from sluice.engine.quant import BY_NAME, QUANT_TYPES, QuantizedWeight, dequantized, set_quantized
+from sluice.engine.quant import QUANT_TYPES, QuantizedWeight, dequantized, set_quantized
 
 log = logging.getLogger("sluice.engine")
 
@@ -123,48 +116,16 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
 
 
 def _kind(t) -> str:
-    name = t.tensor_type.name
-    return f"{name} (as Q8_0)" if name in _REPACKED else name
-
-
-def _q5_0(values: np.ndarray, raw: np.ndarray) -> np.ndarray:
-    """Q5_0 blocks [..., 22] (float16 d first) and their values [..., 32] as Q8_0 blocks [..., 34] of the same
-    values: d as it is, q - 16 (recovered exactly: d * (q - 16) is exact in float32) as int8."""
-    d = raw[..., :2]
-    scale = d.copy().view(np.float16).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(scale != 0, np.rint(values / scale), 0).astype(np.int8)
-    return np.concatenate([d, q.view(np.uint8)], axis=-1)
-
-
-def _q5_1(values: np.ndarray, raw: np.ndarray) -> np.ndarray:
-    """Q5_1 blocks' values [..., 32] requantized to Q8_0 blocks [..., 34]: d = the block's largest |value| / 127
-    in float16, q = the nearest integer to value / d (llama.cpp's reference divides by d before its float16
-    rounding; by the stored d, the error is at most half of it)."""
-    d = (np.abs(values).max(axis=-1, keepdims=True) / 127).astype(np.float16)
-    scale = d.astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(scale > 0, np.rint(values / scale), 0).clip(-127, 127).astype(np.int8)
-    return np.concatenate([d.view(np.uint8), q.view(np.uint8)], axis=-1)
-
-
-_REPACKED = {"Q5_0": (_q5_0, 22), "Q5_1": (_q5_1, 24)}  # -> (to Q8_0, the type's block bytes)
+    return t.tensor_type.name
 
 
 def _quantized(t, heads: int | None) -> QuantizedWeight | None:
-    """The tensor's bytes as a quantized weight (in place in the map unless its rows are permuted or it is
-    repacked), or None where its type is not one the kernels read or that repacks into one."""
-    if len(t.shape) != 2:
+    """The tensor's bytes as a quantized weight (in place in the map unless its rows are permuted), or None where
+    its type is not one the kernels read."""
+    if len(t.shape) != 2 or (qtype := QUANT_TYPES.get(int(t.tensor_type))) is None:
         return None
     k, n = (int(d) for d in t.shape)
-    if (qtype := QUANT_TYPES.get(int(t.tensor_type))) is not None:
-        return QuantizedWeight(_unpermute(_tensor(t.data), heads), qtype, (n, k), mapped=heads is None)
-    if (repack := _REPACKED.get(t.tensor_type.name)) is None:
-        return None
-    to_q8_0, block_bytes = repack
-    raw = np.asarray(t.data).reshape(n, k // 32, block_bytes)
-    data = to_q8_0(_exact(t).reshape(n, k // 32, 32), raw).reshape(n, -1)
-    return QuantizedWeight(_unpermute(torch.from_numpy(data), heads), BY_NAME["Q8_0"], (n, k))
+    return QuantizedWeight(_unpermute(_tensor(t.data), heads), qtype, (n, k), mapped=heads is None)
 
 
 def _exact(t) -> np.ndarray:

@@ -25,6 +25,8 @@ class QuantType:
 QUANT_TYPES = {t.ggml: t for t in (
     QuantType("Q4_0", 2, 32, 18),
     QuantType("Q4_1", 3, 32, 20),
+    QuantType("Q5_0", 6, 32, 22),
+    QuantType("Q5_1", 7, 32, 24),
     QuantType("Q8_0", 8, 32, 34),
     QuantType("Q4_K", 12, 256, 144),
     QuantType("Q5_K", 13, 256, 176),
@@ -65,8 +67,8 @@ class QuantizedWeight:
 
 
 def quantize(weight: torch.Tensor, name: str) -> QuantizedWeight:
-    """A float weight [N, K] in one of the block formats the gguf package quantizes to (Q8_0, Q4_0, Q4_1: not
-    the K-quants), as llama.cpp's reference quantization rounds it."""
+    """A float weight [N, K] in one of the block formats the gguf package quantizes to (Q8_0, Q4_0, Q4_1, Q5_0,
+    Q5_1: not the K-quants), as llama.cpp's reference quantization rounds it."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize as gguf_quantize
 

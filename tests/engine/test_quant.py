@@ -21,7 +21,7 @@ VNNI = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= kernel_build.cpu_fl
 AVX2 = {"avx2", "fma"} <= kernel_build.cpu_flags()
 ISAS = [pytest.param("AVX512-VNNI", marks=pytest.mark.skipif(not VNNI, reason="this CPU lacks AVX512-VNNI")),
         pytest.param("AVX2", marks=pytest.mark.skipif(not AVX2, reason="this CPU lacks AVX2/FMA"))]
-TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 
 
 @pytest.fixture
@@ -37,10 +37,10 @@ def isa(request, monkeypatch):
 
 def random_weight(name: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
     """A weight [N, K] of random blocks: random bytes, with each block's float16 scales set to small normal
-    values (random bytes there would be infs and NaNs). Q8_0/Q4_0/Q4_1 through gguf's own quantizer, of
+    values (random bytes there would be infs and NaNs). Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 through gguf's own quantizer, of
     random floats, so their values are those a real file holds."""
     gen = torch.Generator().manual_seed(seed)
-    if name in ("Q8_0", "Q4_0", "Q4_1"):
+    if name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         return quantize(torch.randn(n, k, generator=gen) * 0.05, name)
     qtype = BY_NAME[name]
     blocks = torch.randint(0, 256, (n, k // qtype.block_size, qtype.block_bytes), dtype=torch.uint8, generator=gen)

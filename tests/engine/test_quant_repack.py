@@ -1,8 +1,9 @@
-"""Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights repacked at load for int8 activations (csrc/quant_repack.h): groups
-of 16 weight rows interleaved, multiplied by the AVX512-VNNI build's tiles and by the AVX2 build's. The product is the
-dequantized weight's in float64 within the int8 path's bound (x's rounding, half a level a value), and the file
-layout's int8 tiles' up to float32 sums (both sum the same int8 products exactly); odd shapes: N not a multiple
-of the group, K not a multiple of 64 or 256, more rows of x than a tile takes."""
+"""Weights of every block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) repacked at load for int8
+activations (csrc/quant_repack.h): groups of 16 weight rows interleaved, multiplied by the AVX512-VNNI build's
+tiles and by the AVX2 build's. The product is the dequantized weight's in float64 within the int8 path's bound
+(x's rounding, half a level a value), and the file layout's int8 tiles' up to float32 sums (both sum the same int8
+products exactly); odd shapes: N not a multiple of the group, K not a multiple of 64 or 256, more rows of x than a
+tile takes."""
 from __future__ import annotations
 
 import logging
@@ -23,7 +24,7 @@ from tests.engine.test_quant import ISAS, random_weight, reference
 
 isa = test_quant.isa  # (the fixture: the kernels built for one instruction set)
 
-REPACKED = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
+REPACKED = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 PACKED = 0x100  # (csrc/quant_repack.h's QR_PACKED, in a part's type)
 
 

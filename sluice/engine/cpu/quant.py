@@ -45,7 +45,7 @@ log = logging.getLogger("sluice.engine")
 
 P, INT, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
 _PACKED = 0x100  # csrc/quant_repack.h's QR_PACKED: a part's type for its repacked copy
-_REPACKABLE = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
+_REPACKABLE = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
 
 
 class QuantPart(ctypes.Structure):

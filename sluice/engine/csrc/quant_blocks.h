@@ -1,4 +1,4 @@
-/* GGUF's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) as the CPU kernels read them, and the float32
+/* GGUF's block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) as the CPU kernels read them, and the float32
  * product of rows x by such a weight (what quant_matmul.c runs alone and f32_layers.c inside its one-call step).
  *
  * Every type's values are w = scale * q - min, q int8, one scale per group of 16 values and, for the types with
@@ -9,8 +9,8 @@
  * registers and multiplied by up to QM_R rows of x at a time (QM_R x QM_NR accumulators), so each weight byte
  * is read once for every QM_R rows of x and never written out; past QM_DIRECT_ROWS rows of x (a prompt's) the
  * tile is dequantized once into a buffer the rows then read. With int8 activations (quant_int8.h) x's rows
- * are quantized per block of 32 and multiplied by the K-quants' tiles of the same shape, or, for a part
- * repacked at load (Q4_0 / Q4_1 / Q8_0, its type | QR_PACKED), by quant_repack.h's groups of 16 weight rows. A
+ * are quantized per block of 32 and multiplied by tiles of the same shape on the file's layout, or, for a part
+ * repacked at load (its type | QR_PACKED), by quant_repack.h's groups of 16 weight rows. A
  * stacked projection's parts (of different types, as Q4_K_M files' q and v are) run as one weight.
  */
 #ifndef SLUICE_QUANT_BLOCKS_H
@@ -58,7 +58,8 @@ typedef struct {
     float s0, s1, m0, m1;
 } qm_scale_t;
 
-enum { QM_OFF_Q8_0 = 0, QM_OFF_Q4_0 = 8, QM_OFF_Q4_1 = 0, QM_OFF_Q4_K = 0, QM_OFF_Q5_K = 0, QM_OFF_Q6_K = 32 };
+enum { QM_OFF_Q8_0 = 0, QM_OFF_Q4_0 = 8, QM_OFF_Q4_1 = 0, QM_OFF_Q5_0 = 16, QM_OFF_Q5_1 = 0, QM_OFF_Q4_K = 0,
+       QM_OFF_Q5_K = 0, QM_OFF_Q6_K = 32 };
 
 static inline __m256i qm_raw_Q8_0(const uint8_t *row, int u, qm_scale_t *c) {
     const uint8_t *b = row + (size_t)34 * u;
@@ -76,6 +77,29 @@ static inline __m256i qm_raw_Q4_1(const uint8_t *row, int u, qm_scale_t *c) {
     const uint8_t *b = row + (size_t)20 * u;
     c->s0 = c->s1 = qm_half(b), c->m0 = c->m1 = -qm_half(b + 2);
     return qm_nibbles16(b + 4);
+}
+
+/* Q5_0 / Q5_1's 32 fifth bits at p, bit j of the word as byte j's 0x10 (llama.cpp's bytes_from_bits_32) */
+static inline __m256i qm_fifth_bits(const uint8_t *p) {
+    int32_t bits;
+    memcpy(&bits, p, 4);
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                                            3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(bits), spread), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(0x10));
+}
+
+static inline __m256i qm_raw_Q5_0(const uint8_t *row, int u, qm_scale_t *c) {
+    const uint8_t *b = row + (size_t)22 * u;
+    c->s0 = c->s1 = qm_half(b), c->m0 = c->m1 = 0.0f;
+    return _mm256_or_si256(qm_nibbles16(b + 6), qm_fifth_bits(b + 2));
+}
+
+static inline __m256i qm_raw_Q5_1(const uint8_t *row, int u, qm_scale_t *c) {
+    const uint8_t *b = row + (size_t)24 * u;
+    c->s0 = c->s1 = qm_half(b), c->m0 = c->m1 = -qm_half(b + 2);
+    return _mm256_or_si256(qm_nibbles16(b + 8), qm_fifth_bits(b + 4));
 }
 
 /* Q4_K / Q5_K: sub-block j of a super-block of 256 (its scale and min of 6 bits), the nibbles of chunk j / 2 */
@@ -144,8 +168,8 @@ static inline void qm_expand(__m256i q, const qm_scale_t *c, vf *w) {
         const __m256i r = qm_raw_##T(row, u, &c);                                                              \
         qm_expand(QM_OFF_##T ? _mm256_sub_epi8(r, _mm256_set1_epi8(QM_OFF_##T)) : r, &c, w);                   \
     }
-QM_LOAD_QUANT(Q8_0) QM_LOAD_QUANT(Q4_0) QM_LOAD_QUANT(Q4_1) QM_LOAD_QUANT(Q4_K) QM_LOAD_QUANT(Q5_K)
-QM_LOAD_QUANT(Q6_K)
+QM_LOAD_QUANT(Q8_0) QM_LOAD_QUANT(Q4_0) QM_LOAD_QUANT(Q4_1) QM_LOAD_QUANT(Q5_0) QM_LOAD_QUANT(Q5_1)
+QM_LOAD_QUANT(Q4_K) QM_LOAD_QUANT(Q5_K) QM_LOAD_QUANT(Q6_K)
 
 /* a row already dequantized to float32 (many rows of x: see qm_float) */
 static inline void qm_load_F32(const uint8_t *row, int u, vf *w) {
@@ -182,16 +206,19 @@ typedef void (*qm_tile_fn)(const uint8_t *const *, int, const float *, long, flo
 #define QM_TILES(T) QM_TILE(T, 1) QM_TILE(T, 2) QM_TILE(T, 3)
 #define QM_BY_ROWS(T) {0, qm_tile_##T##_1, qm_tile_##T##_2, qm_tile_##T##_3}
 #endif
-QM_TILES(Q8_0) QM_TILES(Q4_0) QM_TILES(Q4_1) QM_TILES(Q4_K) QM_TILES(Q5_K) QM_TILES(Q6_K) QM_TILES(F32)
+QM_TILES(Q8_0) QM_TILES(Q4_0) QM_TILES(Q4_1) QM_TILES(Q5_0) QM_TILES(Q5_1) QM_TILES(Q4_K) QM_TILES(Q5_K)
+QM_TILES(Q6_K) QM_TILES(F32)
 
 static const qm_tile_fn *qm_tiles(int type) {
     static const qm_tile_fn q8_0[] = QM_BY_ROWS(Q8_0), q4_0[] = QM_BY_ROWS(Q4_0), q4_1[] = QM_BY_ROWS(Q4_1),
-                            q4_k[] = QM_BY_ROWS(Q4_K), q5_k[] = QM_BY_ROWS(Q5_K), q6_k[] = QM_BY_ROWS(Q6_K),
-                            f32[] = QM_BY_ROWS(F32);
+                            q5_0[] = QM_BY_ROWS(Q5_0), q5_1[] = QM_BY_ROWS(Q5_1), q4_k[] = QM_BY_ROWS(Q4_K),
+                            q5_k[] = QM_BY_ROWS(Q5_K), q6_k[] = QM_BY_ROWS(Q6_K), f32[] = QM_BY_ROWS(F32);
     switch (type) {
     case Q8_0: return q8_0;
     case Q4_0: return q4_0;
     case Q4_1: return q4_1;
+    case Q5_0: return q5_0;
+    case Q5_1: return q5_1;
     case Q4_K: return q4_k;
     case Q5_K: return q5_k;
     case Q6_K: return q6_k;

@@ -159,9 +159,9 @@ static inline qi_t qi_dot_s(qi_t w, qi_t x) {
  * r + 128 against an offset of 128; without it, signed pairs. */
 #define QI_SIGNED(T, V) (!(V) && T == Q8_0)
 #define QI_OFF(T, V) ((V) && T == Q8_0 ? 128 : QM_OFF_##T)
-#define QI_MIN(T) (T == Q4_1 || T == Q4_K || T == Q5_K)
-/* log2 of an offset (8, 32 or 128) */
-#define QI_LOG2(o) ((o) == 8 ? 3 : (o) == 32 ? 5 : 7)
+#define QI_MIN(T) (T == Q4_1 || T == Q5_1 || T == Q4_K || T == Q5_K)
+/* log2 of an offset (8, 16, 32 or 128) */
+#define QI_LOG2(o) ((o) == 8 ? 3 : (o) == 16 ? 4 : (o) == 32 ? 5 : 7)
 
 /* QI_UNITS units of a weight row from unit u (of units): the values the dot takes, each lane's scale and min */
 #define QI_LOAD(T)                                                                                             \
@@ -206,7 +206,7 @@ QI_LOAD_SIMPLE(Q4_0, 18, qm_nibbles16(b + 2)) QI_LOAD_SIMPLE(Q4_1, 20, qm_nibble
 #define QI_ONE(a) (a)
 QI_LOAD(Q8_0) QI_LOAD(Q4_0) QI_LOAD(Q4_1)
 #endif
-QI_LOAD(Q4_K) QI_LOAD(Q5_K) QI_LOAD(Q6_K)
+QI_LOAD(Q5_0) QI_LOAD(Q5_1) QI_LOAD(Q4_K) QI_LOAD(Q5_K) QI_LOAD(Q6_K)
 
 /* sums[r][i] = row i of the weight (rows[i]) . row r0 + r of x8, over `units` units of 32, for R rows of x */
 #define QI_TILE(NAME, V, DOT, T, R)                                                                            \
@@ -250,15 +250,19 @@ typedef void (*qi_tile_fn)(const uint8_t *const *, int, const qm_x8_t *, int, fl
 #endif
 #define QI_ALL(NAME, V, DOT)                                                                                   \
     QI_TILES(NAME, V, DOT, Q8_0) QI_TILES(NAME, V, DOT, Q4_0) QI_TILES(NAME, V, DOT, Q4_1)                     \
+    QI_TILES(NAME, V, DOT, Q5_0) QI_TILES(NAME, V, DOT, Q5_1)                                                  \
     QI_TILES(NAME, V, DOT, Q4_K) QI_TILES(NAME, V, DOT, Q5_K) QI_TILES(NAME, V, DOT, Q6_K)                     \
     static const qi_tile_fn *NAME##s(int type) {                                                               \
         static const qi_tile_fn q8_0[] = QI_BY_ROWS(NAME, Q8_0), q4_0[] = QI_BY_ROWS(NAME, Q4_0),              \
-                                q4_1[] = QI_BY_ROWS(NAME, Q4_1), q4_k[] = QI_BY_ROWS(NAME, Q4_K),              \
+                                q4_1[] = QI_BY_ROWS(NAME, Q4_1), q5_0[] = QI_BY_ROWS(NAME, Q5_0),              \
+                                q5_1[] = QI_BY_ROWS(NAME, Q5_1), q4_k[] = QI_BY_ROWS(NAME, Q4_K),              \
                                 q5_k[] = QI_BY_ROWS(NAME, Q5_K), q6_k[] = QI_BY_ROWS(NAME, Q6_K);              \
         switch (type) {                                                                                        \
         case Q8_0: return q8_0;                                                                                \
         case Q4_0: return q4_0;                                                                                \
         case Q4_1: return q4_1;                                                                                \
+        case Q5_0: return q5_0;                                                                                \
+        case Q5_1: return q5_1;                                                                                \
         case Q4_K: return q4_k;                                                                                \
         case Q5_K: return q5_k;                                                                                \
         default: return q6_k;                                                                                  \

@@ -1,5 +1,5 @@
-/* Float32 rows times a weight kept in GGUF's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), the entries
- * engine/cpu/quant.py calls: out[m][n] = sum_k x[m][k] w[n][k] (+ bias[n]).
+/* Float32 rows times a weight kept in GGUF's block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), the
+ * entries engine/cpu/quant.py calls: out[m][n] = sum_k x[m][k] w[n][k] (+ bias[n]).
  *
  * - sluice_quant_linear: quant_blocks.h's product, a tile of weight rows decoded in registers for several rows
  *   of x at a time (the one-call step, f32_layers.c, runs the same tiles), with float activations (the weight

@@ -1,13 +1,14 @@
-/* Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights repacked at load for int8 activations (llama.cpp's interleaved layouts,
+/* Every block format's weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) repacked at load for int8 activations (llama.cpp's interleaved layouts,
  * Q4_0x8 / Q8_0x4 / Q4_Kx8, in our own form): QR_ROWS weight rows a group, each block's values stored lane by
  * lane, so that one load holds 4 values of every row of the group (a lane of 4 int8 products a row), each row of
  * x's 4 values broadcast to all of them, and the group's scales side by side (converted by one VCVTPH2PS).
  *
- * A group (QR_ROWS rows of k values, blocks = k / 32; the rows past n zero) takes, for Q4_0 / Q4_1 / Q8_0, the
- * bytes its rows take in the file, as:
- *   scales [blocks][QR_ROWS] float16, then (Q4_1) mins [blocks][QR_ROWS] float16, then
+ * A group (QR_ROWS rows of k values, blocks = k / 32; the rows past n zero) takes, for Q4_0 / Q4_1 / Q5_0 /
+ * Q5_1 / Q8_0, the bytes its rows take in the file, as:
+ *   scales [blocks][QR_ROWS] float16, then (Q4_1, Q5_1) mins [blocks][QR_ROWS] float16, then
  *   values [blocks][chunks][QR_ROWS][4] bytes, a chunk 4 stored bytes of each row: Q4's 4 bytes of nibbles
- *   (the low nibbles values 4c..4c+3, the high ones 16+4c..), Q8_0's values 4c..4c+3 (8 chunks a block).
+ *   (the low nibbles values 4c..4c+3, the high ones 16+4c..), Q8_0's values 4c..4c+3 (8 chunks a block); Q5's
+ *   nibbles as Q4's, then their fifth bits as Q5_K's (below).
  * Q4_K (super-blocks of 256 values: d, dmin, 8 sub-blocks' 6-bit scales and mins, 4-bit q; w = d sc q - dmin m)
  * takes 148 bytes a super-block a row for the file's 144 (its 6-bit scales and mins as bytes):
  *   d [supers][QR_ROWS] float16, dmin [supers][QR_ROWS] float16, sc [blocks][QR_ROWS] and m [blocks][QR_ROWS]
@@ -40,9 +41,14 @@ enum { QR_ROWS = 16, QR_PACKED = 0x100, QR_AHEAD = 16384 };
 /* a part's type for its weight repacked (quant_part_t's w then a repacked copy, its row_bytes the file's) */
 static inline int qr_packed(int type) { return type & QR_PACKED; }
 static inline int qr_repackable(int type) {
-    return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q5_K || type == Q6_K;
+    return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == Q4_K ||
+           type == Q5_K || type == Q6_K;
 }
-static inline int qr_block_bytes(int type) { return type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34; }
+static inline int qr_block_bytes(int type) {
+    return type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : type == Q5_1 ? 24 : 34;
+}
+/* Q5_0 / Q5_1 / Q5_K: a fifth bit a value, after the block's nibbles */
+#define QR_FIVE(T) (T == Q5_0 || T == Q5_1 || T == Q5_K)
 /* a repacked row's bytes (row_bytes: the file's) */
 static inline long qr_row_bytes(int type, int k, long row_bytes) {
     return type == Q4_K ? (long)k / 256 * 148 : type == Q5_K ? (long)k / 256 * 180 : row_bytes;
@@ -115,8 +121,8 @@ static inline void qr_repack_q6_k(const uint8_t *w, int n, int k, long row_bytes
 /* w [n][row_bytes] (type's blocks, k values a row) as ceil(n / QR_ROWS) groups into out (qr_row_bytes a row,
  * the last group's missing rows zero). */
 static inline void qr_repack(const uint8_t *w, int type, int n, int k, long row_bytes, uint8_t *out) {
-    const int blocks = k / 32, bb = qr_block_bytes(type), chunks = type == Q8_0 ? 8 : 4;
-    const int head = type == Q4_1 ? 4 : 2;
+    const int blocks = k / 32, bb = qr_block_bytes(type), chunks = type == Q8_0 ? 8 : 4, five = QR_FIVE(type);
+    const int head = type == Q4_1 || type == Q5_1 ? 4 : 2, mins = head == 4;
     const long groups = (n + QR_ROWS - 1) / QR_ROWS;
     memset(out, 0, (size_t)groups * QR_ROWS * qr_row_bytes(type, k, row_bytes));
     if (type == Q6_K) {
@@ -133,10 +139,20 @@ static inline void qr_repack(const uint8_t *w, int type, int n, int k, long row_
         uint8_t *values = g + (size_t)blocks * QR_ROWS * head;
         for (int b = 0; b < blocks; b++) {
             const uint8_t *blk = w + (size_t)j * row_bytes + (size_t)b * bb;
+            uint8_t *vb = values + (size_t)b * (chunks + five) * QR_ROWS * 4;
             memcpy(g + ((size_t)b * QR_ROWS + i) * 2, blk, 2);
-            if (type == Q4_1) memcpy(g + ((size_t)(blocks + b) * QR_ROWS + i) * 2, blk + 2, 2);
+            if (mins) memcpy(g + ((size_t)(blocks + b) * QR_ROWS + i) * 2, blk + 2, 2);
             for (int c = 0; c < chunks; c++)
-                memcpy(values + (((size_t)b * chunks + c) * QR_ROWS + i) * 4, blk + head + 4 * c, 4);
+                memcpy(vb + ((size_t)c * QR_ROWS + i) * 4, blk + head + 4 * five + 4 * c, 4);
+            if (five) { /* (the file's bit v of 32 is value v's: byte t's bits 2c, 2c + 1 here) */
+                uint32_t bits;
+                memcpy(&bits, blk + head, 4);
+                uint8_t high[4] = {0};
+                for (int t = 0; t < 4; t++)
+                    for (int c = 0; c < 4; c++)
+                        high[t] |= (uint8_t)((((bits >> (4 * c + t)) & 1) | (((bits >> (16 + 4 * c + t)) & 1) << 1)) << (2 * c));
+                memcpy(vb + ((size_t)4 * QR_ROWS + i) * 4, high, 4);
+            }
         }
     }
 }
@@ -206,7 +222,7 @@ static inline qi_t qr_dot_signed(qi_t aw, qi_t w, qi_t x) {
 #endif
 
 /* one weight chunk w (values 4cc..4cc+3 of the lanes' rows) times every row of x: Q4 (V = 0) into int16 pairs
- * s16, Q5_K's (V = 0; 8 of |31 * 127 * 2| would not fit) and Q8_0's without VPDPBUSD into dot, else VPDPBUSD
+ * s16, Q5's (V = 0; 8 of |31 * 127 * 2| would not fit) and Q8_0's without VPDPBUSD into dot, else VPDPBUSD
  * into dot */
 #define QR_DOT(V, T, R, DOT, w, cc)                                                                             \
     do {                                                                                                       \
@@ -215,7 +231,7 @@ static inline qi_t qr_dot_signed(qi_t aw, qi_t w, qi_t x) {
             const qi_t xb = qr_bcast(xq[r] + 32 * b + 4 * (cc));                                               \
             if (V) dot[r] = DOT(dot[r], w, xb);                                                                \
             else if (QI_SIGNED(T, V)) dot[r] = qr_add32(dot[r], qr_dot_signed(aw_, w, xb));                    \
-            else if (T == Q5_K) dot[r] = qr_add32(dot[r], qr_pairs(qr_maddubs(w, xb)));                        \
+            else if (QR_FIVE(T)) dot[r] = qr_add32(dot[r], qr_pairs(qr_maddubs(w, xb)));                      \
             else s16[r] = qr_add16(s16[r], qr_maddubs(w, xb));                                                 \
         }                                                                                                      \
     } while (0)
@@ -235,7 +251,7 @@ static inline qi_t qr_dot_signed(qi_t aw, qi_t w, qi_t x) {
         const uint8_t *ksc = group + (size_t)supers * QR_ROWS * 4 + half * QR_VL;                              \
         const uint8_t *kmin = ksc + (size_t)blocks * QR_ROWS;                                                  \
         const uint8_t *values = group + half * QR_VL * 4 + (QR_K(T) ? (size_t)supers * QR_ROWS * 4             \
-            + (size_t)blocks * QR_ROWS * 2 : (size_t)blocks * QR_ROWS * (T == Q4_1 ? 4 : 2));                  \
+            + (size_t)blocks * QR_ROWS * 2 : (size_t)blocks * QR_ROWS * (T == Q4_1 || T == Q5_1 ? 4 : 2));     \
         const long lb = x8->ld / 32;                                                                           \
         const int8_t *xq[R];                                                                                   \
         qf_t acc[R];                                                                                           \
@@ -250,16 +266,16 @@ static inline qi_t qr_dot_signed(qi_t aw, qi_t w, qi_t x) {
                 dot[r] = QI_OFF(T, V) ? qr_set1(neg * QI_OFF(T, V)) : qi_zero();                               \
                 s16[r] = qi_zero();                                                                            \
             }                                                                                                  \
-            const uint8_t *vb = values + (size_t)b * (chunks + (T == Q5_K)) * QR_ROWS * 4;                     \
-            _Pragma("GCC unroll 8") for (int c = 0; c < chunks + (T == Q5_K); c++)                             \
+            const uint8_t *vb = values + (size_t)b * (chunks + QR_FIVE(T)) * QR_ROWS * 4;                      \
+            _Pragma("GCC unroll 8") for (int c = 0; c < chunks + QR_FIVE(T); c++)                              \
                 _mm_prefetch((const char *)(vb + QR_AHEAD + c * QR_ROWS * 4), _MM_HINT_T1);                    \
-            const qi_t fifth = T == Q5_K ? qi_load(vb + 4 * QR_ROWS * 4) : qi_zero();                          \
+            const qi_t fifth = QR_FIVE(T) ? qi_load(vb + 4 * QR_ROWS * 4) : qi_zero();                         \
             _Pragma("GCC unroll 8") for (int c = 0; c < chunks; c++) {                                         \
                 const qi_t raw = qi_load(vb + c * QR_ROWS * 4);                                                \
                 if (T == Q8_0) {                                                                               \
                     const qi_t w = (V) ? qi_xor80(raw) : raw;                                                  \
                     QR_DOT(V, T, R, DOT, w, c);                                                                \
-                } else if (T == Q5_K) { /* (bits 2c and 2c + 1 of fifth to bit 4) */                           \
+                } else if (QR_FIVE(T)) { /* (bits 2c and 2c + 1 of fifth to bit 4) */                          \
                     const qi_t lo = qr_or(qr_lo(raw), qr_and(QR_SHIFT(fifth, 4 - 2 * c), 0x10));               \
                     const qi_t hi = qr_or(qr_hi(raw), qr_and(QR_SHIFT(fifth, 3 - 2 * c), 0x10));               \
                     QR_DOT(V, T, R, DOT, lo, c);                                                                \
@@ -274,11 +290,11 @@ static inline qi_t qr_dot_signed(qi_t aw, qi_t w, qi_t x) {
                                                qr_halves(scales + (size_t)(b >> 3) * QR_ROWS))                 \
                                       : qr_halves(scales + (size_t)b * QR_ROWS);                               \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                              \
-                if (!(V) && T != Q8_0 && T != Q5_K) dot[r] = qr_add32(dot[r], qr_pairs(s16[r]));               \
+                if (!(V) && T != Q8_0 && !QR_FIVE(T)) dot[r] = qr_add32(dot[r], qr_pairs(s16[r]));             \
                 const qf_t d = qr_setf(x8->bd[(size_t)(r0 + r) * lb + b]);                                     \
                 acc[r] = qf_fmadd(qr_cvt(dot[r]), qr_mul(ws, d), acc[r]);                                      \
             }                                                                                                  \
-            if (T == Q4_1) {                                                                                   \
+            if (T == Q4_1 || T == Q5_1) {                                                                      \
                 const qf_t wm = qr_halves(mins + (size_t)b * QR_ROWS);                                         \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                            \
                     acc[r] = qf_fmadd(wm, qr_setf(x8->bsum[(size_t)(r0 + r) * lb + b]), acc[r]);               \
@@ -361,15 +377,19 @@ typedef void (*qr_tile_fn)(const uint8_t *, int, int, const qm_x8_t *, int, floa
 #endif
 #define QR_ALL(NAME, V, DOT)                                                                                   \
     QR_TILES(NAME, V, DOT, Q8_0) QR_TILES(NAME, V, DOT, Q4_0) QR_TILES(NAME, V, DOT, Q4_1)                     \
+    QR_TILES(NAME, V, DOT, Q5_0) QR_TILES(NAME, V, DOT, Q5_1)                                                  \
     QR_TILES(NAME, V, DOT, Q4_K) QR_TILES(NAME, V, DOT, Q5_K) QR_TILES6(NAME, V, DOT)                          \
     static const qr_tile_fn *NAME##s(int type) {                                                               \
         static const qr_tile_fn q8_0[] = QR_BY_ROWS(NAME, Q8_0), q4_0[] = QR_BY_ROWS(NAME, Q4_0),              \
-                                q4_1[] = QR_BY_ROWS(NAME, Q4_1), q4_k[] = QR_BY_ROWS(NAME, Q4_K),              \
+                                q4_1[] = QR_BY_ROWS(NAME, Q4_1), q5_0[] = QR_BY_ROWS(NAME, Q5_0),              \
+                                q5_1[] = QR_BY_ROWS(NAME, Q5_1), q4_k[] = QR_BY_ROWS(NAME, Q4_K),              \
                                 q5_k[] = QR_BY_ROWS(NAME, Q5_K), q6_k[] = QR_BY_ROWS(NAME, Q6_K);              \
         switch (type) {                                                                                        \
         case Q8_0: return q8_0;                                                                                \
         case Q4_0: return q4_0;                                                                                \
         case Q4_1: return q4_1;                                                                                \
+        case Q5_0: return q5_0;                                                                                \
+        case Q5_1: return q5_1;                                                                                \
         case Q4_K: return q4_k;                                                                                \
         case Q5_K: return q5_k;                                                                                \
         default: return q6_k;                                                                                  \

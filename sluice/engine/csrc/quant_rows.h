@@ -1,4 +1,4 @@
-/* GGUF's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) a whole row at a time: unpack_row gives a row's
+/* GGUF's block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) a whole row at a time: unpack_row gives a row's
  * int8 values and its scale and min per group of 16 (w = scale * q - min), dequantize_row their float32
  * values, exactly the gguf package's (what sluice_quant_dequantize gives, and the buffer quant_blocks.h's
  * product reads past QM_DIRECT_ROWS rows of x). */
@@ -10,7 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 static inline float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
@@ -75,6 +75,19 @@ static void unpack_row(int type, const uint8_t *b, int k, int8_t *q, float *gs, 
         }
         break;
     }
+    case Q5_0:
+    case Q5_1: { /* (d, Q5_1's m, 32 fifth bits, then Q4's nibbles) */
+        const int size = type == Q5_0 ? 22 : 24, head = type == Q5_0 ? 2 : 4, off = type == Q5_0 ? 16 : 0;
+        for (int i = 0; i < k; i += 32, b += size) {
+            gs[i / 16] = gs[i / 16 + 1] = f16_at(b);
+            if (type == Q5_1) mn[i / 16] = mn[i / 16 + 1] = -f16_at(b + 2);
+            uint32_t fifth;
+            memcpy(&fifth, b + head, 4);
+            nibbles16(b + head + 4, q + i, 0);
+            for (int j = 0; j < 32; j++) q[i + j] = (int8_t)((q[i + j] | (int)((fifth >> j & 1) << 4)) - off);
+        }
+        break;
+    }
     case Q4_K:
     case Q5_K: {
         const int size = type == Q4_K ? 144 : 176;
@@ -125,10 +138,11 @@ static void unpack_row(int type, const uint8_t *b, int k, int8_t *q, float *gs, 
     }
 }
 
-static int has_min(int type) { return type == Q4_1 || type == Q4_K || type == Q5_K; }
+static int has_min(int type) { return type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K; }
 
 static inline int qm_supported(int type) {
-    return type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q4_K || type == Q5_K || type == Q6_K;
+    return type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q4_K ||
+           type == Q5_K || type == Q6_K;
 }
 
 /* an unpacked row's float32 values: scale * q - min, per group of 16 */
