@@ -241,6 +241,16 @@ static inline qi_t qr_dot_signed(qi_t aw, qi_t w, qi_t x) {
 /* v shifted left by `by` bits (right where negative), 16-bit lanes */
 #define QR_SHIFT(v, by) ((by) > 0 ? qr_shl(v, (by)) : (by) < 0 ? qr_shr(v, -(by)) : (v))
 
+/* a tile's start: lb (x8's blocks a row), xq[r] (row r0 + r of x's int8 values) and acc[r] (its sums, zero) */
+#define QR_ROWS_OF_X(R)                                                                                        \
+    const long lb = x8->ld / 32;                                                                               \
+    const int8_t *xq[R];                                                                                       \
+    qf_t acc[R];                                                                                               \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                      \
+        xq[r] = x8->q + (size_t)(r0 + r) * x8->ld;                                                             \
+        acc[r] = qf_zero();                                                                                    \
+    }
+
 /* sums[r][i] = row half * QR_VL + i of the group . row r0 + r of x8, over `blocks` blocks, for R rows of x */
 #define QR_TILE(NAME, V, DOT, T, R)                                                                            \
     static void NAME##_##T##_##R(const uint8_t *group, int blocks, int half, const qm_x8_t *x8, int r0,        \
@@ -252,13 +262,7 @@ static inline qi_t qr_dot_signed(qi_t aw, qi_t w, qi_t x) {
         const uint8_t *kmin = ksc + (size_t)blocks * QR_ROWS;                                                  \
         const uint8_t *values = group + half * QR_VL * 4 + (QR_K(T) ? (size_t)supers * QR_ROWS * 4             \
             + (size_t)blocks * QR_ROWS * 2 : (size_t)blocks * QR_ROWS * (T == Q4_1 || T == Q5_1 ? 4 : 2));     \
-        const long lb = x8->ld / 32;                                                                           \
-        const int8_t *xq[R];                                                                                   \
-        qf_t acc[R];                                                                                           \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                  \
-            xq[r] = x8->q + (size_t)(r0 + r) * x8->ld;                                                         \
-            acc[r] = qf_zero();                                                                                \
-        }                                                                                                      \
+        QR_ROWS_OF_X(R)                                                                                        \
         for (int b = 0; b < blocks; b++) {                                                                     \
             qi_t dot[R], s16[R];                                                                               \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                              \
@@ -322,13 +326,7 @@ static inline qi_t qr_dot_signed(qi_t aw, qi_t w, qi_t x) {
         const uint16_t *scales = (const uint16_t *)group + half * QR_VL;                                       \
         const uint8_t *sc = group + (size_t)supers * QR_ROWS * 2 + half * QR_VL;                               \
         const uint8_t *values = group + (size_t)supers * QR_ROWS * 2 + (size_t)blocks * QR_ROWS * 2 + half * QR_VL * 4; \
-        const long lb = x8->ld / 32;                                                                           \
-        const int8_t *xq[R];                                                                                   \
-        qf_t acc[R];                                                                                           \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                  \
-            xq[r] = x8->q + (size_t)(r0 + r) * x8->ld;                                                         \
-            acc[r] = qf_zero();                                                                                \
-        }                                                                                                      \
+        QR_ROWS_OF_X(R)                                                                                        \
         for (int b = 0; b < blocks; b++) {                                                                     \
             qi_t lo[R], hi[R];                                                                                 \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                              \
