@@ -10,7 +10,7 @@ Two paths, one kernel source built for AVX512-VNNI or for AVX2 (chosen at run ti
   time (4 on AVX2). The one-call decoder step (csrc/f32_layers.c) runs the same tiles. It moves logits by x's
   rounding (perplexity within 1% of llama.cpp's on the same file, bench/RESULTS.md), and is faster than
   float32 weights at decode and at prefill; the tiles on the file's own layout (csrc/quant_int8.h, for a
-  weight not repacked: tests, benchmarks) are 6-8x slower at one row (RESULTS#quant-kernels).
+  weight not repacked: tests, benchmarks) are 2-10x slower at one row (RESULTS#quant-kernels).
 - `float`: float32 rows times the weight dequantized in registers, a few weight rows and rows of x at a time
   (csrc/quant_blocks.h: exactly the float32 values `QuantizedWeight.dequantize` gives, multiplied in float32):
   the path the loaders' exactness tests hold to transformers' logits.
@@ -38,14 +38,14 @@ from sluice.base import envs
 from sluice.engine.backend import LMHead
 from sluice.engine.cpu.build import _AVX2, _AVX512_VL_VNNI, cpu_flags, load
 from sluice.engine.cpu.kernels import _cached
-from sluice.engine.quant import QuantizedWeight, dequantized
+from sluice.engine.quant import BY_NAME, QuantizedWeight, dequantized
 from sluice.engine.sampler import argmax
 
 log = logging.getLogger("sluice.engine")
 
 P, INT, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
 _PACKED = 0x100  # csrc/quant_repack.h's QR_PACKED: a part's type for its repacked copy
-_REPACKABLE = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
+_REPACKABLE = frozenset(BY_NAME)  # (every block format)
 
 
 class QuantPart(ctypes.Structure):
@@ -95,8 +95,6 @@ def _repacks(isa: str, weight: QuantizedWeight) -> bool:
 def _measured() -> str:
     """`int8` where it runs a decode row's product (a Q4_0 weight of 512 x 1024, one row: one thread) faster than
     `float` here, the two interleaved, the best of a few rounds (logged)."""
-    from sluice.engine.quant import BY_NAME
-
     found = library()
     if found is None:
         return "float"
@@ -178,7 +176,7 @@ class QuantMatmul:
 
 def _repacked(lib: ctypes.CDLL, weight: QuantizedWeight) -> torch.Tensor:
     """The weight's bytes interleaved for the int8 tiles (csrc/quant_repack.h), its rows padded to whole groups:
-    as many bytes a row as the file's (Q4_K: 148 a super-block for 144)."""
+    as many bytes a row as the file's (Q4_K / Q5_K: 148 / 180 a super-block for 144 / 176)."""
     n, k = weight.shape
     group = lib.sluice_quant_group_rows()
     row_bytes = lib.sluice_quant_repacked_row_bytes(weight.qtype.ggml, k, weight.data.stride(0))
