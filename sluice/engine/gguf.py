@@ -78,7 +78,7 @@ def load_gguf_model(path: Path, dtype: torch.dtype, device: torch.device) -> tor
         if (device.type == "cpu" and (isinstance(module, (Linear, Embedding)) or name == "lm_head.weight")
                 and name.endswith(".weight") and all(q is not None for q in parts)):
             set_quantized(module, tuple(parts))  # type: ignore[arg-type]
-            kinds.update(_kind(tensors[p]) for p in used)
+            kinds.update(tensors[p].tensor_type.name for p in used)
             continue
         tensor = torch.cat([_float(tensors[p], permute.get(p)) for p in used])
         kinds.update(f"{tensors[p].tensor_type.name} (as {str(dtype)[6:]})" for p in used)
@@ -113,10 +113,6 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
     with warnings.catch_warnings():  # (the map is read-only, and nothing writes to it)
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(array)
-
-
-def _kind(t) -> str:
-    return t.tensor_type.name
 
 
 def _quantized(t, heads: int | None) -> QuantizedWeight | None:

@@ -45,7 +45,6 @@ log = logging.getLogger("sluice.engine")
 
 P, INT, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
 _PACKED = 0x100  # csrc/quant_repack.h's QR_PACKED: a part's type for its repacked copy
-_REPACKABLE = frozenset(BY_NAME)  # (every block format)
 
 
 class QuantPart(ctypes.Structure):
@@ -76,19 +75,19 @@ def library() -> tuple[ctypes.CDLL, str] | None:
     return None
 
 
-def activations(parts: tuple[QuantizedWeight, ...] = ()) -> str:
-    """`int8` or `float` for a weight of these parts (see the module's doc): SLUICE_QUANT_ACTIVATIONS's, `auto`
-    the one measured faster; unset, int8 where every part is repacked at load, else float."""
+def activations() -> str:
+    """`int8` or `float` (see the module's doc): SLUICE_QUANT_ACTIVATIONS's, `auto` the one measured faster;
+    unset, int8 where this CPU's tiles take the weights repacked at load (every block format), else float."""
     chosen = envs.quant_activations()
     if chosen is None:
         found = library()
-        return "int8" if found and parts and all(_repacks(found[1], p) for p in parts) else "float"
+        return "int8" if found and _repacks(found[1]) else "float"
     return _measured() if chosen == "auto" else chosen
 
 
-def _repacks(isa: str, weight: QuantizedWeight) -> bool:
-    """Whether the int8 tiles take this weight repacked (csrc/quant_repack.h; F16C: every AVX2 CPU has it)."""
-    return weight.qtype.name in _REPACKABLE and (isa.startswith("AVX512") or "f16c" in cpu_flags())
+def _repacks(isa: str) -> bool:
+    """Whether the int8 tiles take weights repacked here (csrc/quant_repack.h; F16C: every AVX2 CPU has it)."""
+    return isa.startswith("AVX512") or "f16c" in cpu_flags()
 
 
 @_cached
@@ -129,7 +128,7 @@ class QuantMatmul:
         self.isa = f"{isa}, {'int8' if int8 else 'float'} activations"
         self.lib = lib
         # (int8: parts repacked once, csrc/quant_repack.h; the kernel reads only the copy)
-        self.packed = [_repacked(lib, p) if repack and int8 and _repacks(isa, p) else None for p in parts]
+        self.packed = [_repacked(lib, p) if repack and int8 and _repacks(isa) else None for p in parts]
         # (what csrc/f32_layers.c's step reads too: pointers into the bytes, which this object keeps)
         self.spec = (QuantPart * len(parts))(*[
             QuantPart(p.data.data_ptr(), p.data.stride(0), p.qtype.ggml, p.shape[0]) if packed is None
@@ -149,7 +148,7 @@ class QuantMatmul:
         parts = (weight,) if isinstance(weight, QuantizedWeight) else tuple(weight)
         if any(p.data.stride(1) != 1 for p in parts):
             parts = tuple(QuantizedWeight(p.data.contiguous(), p.qtype, p.shape) for p in parts)
-        return cls(lib, isa, parts, bias, activations(parts) == "int8" if int8 is None else int8, repack)
+        return cls(lib, isa, parts, bias, activations() == "int8" if int8 is None else int8, repack)
 
     @property
     def nbytes(self) -> int:

@@ -248,15 +248,12 @@ typedef void (*qi_tile_fn)(const uint8_t *const *, int, const qm_x8_t *, int, fl
 #define QI_TILES(NAME, V, DOT, T) QI_TILE(NAME, V, DOT, T, 1) QI_TILE(NAME, V, DOT, T, 2) QI_TILE(NAME, V, DOT, T, 3)
 #define QI_BY_ROWS(NAME, T) {0, NAME##_##T##_1, NAME##_##T##_2, NAME##_##T##_3}
 #endif
-#define QI_ALL(NAME, V, DOT)                                                                                   \
-    QI_TILES(NAME, V, DOT, Q8_0) QI_TILES(NAME, V, DOT, Q4_0) QI_TILES(NAME, V, DOT, Q4_1)                     \
-    QI_TILES(NAME, V, DOT, Q5_0) QI_TILES(NAME, V, DOT, Q5_1)                                                  \
-    QI_TILES(NAME, V, DOT, Q4_K) QI_TILES(NAME, V, DOT, Q5_K) QI_TILES(NAME, V, DOT, Q6_K)                     \
-    static const qi_tile_fn *NAME##s(int type) {                                                               \
-        static const qi_tile_fn q8_0[] = QI_BY_ROWS(NAME, Q8_0), q4_0[] = QI_BY_ROWS(NAME, Q4_0),              \
-                                q4_1[] = QI_BY_ROWS(NAME, Q4_1), q5_0[] = QI_BY_ROWS(NAME, Q5_0),              \
-                                q5_1[] = QI_BY_ROWS(NAME, Q5_1), q4_k[] = QI_BY_ROWS(NAME, Q4_K),              \
-                                q5_k[] = QI_BY_ROWS(NAME, Q5_K), q6_k[] = QI_BY_ROWS(NAME, Q6_K);              \
+/* NAME##s(type): the table of that type's tiles by rows of x (BY_ROWS(NAME, type); Q6_K's for any other) */
+#define QX_BY_TYPE(FN, BY_ROWS, NAME)                                                                          \
+    static const FN *NAME##s(int type) {                                                                       \
+        static const FN q8_0[] = BY_ROWS(NAME, Q8_0), q4_0[] = BY_ROWS(NAME, Q4_0), q4_1[] = BY_ROWS(NAME, Q4_1), \
+                        q5_0[] = BY_ROWS(NAME, Q5_0), q5_1[] = BY_ROWS(NAME, Q5_1), q4_k[] = BY_ROWS(NAME, Q4_K), \
+                        q5_k[] = BY_ROWS(NAME, Q5_K), q6_k[] = BY_ROWS(NAME, Q6_K);                            \
         switch (type) {                                                                                        \
         case Q8_0: return q8_0;                                                                                \
         case Q4_0: return q4_0;                                                                                \
@@ -268,6 +265,11 @@ typedef void (*qi_tile_fn)(const uint8_t *const *, int, const qm_x8_t *, int, fl
         default: return q6_k;                                                                                  \
         }                                                                                                      \
     }
+#define QI_ALL(NAME, V, DOT)                                                                                   \
+    QI_TILES(NAME, V, DOT, Q8_0) QI_TILES(NAME, V, DOT, Q4_0) QI_TILES(NAME, V, DOT, Q4_1)                     \
+    QI_TILES(NAME, V, DOT, Q5_0) QI_TILES(NAME, V, DOT, Q5_1)                                                  \
+    QI_TILES(NAME, V, DOT, Q4_K) QI_TILES(NAME, V, DOT, Q5_K) QI_TILES(NAME, V, DOT, Q6_K)                     \
+    QX_BY_TYPE(qi_tile_fn, QI_BY_ROWS, NAME)
 
 /* The tiles of a type: with VPDPBUSD where the build has it, or (an AVX-512BW build without it, as
  * f32_layers.c's) where this CPU has it, built for it here; else VPMADDUBSW + VPMADDWD (the same sums). */

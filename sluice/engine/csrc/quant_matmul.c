@@ -26,7 +26,7 @@ int sluice_quant_linear(const quant_part_t *parts, int num_parts, int k, const f
     double n = 0;
     for (int p = 0; p < num_parts; p++) {
         const int type = parts[p].type & ~QR_PACKED;
-        if (!sluice_quant_supported(type) || k % 32 || (qr_packed(parts[p].type) && (!int8 || !qr_repackable(type))))
+        if (!sluice_quant_supported(type) || k % 32 || (qr_packed(parts[p].type) && !int8))
             return -1;
         n += parts[p].n;
     }
@@ -61,7 +61,7 @@ long sluice_quant_repacked_row_bytes(int type, int k, long row_bytes) { return q
  * then name it as type | QR_PACKED, their row_bytes the repacked rows' (see quant_repack.h). Returns 0, or -1
  * where the type is not one of these. */
 int sluice_quant_repack(const uint8_t *w, int type, int n, int k, long row_bytes, uint8_t *out) {
-    if (!qr_repackable(type) || k % (type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32)) return -1;
+    if (!qm_supported(type) || k % (type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32)) return -1;
     qr_repack(w, type, n, k, row_bytes, out);
     return 0;
 }

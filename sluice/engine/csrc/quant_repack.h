@@ -1,5 +1,5 @@
-/* Every block format's weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) repacked at load for int8 activations (llama.cpp's interleaved layouts,
- * Q4_0x8 / Q8_0x4 / Q4_Kx8, in our own form): QR_ROWS weight rows a group, each block's values stored lane by
+/* Every block format's weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) repacked at load for int8
+ * activations (llama.cpp's interleaved layouts, Q4_0x8 / Q8_0x4 / Q4_Kx8, in our own form): QR_ROWS weight rows a group, each block's values stored lane by
  * lane, so that one load holds 4 values of every row of the group (a lane of 4 int8 products a row), each row of
  * x's 4 values broadcast to all of them, and the group's scales side by side (converted by one VCVTPH2PS).
  *
@@ -40,10 +40,6 @@ enum { QR_ROWS = 16, QR_PACKED = 0x100, QR_AHEAD = 16384 };
 
 /* a part's type for its weight repacked (quant_part_t's w then a repacked copy, its row_bytes the file's) */
 static inline int qr_packed(int type) { return type & QR_PACKED; }
-static inline int qr_repackable(int type) {
-    return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == Q4_K ||
-           type == Q5_K || type == Q6_K;
-}
 static inline int qr_block_bytes(int type) {
     return type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : type == Q5_1 ? 24 : 34;
 }
@@ -52,6 +48,21 @@ static inline int qr_block_bytes(int type) {
 /* a repacked row's bytes (row_bytes: the file's) */
 static inline long qr_row_bytes(int type, int k, long row_bytes) {
     return type == Q4_K ? (long)k / 256 * 148 : type == Q5_K ? (long)k / 256 * 180 : row_bytes;
+}
+
+/* A block's 32 unsigned values q (`bits` wide: 4, 5 or 6) as row i of its group's repacked chunks at vb (zeroed
+ * first): the low 4 bits as Q4_0's nibble chunks [4][QR_ROWS][4] (value 4c + t low, 16 + 4c + t high), the bits
+ * above them as Q5's fifth-bit vector [QR_ROWS][4] (byte t's bits 2c, 2c + 1) or Q6_K's two 2-bit vectors
+ * [2][QR_ROWS][4] (vector c & 1, byte t's bits 4 (c >> 1) up) */
+static inline void qr_put_block(uint8_t *vb, int i, const uint8_t *q, int bits) {
+    for (int c = 0; c < 4; c++)
+        for (int t = 0; t < 4; t++) {
+            const int lo = q[4 * c + t], hi = q[16 + 4 * c + t];
+            vb[((size_t)c * QR_ROWS + i) * 4 + t] = (uint8_t)((lo & 0xF) | (hi & 0xF) << 4);
+            if (bits == 5) vb[((size_t)4 * QR_ROWS + i) * 4 + t] |= (uint8_t)(((lo >> 4) | (hi >> 4) << 1) << (2 * c));
+            if (bits == 6)
+                vb[((size_t)(4 + (c & 1)) * QR_ROWS + i) * 4 + t] |= (uint8_t)(((lo >> 4) | (hi >> 4) << 2) << (4 * (c >> 1)));
+        }
 }
 
 /* Q4_K or Q5_K rows [n][row_bytes] (k values a row) as groups of QR_ROWS (see above) into out, `packed` bytes a
@@ -73,16 +84,10 @@ static inline void qr_repack_k(const uint8_t *w, int type, int n, int k, long ro
                 k4_scale_min(sub, sb + 4, &scale, &min);
                 sc[(size_t)b * QR_ROWS + i] = (uint8_t)scale, mins[(size_t)b * QR_ROWS + i] = (uint8_t)min;
                 const uint8_t *qs = sb + (five ? 48 : 16) + 32 * (sub >> 1), *qh = sb + 16;
-                const int shift = 4 * (sub & 1);
-                uint8_t bytes[16], high[4] = {0};
-                for (int t = 0; t < 16; t++) {
-                    bytes[t] = (uint8_t)(((qs[t] >> shift) & 0xF) | (((qs[16 + t] >> shift) & 0xF) << 4));
-                    if (five) /* (value t's fifth bit, and value 16 + t's: chunk t / 4's bits of byte t % 4) */
-                        high[t % 4] |= (uint8_t)((((qh[t] >> sub) & 1) | (((qh[16 + t] >> sub) & 1) << 1)) << (2 * (t / 4)));
-                }
-                uint8_t *vb = values + (size_t)b * (4 + five) * QR_ROWS * 4;
-                for (int c = 0; c < 4; c++) memcpy(vb + ((size_t)c * QR_ROWS + i) * 4, bytes + 4 * c, 4);
-                if (five) memcpy(vb + ((size_t)4 * QR_ROWS + i) * 4, high, 4);
+                uint8_t q[32];
+                for (int l = 0; l < 32; l++)
+                    q[l] = (uint8_t)(((qs[l] >> (4 * (sub & 1))) & 0xF) | (five ? ((qh[l] >> sub) & 1) << 4 : 0));
+                qr_put_block(values + (size_t)b * (4 + five) * QR_ROWS * 4, i, q, five ? 5 : 4);
             }
         }
     }
@@ -106,13 +111,7 @@ static inline void qr_repack_q6_k(const uint8_t *w, int n, int k, long row_bytes
                                      (((sb[128 + 32 * h + l] >> (2 * t)) & 3) << 4));
                 sc[((size_t)b * 2 + 0) * QR_ROWS + i] = sb[192 + 2 * u];
                 sc[((size_t)b * 2 + 1) * QR_ROWS + i] = sb[192 + 2 * u + 1];
-                uint8_t *low = values + (size_t)b * 6 * QR_ROWS * 4, *high = low + 4 * QR_ROWS * 4;
-                for (int c = 0; c < 4; c++)
-                    for (int e = 0; e < 4; e++) {
-                        low[((size_t)c * QR_ROWS + i) * 4 + e] = (uint8_t)((q[4 * c + e] & 0xF) | ((q[16 + 4 * c + e] & 0xF) << 4));
-                        high[((size_t)(c & 1) * QR_ROWS + i) * 4 + e] |=
-                            (uint8_t)(((q[4 * c + e] >> 4) | ((q[16 + 4 * c + e] >> 4) << 2)) << (4 * (c >> 1)));
-                    }
+                qr_put_block(values + (size_t)b * 6 * QR_ROWS * 4, i, q, 6);
             }
         }
     }
@@ -142,16 +141,15 @@ static inline void qr_repack(const uint8_t *w, int type, int n, int k, long row_
             uint8_t *vb = values + (size_t)b * (chunks + five) * QR_ROWS * 4;
             memcpy(g + ((size_t)b * QR_ROWS + i) * 2, blk, 2);
             if (mins) memcpy(g + ((size_t)(blocks + b) * QR_ROWS + i) * 2, blk + 2, 2);
-            for (int c = 0; c < chunks; c++)
-                memcpy(vb + ((size_t)c * QR_ROWS + i) * 4, blk + head + 4 * five + 4 * c, 4);
-            if (five) { /* (the file's bit v of 32 is value v's: byte t's bits 2c, 2c + 1 here) */
+            if (five) { /* (nibbles after the 32 fifth bits: bit l is value l's) */
                 uint32_t bits;
                 memcpy(&bits, blk + head, 4);
-                uint8_t high[4] = {0};
-                for (int t = 0; t < 4; t++)
-                    for (int c = 0; c < 4; c++)
-                        high[t] |= (uint8_t)((((bits >> (4 * c + t)) & 1) | (((bits >> (16 + 4 * c + t)) & 1) << 1)) << (2 * c));
-                memcpy(vb + ((size_t)4 * QR_ROWS + i) * 4, high, 4);
+                const uint8_t *qs = blk + head + 4;
+                uint8_t q[32];
+                for (int l = 0; l < 32; l++) q[l] = (uint8_t)(((qs[l % 16] >> (4 * (l / 16))) & 0xF) | ((bits >> l & 1) << 4));
+                qr_put_block(vb, i, q, 5);
+            } else {
+                for (int c = 0; c < chunks; c++) memcpy(vb + ((size_t)c * QR_ROWS + i) * 4, blk + head + 4 * c, 4);
             }
         }
     }
@@ -377,22 +375,7 @@ typedef void (*qr_tile_fn)(const uint8_t *, int, int, const qm_x8_t *, int, floa
     QR_TILES(NAME, V, DOT, Q8_0) QR_TILES(NAME, V, DOT, Q4_0) QR_TILES(NAME, V, DOT, Q4_1)                     \
     QR_TILES(NAME, V, DOT, Q5_0) QR_TILES(NAME, V, DOT, Q5_1)                                                  \
     QR_TILES(NAME, V, DOT, Q4_K) QR_TILES(NAME, V, DOT, Q5_K) QR_TILES6(NAME, V, DOT)                          \
-    static const qr_tile_fn *NAME##s(int type) {                                                               \
-        static const qr_tile_fn q8_0[] = QR_BY_ROWS(NAME, Q8_0), q4_0[] = QR_BY_ROWS(NAME, Q4_0),              \
-                                q4_1[] = QR_BY_ROWS(NAME, Q4_1), q5_0[] = QR_BY_ROWS(NAME, Q5_0),              \
-                                q5_1[] = QR_BY_ROWS(NAME, Q5_1), q4_k[] = QR_BY_ROWS(NAME, Q4_K),              \
-                                q5_k[] = QR_BY_ROWS(NAME, Q5_K), q6_k[] = QR_BY_ROWS(NAME, Q6_K);              \
-        switch (type) {                                                                                        \
-        case Q8_0: return q8_0;                                                                                \
-        case Q4_0: return q4_0;                                                                                \
-        case Q4_1: return q4_1;                                                                                \
-        case Q5_0: return q5_0;                                                                                \
-        case Q5_1: return q5_1;                                                                                \
-        case Q4_K: return q4_k;                                                                                \
-        case Q5_K: return q5_k;                                                                                \
-        default: return q6_k;                                                                                  \
-        }                                                                                                      \
-    }
+    QX_BY_TYPE(qr_tile_fn, QR_BY_ROWS, NAME)
 
 /* The tiles of a type, chosen as quant_int8.h's qi_tiles are. */
 #if defined(__AVX512VNNI__)
