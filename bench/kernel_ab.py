@@ -113,7 +113,7 @@ def causal(base: ctypes.CDLL, this: ctypes.CDLL, shapes: list[str], tokens: int,
             def run() -> None:
                 rc = lib.sluice_f32_causal_attention(q.data_ptr(), None, k.data_ptr(), v.data_ptr(), None, None, 1,
                                                      tokens, tokens, heads, kv_heads, dim, dim**-0.5,
-                                                     outs[i].data_ptr(), None, -1)
+                                                     outs[i].data_ptr(), None, -1, 0)  # (float32 k, v)
                 assert rc == 0, rc
             return run
 

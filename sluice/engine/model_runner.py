@@ -76,9 +76,11 @@ _SPLIT_GREEDY_MIN = 4
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, num_window_blocks: int = 0,
-                 kv_alloc: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> None:
+                 kv_alloc: Callable[[tuple[int, ...]], torch.Tensor] | None = None,
+                 kv_dtype: torch.dtype | None = None) -> None:
         """`num_window_blocks`: the size of the sliding-window layers' own pool, when they have one. `kv_alloc`:
-        where the cache tensors go (zeroed), when a KV transport reads them (engine/kv_transfer.py)."""
+        where the cache tensors go (zeroed, in kv_dtype), when a KV transport reads them (engine/kv_transfer.py).
+        `kv_dtype`: the cache's (--kv-cache-dtype; None: the activations' dtype)."""
         self.model = model
         self.block_size = block_size
         self.tables = kv_pools(model)  # window -> the Sequence table its blocks are in
@@ -91,7 +93,7 @@ class ModelRunner:
         _, heads, dim = model.kv_shape
         # One (K, V) pair per layer: [blocks in its pool * block_size, Hkv, D] (one tensor twice: a latent cache)
         self.kv_caches = []
-        alloc = kv_alloc or (lambda shape: torch.zeros(shape, dtype=dtype, device=device))
+        alloc = kv_alloc or (lambda shape: torch.zeros(shape, dtype=kv_dtype or dtype, device=device))
         for w in model.layer_windows:
             slots = (num_window_blocks if self.tables[w] == "window_table" else num_blocks) * block_size
             k = alloc((slots, heads, dim))

@@ -38,3 +38,4 @@ def test_a_gguf_file_answers_a_chat_request_with_its_own_template_and_quantized_
     log = server.output()
     assert "GGUF tiny.gguf: " in log and "Q4_0 x2" in log and "Q4_1 x2" in log and "Q8_0 x" in log
     assert "linears on QuantMatmul" in log
+    assert " KV blocks of 16 tokens in float16 " in log  # (--kv-cache-dtype auto under quantized linears)

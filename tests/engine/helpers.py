@@ -12,9 +12,9 @@ from sluice.ipc.messages import SamplingParams
 
 
 def make_engine(path, *, num_blocks=256, block_size=16, budget=2048, max_num_seqs=64, max_model_len=4096,
-                prefix_caching=True, dtype=torch.float32):
+                prefix_caching=True, dtype=torch.float32, kv_dtype=None):
     model = load_model(path, dtype, torch.device("cpu"))
-    runner = ModelRunner(model, num_blocks, block_size, dtype, torch.device("cpu"), num_blocks)
+    runner = ModelRunner(model, num_blocks, block_size, dtype, torch.device("cpu"), num_blocks, kv_dtype=kv_dtype)
     window_pool = BlockManager(num_blocks, block_size, prefix_caching, "window_table") if runner.hybrid else None
     sched = Scheduler(BlockManager(num_blocks, block_size, prefix_caching),
                       max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,

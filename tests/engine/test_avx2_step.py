@@ -161,9 +161,11 @@ def test_avx2_prompts_attention_is_the_masked_torch_path(chunks, kv_heads, group
         chunks=chunks, kv_heads=kv_heads, group=group, dim=dim, seed=seed)
 
 
-def test_avx2_paged_prompts_attention_reads_queries_and_keys_where_they_lie():
+@pytest.mark.parametrize("kv", f32_tests.KV_DTYPES)
+def test_avx2_paged_prompts_attention_reads_queries_and_keys_where_they_lie(kv):
+    """From a float32 cache and from 16-bit ones (F16C's conversions, bf16 widened by a shift)."""
     f32_tests.test_paged_causal_attention_reads_queries_and_keys_where_they_lie.hypothesis.inner_test(
-        chunks=[(37, 70), (0, 5), (100, 61)], kv_heads=3, group=3, dim=64, seed=7)
+        chunks=[(37, 70), (0, 5), (100, 61)], kv_heads=3, group=3, dim=64, kv=kv, seed=7)
 
 
 def test_avx2_long_prompts_attend_on_the_causal_kernel_with_torchs_logits_and_tokens(tmp_path):

@@ -43,6 +43,7 @@ needs_avx2 = pytest.mark.skipif(not AVX2, reason="this CPU lacks AVX2/FMA")
 needs_f32_kernel = pytest.mark.skipif(not (AVX512 or AVX2), reason="this CPU lacks AVX-512F/BW/VL and AVX2/FMA")
 # the float32 linears' instruction sets: each test of them runs on every one this CPU has
 ISAS = [pytest.param("AVX-512F", marks=needs_avx512), pytest.param("AVX2", marks=needs_avx2)]
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # the caches the float32 kernels read (--kv-cache-dtype)
 # the float32 step's pieces (f32_layers.c) on each build this CPU runs
 STEP_ISAS = [pytest.param(kernels.f32_layers, id="AVX-512F", marks=needs_avx512),
              pytest.param(kernels.f32_layers_avx2, id="AVX2", marks=needs_avx2)]
@@ -514,22 +515,41 @@ def test_a_float32_decode_step_on_the_kernels_is_torchs_layers_op_by_op(variant,
     decode_step_is_torchs(_bf16_checkpoint(tmp_path / variant, **VARIANTS[variant]))
 
 
-def decode_step_is_torchs(path):
+@needs_f32_kernel
+@pytest.mark.parametrize("kv", [torch.bfloat16, torch.float16])
+def test_a_16_bit_kv_cache_under_float32_is_torchs_layers_op_by_op_and_generates_their_tokens(kv, tmp_path):
+    """--kv-cache-dtype bfloat16 / float16 under float32 activations: the step in one call writes and reads the
+    16-bit cache as torch's path does (its keys and values rounded once as they are stored), and greedy
+    decoding gives torch's tokens."""
+    path = _bf16_checkpoint(tmp_path / "m", **VARIANTS["qwen3-qk-norm"])
+    runner = decode_step_is_torchs(path, kv_dtype=kv)
+    assert all(k.dtype == kv and v.dtype == kv for k, v in runner.kv_caches)
+    (runner, sched), (ref, ref_sched) = _engines(path, block_size=8, kv_dtype=kv)
+    requests = [seq(f"r{i}", p, max_tokens=24, temperature=0.0) for i, p in enumerate(PROMPTS)]
+    assert generate(runner, sched, requests) == generate(
+        ref, ref_sched, [seq(f"r{i}", p, max_tokens=24, temperature=0.0) for i, p in enumerate(PROMPTS)])
+
+
+def decode_step_is_torchs(path, **kw):
     """Checks a decode step of the checkpoint's float32 engine, run in one call, against torch's path (hidden
-    states, cache, logits); returns that engine's runner."""
-    fast, plain = _engines(path, block_size=8)
+    states, cache, logits); returns that engine's runner. `kw`: make_engine's."""
+    fast, plain = _engines(path, block_size=8, **kw)
     runner, batch = _decoding(fast)
     ref, ref_batch = _decoding(plain)
     with mock.patch.object(DecoderStack, "__call__", autospec=True, side_effect=DecoderStack.__call__) as spy:
         hidden, caches = _step(runner, batch)
     assert spy.called
     ref_hidden, ref_caches = _step(ref, ref_batch)
-    _close(hidden, ref_hidden)
+    # a 16-bit cache: a key the two paths rotate a float32 bit apart may round to neighbouring 16-bit values
+    # (one rounding apart), and the attention over it moves by about that much
+    rounding = {torch.bfloat16: 2**-7, torch.float16: 2**-10}.get(kw.get("kv_dtype"), 1e-4)
+    close = 1e-4 if rounding == 1e-4 else 2e-3
+    torch.testing.assert_close(hidden, ref_hidden, rtol=close, atol=close)
     for kv, ref_kv in zip(caches, ref_caches):
         for x, y in zip(kv, ref_kv):
-            _close(x, y)
+            torch.testing.assert_close(x.float(), y.float(), rtol=rounding, atol=1e-4)
     with torch.inference_mode():
-        _close(runner.lm_head(hidden), ref.lm_head(ref_hidden))
+        torch.testing.assert_close(runner.lm_head(hidden), ref.lm_head(ref_hidden), rtol=close, atol=close)
     return runner
 
 
@@ -558,14 +578,15 @@ def test_float32_steps_with_prefill_chunks_in_one_call_are_torchs(tmp_path):
 @settings(max_examples=30, deadline=None)
 @given(batch=st.integers(1, 9), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 3, 4, 6, 8]),
        dim=st.sampled_from([16, 32, 48, 64, 80, 128, 256]), keys=st.integers(1, 100), sinks=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_float32_decode_attention_is_the_torch_path(build, batch, kv_heads, group, dim, keys, sinks, seed):
+       kv=st.sampled_from(KV_DTYPES), seed=st.integers(0, 2**16))
+def test_float32_decode_attention_is_the_torch_path(build, batch, kv_heads, group, dim, keys, sinks, kv, seed):
+    """Over a float32 cache or a 16-bit one (--kv-cache-dtype: its keys and values widened as they are read)."""
     from sluice.engine.attention import _attention
 
     g = torch.Generator().manual_seed(seed)
     heads, num_slots, t = kv_heads * group, 200, batch + 3
-    k_cache = torch.randn(num_slots, kv_heads, dim, generator=g)
-    v_cache = torch.randn(num_slots, kv_heads, dim, generator=g)
+    k_cache = torch.randn(num_slots, kv_heads, dim, generator=g).to(kv)
+    v_cache = torch.randn(num_slots, kv_heads, dim, generator=g).to(kv)
     q = torch.randn(t, heads + 2 * kv_heads, dim, generator=g)[:, :heads]  # a view, as in a model
     rows = torch.randperm(t, generator=g)[:batch]
     slots = torch.randint(0, num_slots, (batch, keys), generator=g)
@@ -627,13 +648,14 @@ def test_float32_causal_attention_is_the_masked_torch_path(chunks, kv_heads, gro
 @settings(max_examples=30, deadline=None)
 @given(chunks=st.lists(st.tuples(st.integers(0, 100), st.integers(1, 70)), min_size=1, max_size=3),
        kv_heads=st.sampled_from([1, 3]), group=st.sampled_from([1, 3]), dim=st.sampled_from([16, 64, 128]),
-       seed=st.integers(0, 2**16))
-def test_paged_causal_attention_reads_queries_and_keys_where_they_lie(chunks, kv_heads, group, dim, seed):
+       kv=st.sampled_from(KV_DTYPES), seed=st.integers(0, 2**16))
+def test_paged_causal_attention_reads_queries_and_keys_where_they_lie(chunks, kv_heads, group, dim, kv, seed):
     """The same kernel reading a step's query rows and the cache's slots (scattered, as a paged cache holds
-    them) and writing its output rows where the step's outputs go: the dense call's values, bit for bit, and
-    the pads' row untouched."""
+    them; float32, or 16-bit and widened) and writing its output rows where the step's outputs go: the dense
+    call's values on the cache's values, bit for bit, and the pads' row untouched."""
     g = torch.Generator().manual_seed(seed)
     q, k, v, starts = _chunked_prompts(chunks, kv_heads, group, dim, g)
+    k, v = k.to(kv).float(), v.to(kv).float()  # (what a cache of that dtype holds)
     (b, q_len, heads, _), k_len = q.shape, k.shape[1]
     dense = ops.causal_attention(q, k, v, dim ** -0.5, starts)
     rows = b * q_len
@@ -641,9 +663,9 @@ def test_paged_causal_attention_reads_queries_and_keys_where_they_lie(chunks, kv
     kv_slots = torch.randperm(b * k_len + 50, generator=g)[: b * k_len].view(b, k_len)
     step_q = torch.empty(rows, heads, dim)
     step_q[q_index.view(-1)] = q.reshape(rows, heads, dim)
-    k_cache, v_cache = torch.randn(2, b * k_len + 50, kv_heads, dim, generator=g)
-    k_cache[kv_slots.view(-1)] = k.reshape(-1, kv_heads, dim)
-    v_cache[kv_slots.view(-1)] = v.reshape(-1, kv_heads, dim)
+    k_cache, v_cache = torch.randn(2, b * k_len + 50, kv_heads, dim, generator=g).to(kv)
+    k_cache[kv_slots.view(-1)] = k.reshape(-1, kv_heads, dim).to(kv)
+    v_cache[kv_slots.view(-1)] = v.reshape(-1, kv_heads, dim).to(kv)
     out_index = torch.randperm(rows, generator=g).view(b, q_len)
     pads = torch.tensor([[i >= n for i in range(q_len)] for _, n in chunks])
     out_index[pads] = rows  # the pads' row
@@ -669,8 +691,11 @@ def test_float32_rms_norm_is_torchs(build, rows, dim, strided, seed):
 @pytest.mark.parametrize("build", STEP_ISAS)
 @settings(max_examples=30, deadline=None)
 @given(tokens=st.integers(0, 40), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 3, 4]),
-       dim=st.integers(1, 150).map(lambda n: 2 * n), seed=st.integers(0, 2**16))
-def test_float32_rope_store_is_torchs_rotary_and_the_cache_writes(build, tokens, kv_heads, group, dim, seed):
+       dim=st.integers(1, 150).map(lambda n: 2 * n), kv=st.sampled_from(KV_DTYPES), seed=st.integers(0, 2**16))
+def test_float32_rope_store_is_torchs_rotary_and_the_cache_writes(build, tokens, kv_heads, group, dim, kv, seed):
+    """Into a float32 cache, or a 16-bit one (rounded to nearest even, as torch's conversion: the keys within
+    one rounding of torch's, whose rotary differs in the last float32 bit, the values exact) where the head
+    dim is a multiple of 16 up to 256 (whole vectors: others go to torch's path)."""
     from sluice.engine.attention import rope_and_store
     from sluice.engine.rope import Rotary
 
@@ -680,14 +705,18 @@ def test_float32_rope_store_is_torchs_rotary_and_the_cache_writes(build, tokens,
     qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=g)
     positions = torch.randint(0, 100, (tokens,), generator=g)
     slots = torch.randperm(num_slots, generator=g)[:tokens]
-    k_cache, v_cache = torch.zeros(num_slots, kv_heads, dim), torch.zeros(num_slots, kv_heads, dim)
+    k_cache, v_cache = (torch.zeros(num_slots, kv_heads, dim, dtype=kv) for _ in range(2))
     with _step_on(build):
         q = ops.rope_store(qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :], heads, positions, rotary.cos,
                            rotary.sin, slots, k_cache, v_cache)
+    if kv != torch.float32 and (dim % 16 or dim > 256):
+        assert q is None and not k_cache.any()
+        return
     k2, v2 = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     q2 = rope_and_store(qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :], heads, rotary, positions, k2, v2, slots)
     torch.testing.assert_close(q, q2, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(k_cache, k2, rtol=1e-6, atol=1e-6)
+    rounding = {torch.float32: 1e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[kv]
+    torch.testing.assert_close(k_cache.float(), k2.float(), rtol=rounding, atol=1e-6)
     assert torch.equal(v_cache, v2)
     one, before = torch.randn(1, heads + 2 * kv_heads, dim, generator=g), (k_cache.clone(), v_cache.clone())
     for position, slot in ((100, 0), (0, num_slots), (-1, 0)):

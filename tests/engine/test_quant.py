@@ -260,6 +260,23 @@ def test_quantization_at_load_quantizes_every_layer_linear_and_the_engine_runs_i
     kernel_build.clear()
 
 
+def test_the_kv_cache_is_float16_by_default_under_quantized_linears_and_the_activations_dtype_else(tmp_path):
+    """--kv-cache-dtype auto: float16 (llama.cpp's cache) where the linears are quantized and the activations
+    float32, the activations' dtype otherwise; a dtype named is taken as it is."""
+    from sluice.app.builtin_models import write_llama_family
+    from sluice.engine.engine import pick_kv_dtype
+    from sluice.engine.loader import load_model
+
+    path = write_llama_family(tmp_path / "m", architecture="Qwen3ForCausalLM", num_shards=1)
+    dense, quantized = (load_model(path, torch.float32, torch.device("cpu"), q) for q in ("none", "int8"))
+    assert pick_kv_dtype("auto", torch.float32, quantized) == torch.float16
+    assert pick_kv_dtype("auto", torch.float32, dense) == torch.float32
+    assert pick_kv_dtype("auto", torch.bfloat16, dense) == torch.bfloat16
+    assert pick_kv_dtype("auto", torch.float32, None) == torch.float32  # (the replay runner: no model)
+    assert pick_kv_dtype("float32", torch.float32, quantized) == torch.float32
+    assert pick_kv_dtype("bfloat16", torch.float32, dense) == torch.bfloat16
+
+
 def _engine_of(model, backend=None):
     """(runner, scheduler) of the model on the CPU backend, or on `backend`."""
     from contextlib import nullcontext

@@ -28,7 +28,7 @@ _SOURCES = Path(__file__).parent.parent / "csrc"
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
 # Instruction sets (as /proc/cpuinfo names them) -> the compiler flags that enable them.
 _ISA = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl", "avx512_bf16": "-mavx512bf16",
-        "avx512_vnni": "-mavx512vnni", "avx2": "-mavx2", "fma": "-mfma", "amx_tile": "-mamx-tile",
+        "avx512_vnni": "-mavx512vnni", "avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c", "amx_tile": "-mamx-tile",
         "amx_bf16": "-mamx-bf16"}
 _AVX512 = ("avx512f", "avx512bw")
 _AVX512_VL = (*_AVX512, "avx512vl")
@@ -36,7 +36,7 @@ _AVX512_VL_VNNI = (*_AVX512_VL, "avx512_vnni")
 _AVX512_BF16 = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 _AVX512_VNNI = (*_AVX512_BF16, "avx512_vnni")
 _AMX = (*_AVX512_BF16, "amx_tile", "amx_bf16")
-_AVX2 = ("avx2", "fma")
+_AVX2 = ("avx2", "fma", "f16c")  # (F16C: every AVX2 CPU has it; an fp16 KV cache)
 _BUILD_TIMEOUT_S = 120
 
 

@@ -51,7 +51,7 @@ def pair_tiles(w: torch.Tensor) -> torch.Tensor:
 
 
 _LINEAR_F32: list[Any] = [P, INT, INT, INT, P, L, INT, P, P, L, P]
-_CAUSAL_F32 = [P, P, P, P, P, P, INT, INT, INT, INT, INT, INT, FLOAT, P, P, L]
+_CAUSAL_F32 = [P, P, P, P, P, P, INT, INT, INT, INT, INT, INT, FLOAT, P, P, L, INT]
 
 
 def _cached(fn):
@@ -197,8 +197,8 @@ def _f32_entries(lib: ctypes.CDLL, swiglu: bool) -> ctypes.CDLL:
     for symbol, argtypes in (
             ("sluice_f32_layers", [ctypes.POINTER(F32LayerSpec), INT, ctypes.POINTER(StepSpec), P]),
             ("sluice_f32_rms_norm", [P, L, P, INT, INT, FLOAT, P, L]),
-            ("sluice_f32_rope_store", [P, L, P, L, INT, INT, INT, INT, P, P, FLOAT, P, P, P, INT, P, L, P, P, P]),
-            ("sluice_f32_decode_attention", [P, L, P, P, P, P, P, P, INT, INT, INT, INT, INT, FLOAT, P]),
+            ("sluice_f32_rope_store", [P, L, P, L, INT, INT, INT, INT, P, P, FLOAT, P, P, P, INT, P, L, P, P, P, INT]),
+            ("sluice_f32_decode_attention", [P, L, P, P, P, P, P, P, INT, INT, INT, INT, INT, FLOAT, P, INT]),
             ("sluice_f32_matmul", _LINEAR_F32),
             ("sluice_f32_swiglu", [P, INT, INT, P]),
             *([("sluice_f32_matmul_swiglu", _LINEAR_F32[:-1])] if swiglu else [])):

@@ -1,7 +1,8 @@
 """The CPU kernels for attention and norms, bf16 (AVX512-BF16) or float32 (AVX-512F, else AVX2 and FMA: the
 f32_layers.c build `kernels.f32_step` picks, and prompts' causal attention `kernels.causal_library`'s) by the
 tensors' dtype: each returns None / False, with nothing written, where it does not apply or cannot run (the
-caller's torch path then does the work)."""
+caller's torch path then does the work). The float32 kernels read and write a KV cache of float32, bf16 or fp16
+(`kv_kind`)."""
 from __future__ import annotations
 
 import torch
@@ -9,12 +10,23 @@ import torch
 from sluice.engine.cpu import kernels
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+# the KV cache dtypes the float32 kernels take (csrc/f32_vec.h's KV_* kinds)
+_KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def attention_shape_ok(heads: int, kv_heads: int, dim: int) -> bool:
     """Whether the decode attention kernels take these heads (head dim a multiple of 16 up to 256, at most
     16 query heads per kv head)."""
     return not (dim % 16 or dim > 256 or heads % kv_heads or heads // kv_heads > 16)
+
+
+def kv_kind(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int | None:
+    """The float32 kernels' kind of a CPU cache pair (csrc/f32_vec.h's KV_*), or None where they do not take
+    it."""
+    kind = _KV_KINDS.get(k_cache.dtype)
+    if kind is None or v_cache.dtype != k_cache.dtype or {k_cache.device.type, v_cache.device.type} != {"cpu"}:
+        return None
+    return kind
 
 
 def _one_dtype(*tensors: torch.Tensor) -> torch.dtype | None:
@@ -29,18 +41,21 @@ def _one_dtype(*tensors: torch.Tensor) -> torch.dtype | None:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
                      slots: torch.Tensor, mask: torch.Tensor, scale: float, sinks: torch.Tensor | None,
                      out: torch.Tensor) -> bool:
-    """csrc/decode_attention.c (bf16) or f32_layers.c (float32): attention of one query row per sequence
-    over its keys in the paged cache, written into out's rows (see the C files for the shapes)."""
+    """csrc/decode_attention.c (bf16) or f32_layers.c (float32; the cache float32 or 16-bit): attention of one
+    query row per sequence over its keys in the paged cache, written into out's rows (see the C files for the
+    shapes)."""
     t, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
-    dtype = _one_dtype(q, k_cache, v_cache, out)
-    if (dtype is None or not attention_shape_ok(heads, kv_heads, dim) or q.stride(2) != 1 or q.stride(1) != dim
-            or not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous())):
+    dtype, kind = _one_dtype(q, out), kv_kind(k_cache, v_cache)
+    if (dtype is None or kind is None or not attention_shape_ok(heads, kv_heads, dim) or q.stride(2) != 1
+            or q.stride(1) != dim or not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous())):
         return False
     if dtype == torch.bfloat16:
-        fn = kernels.decode_attention_bf16()
+        fn = kernels.decode_attention_bf16() if k_cache.dtype == torch.bfloat16 else None
+        extra: tuple[int, ...] = ()
     else:
         fn = None if (lib := kernels.f32_step()) is None else lib.sluice_f32_decode_attention
+        extra = (kind,)
     if fn is None:
         return False
     rows, slots = rows.contiguous(), slots.contiguous()
@@ -48,7 +63,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     sinks = None if sinks is None else sinks.detach().float().contiguous()
     status = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(),
                 slots.data_ptr(), mask.data_ptr(), None if sinks is None else sinks.data_ptr(), slots.shape[0],
-                heads, kv_heads, dim, slots.shape[1], scale, out.data_ptr())
+                heads, kv_heads, dim, slots.shape[1], scale, out.data_ptr(), *extra)
     if status:
         raise MemoryError("the decode attention kernel could not allocate its workspace")
     return True
@@ -88,12 +103,13 @@ def _int64(index: torch.Tensor) -> torch.Tensor:
 def _causal(q, q_rows, k, v, kv_rows, starts, batch: int, q_len: int, k_len: int, scale: float, out, out_rows,
             skip_row: int) -> bool:
     heads, dim = q.shape[-2:]
-    if (_one_dtype(q, k, v, out) != torch.float32 or not attention_shape_ok(heads, k.shape[-2], dim) or not k_len
+    if (_one_dtype(q, out) != torch.float32 or (kind := kv_kind(k, v)) is None
+            or not attention_shape_ok(heads, k.shape[-2], dim) or not k_len
             or (fn := kernels.causal_attention_f32()) is None):
         return False
     starts = None if starts is None else _int64(starts)
     status = fn(q.data_ptr(), _ptr(q_rows), k.data_ptr(), v.data_ptr(), _ptr(kv_rows), _ptr(starts), batch, q_len,
-                k_len, heads, k.shape[-2], dim, scale, out.data_ptr(), _ptr(out_rows), skip_row)
+                k_len, heads, k.shape[-2], dim, scale, out.data_ptr(), _ptr(out_rows), skip_row, kind)
     if status == -1:
         raise MemoryError("the causal attention kernel could not allocate its workspace")
     return not status
@@ -106,12 +122,14 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def rope_store(qk: torch.Tensor, v: torch.Tensor, heads: int, positions: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor) -> torch.Tensor | None:
-    """csrc/rope_store.c (bf16) or f32_layers.c (float32): rotary (tables cos/sin [P, D/2]) on the queries
-    and keys qk [T, H + Hkv, D], the rotated keys and the values v [T, Hkv, D] written into the caches at
-    `slots` [T]; returns the rotated queries [T, H, D]."""
+    """csrc/rope_store.c (bf16) or f32_layers.c (float32; the cache float32 or 16-bit): rotary (tables cos/sin
+    [P, D/2]) on the queries and keys qk [T, H + Hkv, D], the rotated keys and the values v [T, Hkv, D] written
+    into the caches at `slots` [T]; returns the rotated queries [T, H, D]."""
     t, _, dim = qk.shape
-    dtype = _one_dtype(qk, v, k_cache, v_cache)
-    if (dtype is None or {cos.dtype, sin.dtype} != {torch.float32} or dim % 2 or cos.shape[1] != dim // 2
+    dtype, kind = _one_dtype(qk, v), kv_kind(k_cache, v_cache)
+    if (dtype is None or kind is None or (dtype == torch.bfloat16 and k_cache.dtype != dtype)
+            or (dtype == torch.float32 and kind and (dim % 16 or dim > 256))  # (16-bit rows: whole vectors)
+            or {cos.dtype, sin.dtype} != {torch.float32} or dim % 2 or cos.shape[1] != dim // 2
             or qk.stride(2) != 1 or qk.stride(1) != dim or v.stride(2) != 1 or v.stride(1) != dim
             or not all(x.is_contiguous() for x in (cos, sin, k_cache, v_cache))):
         return None
@@ -131,7 +149,7 @@ def rope_store(qk: torch.Tensor, v: torch.Tensor, heads: int, positions: torch.T
         status = t and lib.sluice_f32_rope_store(
             qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), t, heads, v.shape[1], dim, None, None, 0.0,
             positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0], slots.data_ptr(), k_cache.shape[0],
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kind)
     if status:
         raise IndexError("a position beyond the rotary table or a slot beyond the KV cache")
     return q

@@ -14,7 +14,7 @@ import torch
 
 from sluice.engine.cpu import kernels
 from sluice.engine.cpu.matmul import Bf16Matmul, F32Matmul
-from sluice.engine.cpu.ops import attention_shape_ok
+from sluice.engine.cpu.ops import attention_shape_ok, kv_kind
 from sluice.engine.cpu.quant import QuantMatmul, QuantPart
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -40,7 +40,7 @@ class F32LayerSpec(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("eps", _F), ("scale", _F), ("q_norm", _P), ("k_norm", _P),
                 ("qkv", F32LinearSpec), ("o", F32LinearSpec), ("gate_up", F32LinearSpec), ("down", F32LinearSpec),
                 ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("cos", _P), ("sin", _P), ("num_positions", _I),
-                ("k_cache", _P), ("v_cache", _P), ("num_slots", ctypes.c_long), ("sinks", _P)]
+                ("k_cache", _P), ("v_cache", _P), ("num_slots", ctypes.c_long), ("sinks", _P), ("kv", _I)]
 
 
 class StepSpec(ctypes.Structure):
@@ -67,7 +67,7 @@ class DecodeLayer:
     scale: float
     cos: torch.Tensor  # [positions, head dim / 2]
     sin: torch.Tensor
-    k_cache: torch.Tensor  # [slots, kv heads, head dim]
+    k_cache: torch.Tensor  # [slots, kv heads, head dim]: the stack's dtype, or a float32 stack's bf16 / fp16 cache
     v_cache: torch.Tensor
     sinks: torch.Tensor | None  # [heads]
     q_norm: torch.Tensor | None = None  # [head dim]: per-head RMSNorm before rotary (Qwen3; float32 only)
@@ -115,7 +115,7 @@ class DecoderStack:
         return F32LayerSpec(qkv=linear(layer.qkv), o=linear(layer.o), gate_up=linear(layer.gate_up),
                             down=linear(layer.down), q_norm=None if layer.q_norm is None else layer.q_norm.data_ptr(),
                             k_norm=None if layer.k_norm is None else layer.k_norm.data_ptr(),
-                            **cls._common(layer, sinks))
+                            kv=kv_kind(layer.k_cache, layer.v_cache), **cls._common(layer, sinks))
 
     @classmethod
     def build(cls, layers: list[DecodeLayer]) -> "DecoderStack | None":
@@ -128,8 +128,11 @@ class DecoderStack:
         for layer in layers:
             heads, kv_heads, dim = layer.heads
             norms = [t for t in (layer.q_norm, layer.k_norm) if t is not None]
-            tensors = (layer.input_norm, layer.post_norm, layer.k_cache, layer.v_cache, *norms)
+            tensors = (layer.input_norm, layer.post_norm, *norms)
+            caches = (layer.k_cache, layer.v_cache)
             if (any(t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() for t in tensors)
+                    or not all(t.is_contiguous() for t in caches) or kv_kind(*caches) is None
+                    or (dtype == torch.bfloat16 and layer.k_cache.dtype != dtype)
                     or dtype not in (torch.bfloat16, torch.float32) or (norms and dtype != torch.float32)
                     or any(t.shape != (dim,) for t in norms)
                     or not all(isinstance(m, kernel) for m in (layer.qkv, layer.o, layer.gate_up, layer.down))

@@ -14,7 +14,8 @@
  * Sequence b's query i is row q_rows[b * Lq + i] of q [rows][H][D] and its output goes to row
  * out_rows[b * Lq + i] of out (none where that is skip_row: a pad's); its key i (at position i) is row
  * kv_rows[b * Lk + i] of k and v [rows][Hkv][D]: a step's rows and the paged cache's slots, read where they
- * lie (NULL: the dense layouts q, out [B][Lq][H][D] and k, v [B][Lk][Hkv][D]). starts[b] is the position of
+ * lie (NULL: the dense layouts q, out [B][Lq][H][D] and k, v [B][Lk][Hkv][D]); k and v's elements are of
+ * f32_vec.h's KV_* kind kv (a 16-bit cache's widened as they are copied into the job's blocks). starts[b] is the position of
  * sequence b's first query (NULL: 0, a whole prompt), its query i at starts[b] + i (a query past its
  * sequence's keys, a pad, attends them all). D a multiple of 16 up to 256, H / Hkv at most 16. Returns
  * 0, -1 when out of memory, -2 for shapes it does not take.
@@ -196,10 +197,10 @@ static void tile(const float *q, const int64_t *q_rows, const float *kt, const f
     }
 }
 
-int sluice_f32_causal_attention(const float *q, const int64_t *q_rows, const float *k, const float *v,
+int sluice_f32_causal_attention(const float *q, const int64_t *q_rows, const void *k, const void *v,
                                 const int64_t *kv_rows, const int64_t *starts, int batch, int q_len, int k_len,
                                 int heads, int kv_heads, int dim, float scale, float *out, const int64_t *out_rows,
-                                long skip_row) {
+                                long skip_row, int kv) {
     if (dim % 16 || dim > 16 * MAX_VECS || heads % kv_heads || heads / kv_heads > MAX_GROUP || k_len <= 0)
         return q_len == 0 ? 0 : -2;
     const int blocks = (k_len + KB - 1) / KB, tiles = (q_len + QT - 1) / QT, group = heads / kv_heads;
@@ -229,8 +230,12 @@ int sluice_f32_causal_attention(const float *q, const int64_t *q_rows, const flo
                     continue;
                 }
                 const size_t at = (row_of(kv_rows, (size_t)b * k_len + key) * kv_heads + j) * dim;
-                for (int d = 0; d < dim; d++) kdst[(size_t)d * KB + i] = k[at + d];
-                memcpy(vdst + (size_t)i * dim, v + at, sizeof(float) * dim);
+                float row[16 * MAX_VECS];
+                for (int c = 0; c < dim; c += F32V) {
+                    vf_store(row + c, vf_load_kv(k, kv, at + c));
+                    vf_store(vdst + (size_t)i * dim + c, vf_load_kv(v, kv, at + c));
+                }
+                for (int d = 0; d < dim; d++) kdst[(size_t)d * KB + i] = row[d];
             }
         }
         float *s = malloc(sizeof(float) * (size_t)group * QT * KB);

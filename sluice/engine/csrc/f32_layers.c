@@ -3,7 +3,7 @@
  * KV store, paged grouped-query attention, SwiGLU MLP), and the pieces of it the op-by-op path calls alone.
  *
  * Every tensor is float32 but the weights of the linears, which f32_matmul.c reads packed (bf16 widened in
- * registers, or float32). The arithmetic is torch's float32 path's up to the order of sums (each linear's
+ * registers, or float32), and the KV cache, which may be 16-bit (f32_vec.h's KV_* kinds, widened as read). The arithmetic is torch's float32 path's up to the order of sums (each linear's
  * products, a norm's squares, attention's dot products) and the exp in attention's softmax and the SwiGLU
  * (exp_nonpositive, ~1e-7 relative). Run op by op from Python, a layer is ~20 torch calls of 10-100 us each
  * on this path; here each step is one call.
@@ -56,9 +56,10 @@ typedef struct {
     int heads, kv_heads, head_dim;
     const float *cos, *sin; /* rotary tables [num_positions][head_dim / 2] */
     int num_positions;
-    float *k_cache, *v_cache; /* [num_slots][kv_heads][head_dim] */
+    void *k_cache, *v_cache; /* [num_slots][kv_heads][head_dim] of f32_vec.h's KV_* kind kv */
     long num_slots;
     const float *sinks; /* NULL, or [heads] */
+    int kv;
 } f32_layer_t;
 
 typedef struct {
@@ -102,11 +103,12 @@ static inline void f32_rotate(const float *x, const float *cos, const float *sin
 
 /* Rotary on one row t of qk [T][H + Hkv][D] (rows qk_stride apart; with q_norm / k_norm set, each head
  * RMS-normed first, in place): its rotated queries into q_out [T][H][D], rotated keys and values v (rows
- * v_stride apart) into the caches at slots[t]. */
+ * v_stride apart) into the caches (of KV_* kind kv: D a multiple of 16 up to F32_MAX_DIM where not float32) at
+ * slots[t]. */
 static void f32_rope_row(int t, float *qk, long qk_stride, const float *v, long v_stride, int heads, int kv_heads,
                          int dim, const float *q_norm, const float *k_norm, float eps, const int64_t *positions,
-                         const float *cos, const float *sin, const int64_t *slots, float *q_out, float *k_cache,
-                         float *v_cache) {
+                         const float *cos, const float *sin, const int64_t *slots, float *q_out, void *k_cache,
+                         void *v_cache, int kv) {
     const int half = dim / 2;
     float *row = qk + (size_t)t * qk_stride;
     if (q_norm)
@@ -116,9 +118,14 @@ static void f32_rope_row(int t, float *qk, long qk_stride, const float *v, long 
             f32_rms_row(row + (size_t)h * dim, k_norm, dim, eps, row + (size_t)h * dim);
     const float *cs = cos + (size_t)positions[t] * half, *sn = sin + (size_t)positions[t] * half;
     for (int h = 0; h < heads; h++) f32_rotate(row + (size_t)h * dim, cs, sn, half, q_out + ((size_t)t * heads + h) * dim);
-    float *k_slot = k_cache + (size_t)slots[t] * kv_heads * dim;
-    for (int h = 0; h < kv_heads; h++) f32_rotate(row + (size_t)(heads + h) * dim, cs, sn, half, k_slot + (size_t)h * dim);
-    memcpy(v_cache + (size_t)slots[t] * kv_heads * dim, v + (size_t)t * v_stride, sizeof(float) * kv_heads * dim);
+    const size_t at = (size_t)slots[t] * kv_heads * dim;
+    float key[F32_MAX_DIM];
+    for (int h = 0; h < kv_heads; h++) {
+        float *k = kv == KV_F32 ? (float *)k_cache + at + (size_t)h * dim : key;
+        f32_rotate(row + (size_t)(heads + h) * dim, cs, sn, half, k);
+        if (kv != KV_F32) kv_put(k_cache, kv, at + (size_t)h * dim, key, dim);
+    }
+    kv_put(v_cache, kv, at, v + (size_t)t * v_stride, kv_heads * dim);
 }
 
 static int f32_rope_in_range(int tokens, const int64_t *positions, int num_positions, const int64_t *slots,
@@ -129,30 +136,35 @@ static int f32_rope_in_range(int tokens, const int64_t *positions, int num_posit
 }
 
 /* Rotary on a step's queries and keys qk [T][H + Hkv][D] and the KV store (f32_rope_row for every row).
- * Returns 0, or -3 (nothing written) when a position or a slot is out of range. */
+ * Returns 0, -2 for a head dim a 16-bit cache does not take, or -3 (nothing written) when a position or a
+ * slot is out of range. */
 int sluice_f32_rope_store(float *qk, long qk_stride, const float *v, long v_stride, int tokens, int heads,
                           int kv_heads, int dim, const float *q_norm, const float *k_norm, float eps,
                           const int64_t *positions, const float *cos, const float *sin, int num_positions,
-                          const int64_t *slots, long num_slots, float *q_out, float *k_cache, float *v_cache) {
+                          const int64_t *slots, long num_slots, float *q_out, void *k_cache, void *v_cache, int kv) {
+    if (kv != KV_F32 && (dim % 16 || dim > F32_MAX_DIM)) return -2;
     if (!f32_rope_in_range(tokens, positions, num_positions, slots, num_slots)) return -3;
 #pragma omp parallel for schedule(static) if ((double)tokens * (heads + 2 * kv_heads) * dim >= 1e6)
     for (int t = 0; t < tokens; t++)
         f32_rope_row(t, qk, qk_stride, v, v_stride, heads, kv_heads, dim, q_norm, k_norm, eps, positions, cos, sin,
-                     slots, q_out, k_cache, v_cache);
+                     slots, q_out, k_cache, v_cache, kv);
     return 0;
 }
 
-#define f32_prefetch_row(row, dim, hint)                                                                   \
-    for (int b_ = 0; b_ < (dim) * 4; b_ += 64) _mm_prefetch((const char *)(row) + b_, hint)
+/* the bytes of a cache row of n elements from element i */
+#define f32_prefetch_row(cache, kv, i, n, hint)                                                            \
+    for (size_t b_ = 0; b_ < (n) * kv_bytes(kv); b_ += 64)                                                 \
+    _mm_prefetch((const char *)(cache) + (i) * kv_bytes(kv) + b_, hint)
 
 /* Decode attention in float32 (see decode_attention.c, the bf16 kernel, for the shapes and the method):
  * scores F32V keys at a time (one transposed reduction for them), each value row read once for all the
- * query heads that share it. One job: sequence b = job / kv_heads, kv head j = job % kv_heads; scores: the
- * group's heads' rows of `padded` floats. */
-static void f32_attention_job(long job, float *scores, const float *q, long q_stride, const float *k_cache,
-                              const float *v_cache, const int64_t *rows, const int64_t *slots, const uint8_t *mask,
-                              const float *sinks, int heads, int kv_heads, int dim, int keys, float scale,
-                              float *out) {
+ * query heads that share it; the cache's keys and values (of KV_* kind kv) widened to float32 as they are
+ * read. One job: sequence b = job / kv_heads, kv head j = job % kv_heads; scores: the group's heads' rows of
+ * `padded` floats. (Inlined into f32_attention_job once for each kind.) */
+static inline __attribute__((always_inline)) void f32_attention_kv(
+    long job, float *scores, const float *q, long q_stride, const void *k_cache, const void *v_cache,
+    const int64_t *rows, const int64_t *slots, const uint8_t *mask, const float *sinks, int heads, int kv_heads,
+    int dim, int keys, float scale, float *out, int kv) {
     const int group = heads / kv_heads, vecs = dim / F32V, padded = (keys + 15) / 16 * 16;
     const int b = (int)(job / kv_heads), j = (int)(job % kv_heads);
     const int64_t *slot = slots + (size_t)b * keys;
@@ -168,12 +180,12 @@ static void f32_attention_job(long job, float *scores, const float *q, long q_st
         const vf_mask live = vf_flags(attend + i0, n);
         const int any = vf_any(live);
         for (int l = i0 == 0 ? 0 : i0 + F32V; l < i0 + 2 * F32V && l < used; l++)
-            f32_prefetch_row(k_cache + ((size_t)slot[l] * kv_heads + j) * dim, dim, _MM_HINT_T0);
+            f32_prefetch_row(k_cache, kv, ((size_t)slot[l] * kv_heads + j) * dim, dim, _MM_HINT_T0);
         for (int l = i0; l < i0 + n; l++)
-            f32_prefetch_row(v_cache + ((size_t)slot[l] * kv_heads + j) * dim, dim, _MM_HINT_T1);
-        const float *key[F32V];
+            f32_prefetch_row(v_cache, kv, ((size_t)slot[l] * kv_heads + j) * dim, dim, _MM_HINT_T1);
+        size_t key[F32V]; /* where each key's row begins */
         if (any)
-            for (int l = 0; l < F32V; l++) key[l] = k_cache + ((size_t)slot[i0 + (l < n ? l : 0)] * kv_heads + j) * dim;
+            for (int l = 0; l < F32V; l++) key[l] = ((size_t)slot[i0 + (l < n ? l : 0)] * kv_heads + j) * dim;
         for (int g = 0; g < group; g++) {
             vf sc = vf_set1(-INFINITY);
             if (any) {
@@ -183,7 +195,7 @@ static void f32_attention_job(long job, float *scores, const float *q, long q_st
                 for (int c = 0; c < vecs; c++) {
                     const vf qv = vf_load(qg + c * F32V);
                     _Pragma("GCC unroll 16") for (int l = 0; l < F32V; l++)
-                        acc[l] = vf_fmadd(vf_load(key[l] + c * F32V), qv, acc[l]);
+                        acc[l] = vf_fmadd(vf_load_kv(k_cache, kv, key[l] + c * F32V), qv, acc[l]);
                 }
                 sc = vf_where(live, vf_mul(vf_sums(acc), vf_set1(scale)), sc);
             }
@@ -217,9 +229,9 @@ static void f32_attention_job(long job, float *scores, const float *q, long q_st
                 for (int c = 0; c < F32_PV_VECS; c++) acc[g][c] = vf_zero();
             for (int i = 0; i < used; i++) {
                 if (!attend[i]) continue;
-                const float *vr = v_cache + ((size_t)slot[i] * kv_heads + j) * dim + c0 * F32V;
+                const size_t vr = ((size_t)slot[i] * kv_heads + j) * dim + c0 * F32V;
                 vf x[F32_PV_VECS];
-                for (int c = 0; c < nc; c++) x[c] = vf_load(vr + c * F32V);
+                for (int c = 0; c < nc; c++) x[c] = vf_load_kv(v_cache, kv, vr + c * F32V);
                 for (int g = 0; g < ng; g++) {
                     const vf p = vf_set1(scores[(size_t)(g0 + g) * padded + i]);
                     for (int c = 0; c < nc; c++) acc[g][c] = vf_fmadd(p, x[c], acc[g][c]);
@@ -232,9 +244,25 @@ static void f32_attention_job(long job, float *scores, const float *q, long q_st
     }
 }
 
-int sluice_f32_decode_attention(const float *q, long q_stride, const float *k_cache, const float *v_cache,
+static void f32_attention_job(long job, float *scores, const float *q, long q_stride, const void *k_cache,
+                              const void *v_cache, const int64_t *rows, const int64_t *slots, const uint8_t *mask,
+                              const float *sinks, int heads, int kv_heads, int dim, int keys, float scale, float *out,
+                              int kv) {
+    if (kv == KV_F16)
+        f32_attention_kv(job, scores, q, q_stride, k_cache, v_cache, rows, slots, mask, sinks, heads, kv_heads, dim,
+                         keys, scale, out, KV_F16);
+    else if (kv == KV_BF16)
+        f32_attention_kv(job, scores, q, q_stride, k_cache, v_cache, rows, slots, mask, sinks, heads, kv_heads, dim,
+                         keys, scale, out, KV_BF16);
+    else
+        f32_attention_kv(job, scores, q, q_stride, k_cache, v_cache, rows, slots, mask, sinks, heads, kv_heads, dim,
+                         keys, scale, out, KV_F32);
+}
+
+int sluice_f32_decode_attention(const float *q, long q_stride, const void *k_cache, const void *v_cache,
                                 const int64_t *rows, const int64_t *slots, const uint8_t *mask, const float *sinks,
-                                int batch, int heads, int kv_heads, int dim, int keys, float scale, float *out) {
+                                int batch, int heads, int kv_heads, int dim, int keys, float scale, float *out,
+                                int kv) {
     const int group = heads / kv_heads, padded = (keys + 15) / 16 * 16;
     if (group > F32_MAX_GROUP || dim > F32_MAX_DIM || dim % 16) return -2;
     int failed = 0;
@@ -249,7 +277,7 @@ int sluice_f32_decode_attention(const float *q, long q_stride, const float *k_ca
         for (long job = 0; job < (long)batch * kv_heads; job++)
             if (scores)
                 f32_attention_job(job, scores, q, q_stride, k_cache, v_cache, rows, slots, mask, sinks, heads, kv_heads,
-                                  dim, keys, scale, out);
+                                  dim, keys, scale, out, kv);
         free(scores);
     }
     return failed ? -1 : 0;
@@ -420,11 +448,11 @@ int sluice_f32_layers(const f32_layer_t *layers, int count, const f32_step_t *s,
             for (int r = r0; r < r1; r++)
                 f32_rope_row(r, qkv, width, qkv + (size_t)(l->heads + l->kv_heads) * hd, width, l->heads, l->kv_heads, hd,
                              l->q_norm, l->k_norm, l->eps, s->positions, l->cos, l->sin, s->slot_mapping, q, l->k_cache,
-                             l->v_cache);
+                             l->v_cache, l->kv);
             f32_barrier(&barrier, &sense);
             for (long job; (job = __atomic_fetch_add(next + 4, 1, __ATOMIC_RELAXED)) < (long)t * l->kv_heads;)
                 f32_attention_job(job, scores, q, (long)l->heads * hd, l->k_cache, l->v_cache, s->rows, s->kv_slots,
-                                  s->mask, l->sinks, l->heads, l->kv_heads, hd, s->keys, l->scale, attn);
+                                  s->mask, l->sinks, l->heads, l->kv_heads, hd, s->keys, l->scale, attn, l->kv);
             f32_barrier(&barrier, &sense);
             f32_linear_part(&l->o, attn, t, h, c, next + 1, th, nth, mine, x8, &barrier, &sense);
             f32_barrier(&barrier, &sense);

@@ -57,6 +57,23 @@ static inline vf_mask vf_equal(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CM
 static inline vf vf_exp2(vf y) { return exp2_finite(y); }
 /* F32V values from x + i as float32: bf16 (bf16 != 0) or float32 (scalar: simd.h's load1) */
 static inline vf vf_load_any(const void *x, int bf16, size_t i) { return load16(x, bf16, i); }
+/* float32 to bf16 bits, rounded to nearest even (a NaN stays a quiet NaN) */
+static inline __m256i vf_bf16_bits(vf v) {
+#ifdef __AVX512BF16__
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+    const __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+#endif
+}
+static inline vf vf_load_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline void vf_store_f16(uint16_t *p, vf v) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+static inline void vf_store_bf16(uint16_t *p, vf v) { _mm256_storeu_si256((__m256i *)p, vf_bf16_bits(v)); }
 
 #else /* AVX2 + FMA */
 
@@ -168,6 +185,22 @@ static inline vf vf_load_any(const void *x, int bf16, size_t i) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
 }
 
+static inline vf vf_load_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline void vf_store_f16(uint16_t *p, vf v) {
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+/* rounded to bf16, to nearest even (a NaN stays a quiet NaN) */
+static inline void vf_store_bf16(uint16_t *p, vf v) {
+    const __m256i u = _mm256_castps_si256(v), one = _mm256_set1_epi32(1);
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
+    r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)),
+                                             _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    r = _mm256_srli_epi32(r, 16);
+    /* the 8 halves packed within each 128-bit lane, then the two lanes' first 64 bits side by side */
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
+}
+
 /* one value from x + i as float32 (simd.h's load1) */
 static inline float load1(const void *x, int bf16, size_t i) {
     if (!bf16) return ((const float *)x)[i];
@@ -177,5 +210,33 @@ static inline float load1(const void *x, int bf16, size_t i) {
     return f;
 }
 #endif
+
+/* A KV cache's elements: float32, bf16 or fp16 (llama.cpp's default cache), the arithmetic float32 whichever
+ * they are. A 16-bit cache halves what a step's attention reads, which at a few hundred keys a sequence is more
+ * than a small model's weights (bench/RESULTS.md#kv-cache-dtype). */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
+
+static inline size_t kv_bytes(int kind) { return kind == KV_F32 ? 4 : 2; }
+
+/* F32V values of a cache from element i, as float32 */
+static inline vf vf_load_kv(const void *p, int kind, size_t i) {
+    if (kind == KV_F16) return vf_load_f16((const uint16_t *)p + i);
+    return vf_load_any(p, kind == KV_BF16, i);
+}
+
+/* n values (a multiple of F32V) of src into a cache from element i */
+static inline void kv_put(void *p, int kind, size_t i, const float *src, int n) {
+    if (kind == KV_F32) {
+        memcpy((float *)p + i, src, sizeof(float) * n);
+        return;
+    }
+    uint16_t *o = (uint16_t *)p + i;
+    for (int c = 0; c < n; c += F32V) {
+        if (kind == KV_F16)
+            vf_store_f16(o + c, vf_load(src + c));
+        else
+            vf_store_bf16(o + c, vf_load(src + c));
+    }
+}
 
 #endif

@@ -166,7 +166,7 @@ class LatentAttention(nn.Module):
         rotated = self.rotary(torch.cat([q_rope, k_rope.unsqueeze(1)], dim=1), positions)  # [T, H + 1, rope]
         cache = kv[0]  # [slots, 1, R + rope]: the latent, then the rotary key (kv[1] is the same tensor)
         cache.index_copy_(0, meta.slot_mapping[None],
-                          torch.cat([self.kv_a_layernorm(latent), rotated[:, h]], dim=-1).unsqueeze(1))
+                          torch.cat([self.kv_a_layernorm(latent), rotated[:, h]], dim=-1).unsqueeze(1).to(cache.dtype))
         w_kv = self.kv_b_proj.weight.view(h, nope + v, rank).to(x.dtype)
         w_k, w_v = w_kv[:, :nope], w_kv[:, nope:]  # [H, nope, R], [H, v, R]
         # q . k = (q_nope W_k) . latent + q_rope . k_rope: each head's query in latent space, then its rotary part
