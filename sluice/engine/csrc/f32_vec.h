@@ -192,7 +192,8 @@ static inline void vf_store_f16(uint16_t *p, vf v) {
 /* rounded to bf16, to nearest even (a NaN stays a quiet NaN) */
 static inline void vf_store_bf16(uint16_t *p, vf v) {
     const __m256i u = _mm256_castps_si256(v), one = _mm256_set1_epi32(1);
-    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                                     _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
     r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)),
                                              _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
     r = _mm256_srli_epi32(r, 16);
