@@ -19,6 +19,7 @@ import torch
 from bench.checkpoints import CHECKPOINTS, checkpoint
 from sluice.base.config import ServerConfig
 from sluice.engine.block_manager import BlockManager
+from sluice.engine.engine import pick_kv_dtype
 from sluice.engine.loader import load_model
 from sluice.engine.model_runner import ModelRunner
 from sluice.engine.scheduler import Scheduler
@@ -49,7 +50,9 @@ def weight_bytes(runner: ModelRunner) -> int:
     copy where a kernel runs it), the LM head's and the norms'."""
     total = 0
     for m in runner.model.modules():
-        if hasattr(m, "run"):
+        if hasattr(m, "run") and m.quant is not None:  # (a quantized linear: its blocks' bytes)
+            total += sum(p.nbytes for p in (m.quant if isinstance(m.quant, tuple) else (m.quant,)))
+        elif hasattr(m, "run"):
             w = getattr(m.run, "packed", m.weight)
             total += w.numel() * w.element_size()
         elif type(m).__name__ == "RMSNorm":
@@ -60,13 +63,14 @@ def weight_bytes(runner: ModelRunner) -> int:
 
 
 def kv_bytes(model, batch: int, context: int, dtype) -> int:
-    """The KV cache a decode step of `batch` rows at `context` keys each reads."""
+    """The KV cache (of `dtype`) a decode step of `batch` rows at `context` keys each reads."""
     layers, heads, dim = model.kv_shape
     return 2 * layers * heads * dim * batch * context * torch.empty((), dtype=dtype).element_size()
 
 
 def _engine(model, dtype) -> tuple[ModelRunner, Scheduler]:
-    runner = ModelRunner(model, 2048, 16, dtype, torch.device("cpu"))
+    """The model's runner (its KV cache of the dtype the server's --kv-cache-dtype auto picks) and a scheduler."""
+    runner = ModelRunner(model, 2048, 16, dtype, torch.device("cpu"), kv_dtype=pick_kv_dtype("auto", dtype, model))
     return runner, Scheduler(BlockManager(2048, 16), max_num_seqs=256, max_num_batched_tokens=8192,
                              max_model_len=4096)
 
@@ -173,7 +177,8 @@ def main() -> None:
             print(f"{path.name}, {args.dtype}: {args.continuous} requests at concurrency {batch}, {args.prompt_len}-"
                   f"token prompts, {args.new_tokens} tokens each: {tps:.0f} output tok/s")
         return
-    weights = weight_bytes(_engine(model, dtype)[0])
+    runner = _engine(model, dtype)[0]
+    weights, kv_dtype = weight_bytes(runner), runner.kv_caches[0][0].dtype
     copy_gbps, read_gbps = bandwidth_gbps()
     print(f"{path.name}, {args.dtype}, {torch.get_num_threads()} threads: a step reads {weights / 1e6:.0f} MB of "
           f"weights (+ its KV cache); memcpy {copy_gbps:.1f} GB/s, a read {read_gbps:.1f} GB/s")
@@ -182,7 +187,7 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         sluice_decode(model, batch, args.prompt_len, 4, dtype)  # warm-up
         tps, step = sluice_decode(model, batch, args.prompt_len, args.new_tokens, dtype)
-        nbytes = weights + kv_bytes(model, batch, args.prompt_len + args.new_tokens // 2, dtype)
+        nbytes = weights + kv_bytes(model, batch, args.prompt_len + args.new_tokens // 2, kv_dtype)
         floor_ms, read_ms = nbytes / copy_gbps / 1e6, nbytes / read_gbps / 1e6
         ref = float("nan") if args.no_transformers else hf_generate(path, batch, args.prompt_len, args.new_tokens,
                                                                      dtype)
