@@ -31,7 +31,7 @@ from sluice.app.gguf_writer import random_blocks
 from sluice.engine.cpu.build import cpu_flags
 from sluice.engine.cpu.matmul import F32Matmul
 from sluice.engine.cpu.quant import QuantMatmul, library
-from sluice.engine.quant import quantize
+from sluice.engine.quant import channel_int8, quantize
 
 
 def layer_shapes(name: str) -> dict[str, tuple[int, int]]:
@@ -61,26 +61,31 @@ def best_seconds(fns: list, x: torch.Tensor, rounds: int, budget: float = 0.02) 
     return best
 
 
-def kernels(shape: str, rows: list[int], rounds: int) -> None:
+def kernels(shape: str, rows: list[int], rounds: int, columns: list[str]) -> None:
     lib = library()
     print(f"quantized kernels on {lib[1] if lib else 'none'}; CPU flags: {' '.join(sorted(_flags()))}; "
           f"{torch.get_num_threads()} threads, best of {rounds} interleaved rounds")
-    print(f"{'linear':8} {'N x K':>11} {'M':>3} " + " ".join(f"{c:>13}" for c in _columns()))
+    every = _columns()
+    if unknown := set(columns) - set(every):
+        raise SystemExit(f"unknown columns {sorted(unknown)}: of {every}")
+    keep = [i for i, c in enumerate(every) if not columns or c in columns]
+    print(f"{'linear':8} {'N x K':>11} {'M':>4} " + " ".join(f"{every[i]:>13}" for i in keep))
     for linear, (n, k) in layer_shapes(shape).items():
         w = torch.randn(n, k) * 0.02
-        kernels_of = _kernels(w)
+        kernels_of = [f if i in keep else None for i, f in enumerate(_kernels(w))]
         for m in rows:
             x = torch.randn(m, k)
             gflops = [2 * m * n * k / t / 1e9 if fn else float("nan")
                       for fn, t in zip(kernels_of, best_seconds(kernels_of, x, rounds))]
-            print(f"{linear:8} {f'{n}x{k}':>11} {m:>3} " + " ".join(f"{g:>13.1f}" for g in gflops))
+            print(f"{linear:8} {f'{n}x{k}':>11} {m:>4} " + " ".join(f"{gflops[i]:>13.1f}" for i in keep))
 
 
 _TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 def _columns() -> list[str]:
-    return [f"{t} {a}" for t in _TYPES for a in ("int8", "int8 file", "float")] + ["f32 bf16w", "f32 f32w"]
+    return ([f"{t} {a}" for t in _TYPES for a in ("int8", "int8 file", "float")]
+            + ["Q8_C int8", "f32 bf16w", "f32 f32w"])
 
 
 def _kernels(w: torch.Tensor) -> list:
@@ -98,7 +103,10 @@ def _kernels(w: torch.Tensor) -> list:
             weight = quantize(w, name)
         out += [QuantMatmul.build(weight, None, int8=True), QuantMatmul.build(weight, None, int8=True, repack=False),
                 QuantMatmul.build(weight, None, int8=False)]
-    out += [F32Matmul.build(w.bfloat16(), amx=False), F32Matmul.build(w, amx=False)]
+    scale = w.abs().amax(1) / 127  # (per-channel int8: compressed-tensors' W8A8, a scale a row)
+    channel = channel_int8(torch.round(w / scale[:, None]).to(torch.int8), scale)
+    out += [QuantMatmul.build(channel, None, int8=True), F32Matmul.build(w.bfloat16(), amx=False),
+            F32Matmul.build(w, amx=False)]
     return out
 
 
@@ -216,6 +224,8 @@ def main() -> None:
     k.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
     k.add_argument("--rows", default="1,8,64")
     k.add_argument("--rounds", type=int, default=10)
+    k.add_argument("--columns", default="", help="comma-separated columns to run (default: every one), e.g. "
+                   "'Q8_0 int8,Q8_C int8'")
     d = sub.add_parser("decode")
     d.add_argument("--model", default="llama-135m")
     d.add_argument("--batches", default="1,8")
@@ -232,7 +242,8 @@ def main() -> None:
     r.add_argument("--kv-mb", type=int, default=256)
     args = parser.parse_args()
     if args.what == "kernels":
-        kernels(args.shape, [int(r) for r in args.rows.split(",")], args.rounds)
+        kernels(args.shape, [int(r) for r in args.rows.split(",")], args.rounds,
+                [c for c in args.columns.split(",") if c])
     elif args.what == "memory":
         gguf = args.gguf or _smollm2_gguf()
         if gguf is None:

@@ -1,23 +1,24 @@
 """compressed-tensors int8 checkpoints (W8A8 / W8A16: llm-compressor's `*-quantized.w8a8`), read at load into
-Q8_0 blocks (engine/quant.py).
+per-channel int8 (Q8_C) or Q8_0 blocks (engine/quant.py).
 
 A quantized linear W [N, K] is stored as `weight` int8 [N, K] and `weight_scale`: one scale for the tensor
 ([1]), one per output channel ([N, 1]) or one per group of input columns ([N, K / group]), symmetric (no zero
 point, or an all-zero `weight_zero_point`), meaning W = weight_scale * weight (gptq_config.int8_scheme reads
-the config and refuses the rest). A scale per tensor, channel or group of a multiple of 32 columns is one
-scale per block of 32 repeated, so the weight is a Q8_0 weight of the same int8 values and, where the scales
-are float16 values (bfloat16 and float16 ones within float16's normal range are), exactly the same float32
-values. Float32 scales that are not float16 values are rounded to float16 (each weight off by at most
-2^-11 of itself: the log says how many parts); groups that are not whole blocks of 32, scales that float16
-cannot hold that closely (under its normal range), and every layer on a device other than the CPU, are
-dequantized to the model's dtype at load.
+the config and refuses the rest). On the CPU, a linear whose parts all have a scale per tensor or per channel
+(the W8A8 recipes') is held as it is stored, Q8_C: its int8 values and a float32 scale a row, exactly. A scale
+per group of a multiple of 32 columns is one scale per block of 32 repeated, so the weight is a Q8_0 weight of
+the same int8 values and, where the scales are float16 values (bfloat16 and float16 ones within float16's
+normal range are), exactly the same float32 values. Float32 scales that are not float16 values are rounded to
+float16 (each weight off by at most 2^-11 of itself: the log says how many parts); groups that are not whole
+blocks of 32, scales that float16 cannot hold that closely (under its normal range), and every layer on a
+device other than the CPU, are dequantized to the model's dtype at load.
 
 Activations: a W8A8 checkpoint quantizes each row of a linear's input to int8 at run time (`input_activations`
-dynamic per token; or static, with an `input_scale`, which is read and not used). Here the kernels take the
-rows as the backend chooses for every quantized linear (engine/cpu/quant.py: float32 by default, the product
-of the exact weight; SLUICE_QUANT_ACTIVATIONS=int8 quantizes them per block of 32, finer than per token), so
-the result is the weight-only product, not the checkpoint's int8 x int8 one (which differs from it by the
-activations' rounding).
+dynamic per token; or static, with an `input_scale`, which is read and not used). The CPU's kernels take the
+rows as the backend chooses for every quantized linear (engine/cpu/quant.py): with int8 activations (the
+default), a Q8_C linear's rows are quantized per row, the checkpoint's own dynamic per-token int8 x int8
+product (csrc/quant_channel.h), a Q8_0 one's per block of 32; with SLUICE_QUANT_ACTIVATIONS=float, the
+weight-only product (Q8_C weights run as Q8_0 blocks of the same values there).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import torch
 
 from sluice.engine.gptq import q8_0, stored_prefixes
 from sluice.engine.gptq_config import Int8Scheme
-from sluice.engine.quant import QuantizedWeight
+from sluice.engine.quant import QuantizedWeight, channel_int8
 
 log = logging.getLogger("sluice.engine")
 
@@ -90,10 +91,16 @@ class Reader:
         used: list[str] = []
         parts: list[QuantizedWeight | torch.Tensor] = []
         kinds = []
-        for prefix in prefixes:
-            weight, scale, names = _read(prefix, has, fetch)
+        read = [_read(prefix, has, fetch) for prefix in prefixes]
+        kernel = self.device.type == "cpu" and isinstance(module, Linear)
+        if kernel and all(scale.numel() in (1, weight.shape[0]) and weight.shape[1] % _BLOCK == 0
+                          for weight, scale, _ in read):
+            set_quantized(module, tuple(channel_int8(w, s.float().reshape(-1).expand(w.shape[0])) for w, s, _ in read))
+            self.kinds["int8 per channel"] += len(read)
+            return None, [n for *_, names in read for n in names]
+        for weight, scale, names in read:
             used += names
-            found = to_blocks(weight, scale) if self.device.type == "cpu" and isinstance(module, Linear) else None
+            found = to_blocks(weight, scale) if kernel else None
             if found is None:
                 parts.append(dequantize(weight, scale))
                 continue

@@ -17,9 +17,10 @@ from torch import nn
 @dataclass(frozen=True)
 class QuantType:
     name: str
-    ggml: int  # GGMLQuantizationType's value
+    ggml: int  # GGMLQuantizationType's value (Q8_C: not a GGUF type, csrc/quant_channel.h's code)
     block_size: int
     block_bytes: int
+    row_head: int = 0  # bytes before a row's blocks (Q8_C: its float32 scale)
 
 
 QUANT_TYPES = {t.ggml: t for t in (
@@ -33,6 +34,8 @@ QUANT_TYPES = {t.ggml: t for t in (
     QuantType("Q6_K", 14, 256, 210),
 )}
 BY_NAME = {t.name: t for t in QUANT_TYPES.values()}
+# per-channel int8 (compressed-tensors' W8A8): a row's float32 scale, then its K int8 values, w = scale * q
+Q8_C = QuantType("Q8_C", 64, 32, 32, row_head=4)
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class QuantizedWeight:
         n, k = self.shape
         if k % self.qtype.block_size:
             raise ValueError(f"{self.qtype.name}: K = {k} is not a multiple of {self.qtype.block_size}")
-        if tuple(self.data.shape) != (n, k // self.qtype.block_size * self.qtype.block_bytes):
+        if tuple(self.data.shape) != (n, self.qtype.row_head + k // self.qtype.block_size * self.qtype.block_bytes):
             raise ValueError(f"{self.qtype.name} bytes {tuple(self.data.shape)} do not hold a [{n}, {k}] weight")
 
     @property
@@ -58,12 +61,21 @@ class QuantizedWeight:
         return QuantizedWeight(self.data.index_select(0, index), self.qtype, (index.numel(), self.shape[1]))
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 values [N, K] (through the gguf package: llama.cpp's definitions)."""
+        """The float32 values [N, K] (through the gguf package: llama.cpp's definitions; Q8_C's scale * q)."""
         from gguf import GGMLQuantizationType
+
+        if self.qtype == Q8_C:
+            return self.data[:, 4:].view(torch.int8).float() * self.data[:, :4].contiguous().view(torch.float32)
         from gguf.quants import dequantize
 
         values = dequantize(self.data.numpy(), GGMLQuantizationType(self.qtype.ggml))
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape)
+
+
+def channel_int8(weight: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
+    """An int8 weight [N, K] and its float32 scale a row [N] as Q8_C."""
+    rows = torch.cat([scale.float().reshape(-1, 1).contiguous().view(torch.uint8), weight.view(torch.uint8)], dim=1)
+    return QuantizedWeight(rows.contiguous(), Q8_C, tuple(weight.shape))
 
 
 def quantize(weight: torch.Tensor, name: str) -> QuantizedWeight:

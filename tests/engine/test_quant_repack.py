@@ -18,7 +18,7 @@ import torch
 from sluice.engine.cpu import build as kernel_build
 from sluice.engine.cpu import quant as cpu_quant
 from sluice.engine.cpu.quant import QuantMatmul
-from sluice.engine.quant import QuantizedWeight
+from sluice.engine.quant import QuantizedWeight, channel_int8
 from tests.engine import test_quant
 from tests.engine.test_quant import ISAS, random_weight, reference
 
@@ -127,3 +127,49 @@ def resident_kb(path: Path) -> int:
         elif inside and line.startswith("Rss:"):
             total += int(line.split()[1])
     return total
+
+
+def channel_weight(n: int, k: int, seed: int = 0) -> QuantizedWeight:
+    """A per-channel int8 weight (compressed-tensors' W8A8 layout, engine/quant.py's Q8_C): int8 values, the
+    extremes among them, and a float32 scale a row."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+    q[0, :7] = torch.tensor([-128, 127, -128, 127, 0, -1, 1], dtype=torch.int8)
+    return channel_int8(q, torch.rand(n, generator=gen) * 0.02 + 1e-4)
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("shape", [(1, 17, 96), (9, 33, 160), (13, 16, 32), (3, 40, 4096)])
+def test_per_channel_tiles_are_the_per_token_int8_product(isa, shape):
+    """csrc/quant_channel.h: each row of x quantized per row (d = max |x| / 127, round to nearest even), its int8
+    products summed exactly over the whole row, times d and the weight row's scale once: the float64 product of
+    those integers within float32's rounding of the result; more rows of x than a tile takes, N not whole
+    groups, K not a multiple of 64, a row of zeros."""
+    m, n, k = shape
+    weight = channel_weight(n, k, seed=n)
+    x, bias = torch.randn(m, k) * 3, torch.randn(n)
+    x[-1] = 0 if m > 1 else x[-1]
+    kernel = QuantMatmul.build(weight, bias, int8=True)
+    assert kernel.spec[0].type == weight.qtype.ggml | PACKED and kernel.packed[0].shape == ((n + 15) // 16 * 16, k + 4)
+    amax = x.abs().amax(1, keepdim=True)
+    xq = torch.round(x * torch.where(amax > 0, 127 / amax, 0))  # (as the kernel: x times 127 / max, in float32)
+    q, scale = weight.data[:, 4:].view(torch.int8).double(), weight.data[:, :4].contiguous().view(torch.float32)
+    want = (xq.double() @ q.T) * (amax.double() / 127) * scale.double().reshape(-1) + bias.double()
+    got = kernel(x).double()
+    assert ((got - want).abs() <= 1e-6 * want.abs() + 1e-5).all()
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_per_channel_weights_under_float_activations_or_past_the_int32_bound_run_as_q8_0(isa, monkeypatch):
+    """Float activations (the float path's tiles), a stack beside another kind, or K past what int32 sums hold:
+    Q8_0 blocks of the same values (the scales float16's, within 2^-11), the weight-only product."""
+    weight = channel_weight(24, 256)
+    x = torch.randn(5, 256)
+    floats = QuantMatmul.build(weight, None, int8=False)
+    assert [p.qtype.name for p in floats.parts] == ["Q8_0"]
+    assert ((floats.parts[0].dequantize() - weight.dequantize()).abs() <= weight.dequantize().abs() * 2**-11).all()
+    assert torch.allclose(floats(x), x @ floats.parts[0].dequantize().T, rtol=1e-4, atol=1e-4)
+    mixed = QuantMatmul.build((weight, random_weight("Q4_0", 16, 256)), None, int8=True)
+    assert [p.qtype.name for p in mixed.parts] == ["Q8_0", "Q4_0"]
+    monkeypatch.setattr(cpu_quant, "CHANNEL_MOST_K", 128)
+    assert [p.qtype.name for p in QuantMatmul.build(weight, None, int8=True).parts] == ["Q8_0"]

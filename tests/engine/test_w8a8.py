@@ -1,7 +1,9 @@
 """compressed-tensors int8 checkpoints (sluice/engine/compressed_tensors.py): a tiny Llama written in
-llm-compressor's W8A8 layout (int8 `weight`, `weight_scale` per channel, per group and per tensor), held as Q8_0
-blocks of exactly its values and served with the logits of transformers' float model of the dequantized
-weights; scales no block format holds exactly; what is refused."""
+llm-compressor's W8A8 layout (int8 `weight`, `weight_scale` per channel, per group and per tensor), held as
+per-channel int8 (Q8_C) or Q8_0 blocks of exactly its values and served with the logits of transformers' float
+model of the dequantized weights (float activations) or within int8 activations' rounding of them (the
+default: per token on the per-channel linears, the checkpoint's own product); scales no block format holds
+exactly; what is refused."""
 from __future__ import annotations
 
 import json
@@ -81,7 +83,9 @@ def w8a8(tmp_path_factory):
     return quant, hf, dequant
 
 
-def test_each_linear_holds_q8_0_blocks_of_exactly_the_checkpoints_values(w8a8):
+def test_each_linear_holds_exactly_the_checkpoints_values(w8a8):
+    """Scales per channel or per tensor: the int8 values and a float32 scale a row as stored (Q8_C); per group
+    of 32: Q8_0 blocks."""
     path, _, dequant = w8a8
     model = load_model(path, torch.float32, torch.device("cpu"))
     stacks = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_proj": ("o_proj",),
@@ -89,7 +93,8 @@ def test_each_linear_holds_q8_0_blocks_of_exactly_the_checkpoints_values(w8a8):
     for i in range(2):
         for stacked, parts in stacks.items():
             layer = model.get_submodule(f"model.layers.{i}.{stacked}")
-            assert [p.qtype.name for p in layer.quant] == ["Q8_0"] * len(parts)
+            kind = "Q8_0" if stacked == "self_attn.o_proj" else "Q8_C"
+            assert [p.qtype.name for p in layer.quant] == [kind] * len(parts)
             block = stacked.split(".")[0]
             want = torch.cat([dequant[f"model.layers.{i}.{block}.{p}.weight"] for p in parts])
             assert torch.equal(dequantized(layer.quant), want), stacked
@@ -103,6 +108,42 @@ def test_logits_equal_the_float_model_of_the_dequantized_weights(w8a8, monkeypat
     prompts = [[5, 6, 7, 8, 9], list(range(20, 57))]
     seqs = [seq(f"r{i}", p, max_tokens=3, temperature=0.0) for i, p in enumerate(prompts)]
     assert assert_logits_match(runner, sched, hf, seqs, tol=1e-4) == len(prompts) * 3
+
+
+def _fake_quantized_inputs(hf: torch.nn.Module) -> list:
+    """Hooks making transformers' model quantize each quantized linear's input as Sluice's int8 path does: per
+    row (token) for the per-channel ones, per block of 32 for o_proj (Q8_0): d = max |x| / 127, x = d round(x / d)."""
+    def quantize(block: int | None):
+        def hook(_module, args):
+            x = args[0]
+            rows = x.reshape(-1, x.shape[-1] if block is None else block)
+            d = rows.abs().amax(-1, keepdim=True) / 127
+            return (torch.round(rows / torch.where(d > 0, d, 1)) * d).reshape(x.shape)
+        return hook
+    return [m.register_forward_pre_hook(quantize(32 if name.endswith("o_proj") else None))
+            for name, m in hf.named_modules() if name.split(".")[-1] in LINEARS]
+
+
+def test_int8_activations_are_the_checkpoints_per_token_product(w8a8, monkeypatch):
+    """The default path: the per-channel linears' rows quantized per token (the checkpoint's own int8 x int8
+    product, csrc/quant_channel.h), the Q8_0 one's per block of 32: the logits of transformers' float model with
+    its linears' inputs so quantized, alone and batched, through the one-call step (decode) and op by op
+    (prompts)."""
+    monkeypatch.delenv("SLUICE_QUANT_ACTIVATIONS", raising=False)
+    path, hf, _ = w8a8
+    runner, sched = make_engine(path, block_size=8)
+    stack = runner.model.model.stack.stack  # (the decode step in one call, csrc/f32_layers.c)
+    qkv = stack._layers[0].qkv
+    assert [p.qtype.name for p in qkv.parts] == ["Q8_C"] * 3 and qkv.int8
+    assert [p.type for p in qkv.spec] == [64 | 0x100] * 3  # (Q8_C, repacked: csrc/quant_channel.h)
+    hooks = _fake_quantized_inputs(hf)
+    try:
+        prompts = [[5, 6, 7, 8, 9], list(range(20, 57)), [3, 1, 4, 1, 5, 9, 2, 6]]
+        seqs = [seq(f"r{i}", p, max_tokens=4, temperature=0.0) for i, p in enumerate(prompts)]
+        assert assert_logits_match(runner, sched, hf, seqs, tol=2e-3) == len(prompts) * 4
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def test_scales_no_block_format_holds_exactly():

@@ -38,7 +38,7 @@ from sluice.base import envs
 from sluice.engine.backend import LMHead
 from sluice.engine.cpu.build import _AVX2, _AVX512_VL_VNNI, cpu_flags, load
 from sluice.engine.cpu.kernels import _cached
-from sluice.engine.quant import BY_NAME, QuantizedWeight, dequantized
+from sluice.engine.quant import BY_NAME, Q8_C, QuantizedWeight, dequantized
 from sluice.engine.sampler import argmax
 
 log = logging.getLogger("sluice.engine")
@@ -128,7 +128,8 @@ class QuantMatmul:
         self.isa = f"{isa}, {'int8' if int8 else 'float'} activations"
         self.lib = lib
         # (int8: parts repacked once, csrc/quant_repack.h; the kernel reads only the copy)
-        self.packed = [_repacked(lib, p) if repack and int8 and _repacks(isa) else None for p in parts]
+        self.packed = [_repacked(lib, p) if repack and int8 and (_repacks(isa) or p.qtype == Q8_C) else None
+                       for p in parts]
         # (what csrc/f32_layers.c's step reads too: pointers into the bytes, which this object keeps)
         self.spec = (QuantPart * len(parts))(*[
             QuantPart(p.data.data_ptr(), p.data.stride(0), p.qtype.ggml, p.shape[0]) if packed is None
@@ -146,9 +147,17 @@ class QuantMatmul:
             return None
         lib, isa = found
         parts = (weight,) if isinstance(weight, QuantizedWeight) else tuple(weight)
+        int8 = activations() == "int8" if int8 is None else int8
+        if any(p.qtype == Q8_C for p in parts):
+            if int8 and all(p.qtype == Q8_C for p in parts) and parts[0].shape[1] <= CHANNEL_MOST_K:
+                repack = True  # (the per-channel tiles read only the repacked form)
+            elif (blocks := _blocks(parts)) is None:
+                return None
+            else:
+                parts = blocks
         if any(p.data.stride(1) != 1 for p in parts):
             parts = tuple(QuantizedWeight(p.data.contiguous(), p.qtype, p.shape) for p in parts)
-        return cls(lib, isa, parts, bias, activations() == "int8" if int8 is None else int8, repack)
+        return cls(lib, isa, parts, bias, int8, repack)
 
     @property
     def nbytes(self) -> int:
@@ -171,6 +180,25 @@ class QuantMatmul:
             raise MemoryError("the quantized matmul kernel could not allocate its workspace")
         if status:
             raise ValueError("the quantized matmul kernel refused a part's type")
+
+
+# K past which a per-channel weight's int32 sums could overflow (csrc/quant_channel.h): run as Q8_0 blocks there
+CHANNEL_MOST_K = 65536
+
+
+def _blocks(parts: tuple[QuantizedWeight, ...]) -> tuple[QuantizedWeight, ...] | None:
+    """The parts with each per-channel one as Q8_0 blocks of the same values (float activations, or beside
+    other kinds: the tiles that run them), or None where float16 cannot hold a scale closely (then dequantized)."""
+    from sluice.engine.compressed_tensors import to_blocks
+
+    out = []
+    for p in parts:
+        found = to_blocks(p.data[:, 4:].view(torch.int8), p.data[:, :4].contiguous().view(torch.float32)) \
+            if p.qtype == Q8_C else (p, True)
+        if found is None:
+            return None
+        out.append(found[0])
+    return tuple(out)
 
 
 def _repacked(lib: ctypes.CDLL, weight: QuantizedWeight) -> torch.Tensor:

@@ -365,7 +365,7 @@ static void f32_linear_part(const f32_linear_t *l, const float *in, int rows, fl
             int r0, r1;
             f32_share(rows, th, nth, &r0, &r1);
             q8 = qm_x8_at(x8, rows, l->k);
-            qm_quantize_rows(in, l->k, r0, r1, l->k, &q8);
+            qm_quantize_for(l->parts, in, l->k, r0, r1, l->k, &q8);
             f32_barrier(barrier, sense);
         }
         qm_linear_part(l->parts, l->num_parts, l->k, in, l->k, l->int8 ? &q8 : NULL, rows, l->bias, out, l->n, next,

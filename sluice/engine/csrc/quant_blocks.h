@@ -236,6 +236,16 @@ typedef struct {
     int type, n;
 } quant_part_t;
 
+/* Rows [r0, r1) of x quantized into x8 as the parts' tiles read them: per row for per-channel weights
+ * (quant_channel.h: a linear's parts are all Q8_C or none), else per block of 32. */
+static inline void qm_quantize_for(const quant_part_t *parts, const float *x, long ldx, int r0, int r1, int k,
+                                   const qm_x8_t *x8) {
+    if ((parts[0].type & ~QR_PACKED) == Q8_C)
+        qc_quantize_rows(x, ldx, r0, r1, k, x8);
+    else
+        qm_quantize_rows(x, ldx, r0, r1, k, x8);
+}
+
 /* weight rows a tile of part p: a repacked group's (quant_repack.h), else QM_NR */
 static inline int qm_tile_rows(const quant_part_t *p) { return qr_packed(p->type) ? QR_ROWS : QM_NR; }
 static inline int qm_tiles_of(const quant_part_t *p) { return (p->n + qm_tile_rows(p) - 1) / qm_tile_rows(p); }
@@ -250,7 +260,8 @@ enum { QM_DIRECT_ROWS = 8 };
  * out's columns at `col`: QR_VL rows of the group by up to QR_R rows of x a tile. */
 static void qr_group(const quant_part_t *p, int j0, int count, int col, int k, const qm_x8_t *x8, int m,
                      const float *bias, float *out, long ldo) {
-    const qr_tile_fn *tiles = qr_tiles(p->type & ~QR_PACKED);
+    const int type = p->type & ~QR_PACKED;
+    const qr_tile_fn *tiles = type == Q8_C ? qc_tiles() : qr_tiles(type);
     const uint8_t *group = p->w + (size_t)j0 * p->row_bytes;
     for (int h = 0; h * QR_VL < count; h++) {
         const int lanes = count - h * QR_VL < QR_VL ? count - h * QR_VL : QR_VL, c0 = col + h * QR_VL;

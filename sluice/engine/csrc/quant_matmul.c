@@ -1,5 +1,6 @@
-/* Float32 rows times a weight kept in GGUF's block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), the
- * entries engine/cpu/quant.py calls: out[m][n] = sum_k x[m][k] w[n][k] (+ bias[n]).
+/* Float32 rows times a weight kept in GGUF's block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) or as
+ * per-channel int8 (Q8_C, quant_channel.h: repacked, int8 activations per row), the entries engine/cpu/quant.py
+ * calls: out[m][n] = sum_k x[m][k] w[n][k] (+ bias[n]).
  *
  * - sluice_quant_linear: quant_blocks.h's product, a tile of weight rows decoded in registers for several rows
  *   of x at a time (the one-call step, f32_layers.c, runs the same tiles), with float activations (the weight
@@ -19,14 +20,17 @@ int sluice_quant_supported(int type) { return qm_supported(type); }
 
 /* out[m][ldo] = x @ W^T (+ bias) for float32 rows x and a weight W [sum of the parts' n][k] (K a multiple of
  * 32, of 256 for the K-quants): with int8 = 0, each value dequantized exactly as sluice_quant_dequantize gives
- * it and multiplied in float32; else x's rows quantized per block of 32 first (quant_int8.h). Returns 0, -1
+ * it and multiplied in float32; else x's rows quantized per block of 32 first (quant_int8.h; per row for Q8_C
+ * parts, quant_channel.h). Returns 0, -1
  * where a part's type is not one of these, -2 where the int8 rows' workspace could not be allocated. */
 int sluice_quant_linear(const quant_part_t *parts, int num_parts, int k, const float *x, long ldx, int m,
                         const float *bias, float *out, long ldo, int int8) {
     double n = 0;
-    for (int p = 0; p < num_parts; p++) {
+    const int channel = (parts[0].type & ~QR_PACKED) == Q8_C;
+    for (int p = 0; p < num_parts; p++) { /* (per-channel parts run repacked, beside no other kind) */
         const int type = parts[p].type & ~QR_PACKED;
-        if (!sluice_quant_supported(type) || k % 32 || (qr_packed(parts[p].type) && !int8))
+        if ((type == Q8_C) != channel || (channel ? !qr_packed(parts[p].type) : !sluice_quant_supported(type)) ||
+            k % 32 || (qr_packed(parts[p].type) && !int8))
             return -1;
         n += parts[p].n;
     }
@@ -40,7 +44,7 @@ int sluice_quant_linear(const quant_part_t *parts, int num_parts, int k, const f
     {
         if (int8) {
             const int th = omp_get_thread_num(), nth = omp_get_num_threads();
-            qm_quantize_rows(x, ldx, (int)((long)m * th / nth), (int)((long)m * (th + 1) / nth), k, &x8);
+            qm_quantize_for(parts, x, ldx, (int)((long)m * th / nth), (int)((long)m * (th + 1) / nth), k, &x8);
 #pragma omp barrier
         }
         qm_linear_part(parts, num_parts, k, x, ldx, int8 ? &x8 : NULL, m, bias, out, ldo, &next, chunk);
@@ -55,12 +59,19 @@ int sluice_quant_group_rows(void) { return QR_ROWS; }
 
 /* A repacked row's bytes for a weight of this type, k values a row, row_bytes a row in the file (the same but
  * for Q4_K's 148 a super-block to the file's 144, Q5_K's 180 to 176). */
-long sluice_quant_repacked_row_bytes(int type, int k, long row_bytes) { return qr_row_bytes(type, k, row_bytes); }
+long sluice_quant_repacked_row_bytes(int type, int k, long row_bytes) {
+    return type == Q8_C ? row_bytes : qr_row_bytes(type, k, row_bytes);
+}
 
 /* w [n][row_bytes] (any of the types above, k values a row) repacked into out for int8 activations: its parts
  * then name it as type | QR_PACKED, their row_bytes the repacked rows' (see quant_repack.h). Returns 0, or -1
  * where the type is not one of these. */
 int sluice_quant_repack(const uint8_t *w, int type, int n, int k, long row_bytes, uint8_t *out) {
+    if (type == Q8_C) {
+        if (k % 32 || row_bytes != (long)k + 4) return -1;
+        qc_repack(w, n, k, out);
+        return 0;
+    }
     if (!qm_supported(type) || k % (type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32)) return -1;
     qr_repack(w, type, n, k, row_bytes, out);
     return 0;

@@ -395,6 +395,9 @@ static const qr_tile_fn *qr_tiles(int type) {
 static const qr_tile_fn *qr_tiles(int type) { return qr_mtiles(type); }
 #endif
 #endif
+
+#include "quant_channel.h"
+
 #if !defined(__AVX512BW__)
 #pragma GCC pop_options
 #endif
