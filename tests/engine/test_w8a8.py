@@ -1,9 +1,9 @@
 """compressed-tensors int8 checkpoints (sluice/engine/compressed_tensors.py): a tiny Llama written in
 llm-compressor's W8A8 layout (int8 `weight`, `weight_scale` per channel, per group and per tensor), held as
 per-channel int8 (Q8_C) or Q8_0 blocks of exactly its values and served with the logits of transformers' float
-model of the dequantized weights (float activations) or within int8 activations' rounding of them (the
-default: per token on the per-channel linears, the checkpoint's own product); scales no block format holds
-exactly; what is refused."""
+model of the dequantized weights (float activations) or of its linears' inputs rounded as the int8 path rounds
+them (the default: per group of 128 values on the per-channel linears); scales no block format holds exactly;
+what is refused."""
 from __future__ import annotations
 
 import json
@@ -62,7 +62,7 @@ def quantize_int8(w: torch.Tensor, strategy: str, group: int = 32) -> tuple[torc
 def w8a8(tmp_path_factory):
     """(the int8 checkpoint, transformers' float model of its dequantized weights, those weights by name)."""
     ref = write_llama_family(tmp_path_factory.mktemp("w8a8-float"), architecture="LlamaForCausalLM",
-                             tie_word_embeddings=False, num_shards=1)
+                             tie_word_embeddings=False, num_shards=1, intermediate_size=320)  # (down: 3 groups of x)
     quant = tmp_path_factory.mktemp("w8a8")
     shutil.copytree(ref, quant, dirs_exist_ok=True)
     floats, stored, dequant = _tensors(ref), {}, {}
@@ -112,23 +112,25 @@ def test_logits_equal_the_float_model_of_the_dequantized_weights(w8a8, monkeypat
 
 def _fake_quantized_inputs(hf: torch.nn.Module) -> list:
     """Hooks making transformers' model quantize each quantized linear's input as Sluice's int8 path does: per
-    row (token) for the per-channel ones, per block of 32 for o_proj (Q8_0): d = max |x| / 127, x = d round(x / d)."""
-    def quantize(block: int | None):
+    group of 128 values for the per-channel ones (csrc/quant_channel.h; the last group shorter), per block of 32
+    for o_proj (Q8_0): d = max |x| / 127, x = d round(x / d)."""
+    def quantize(group: int):
         def hook(_module, args):
-            x = args[0]
-            rows = x.reshape(-1, x.shape[-1] if block is None else block)
-            d = rows.abs().amax(-1, keepdim=True) / 127
-            return (torch.round(rows / torch.where(d > 0, d, 1)) * d).reshape(x.shape)
+            parts = []
+            for part in args[0].split(group, dim=-1):
+                d = part.abs().amax(-1, keepdim=True) / 127
+                parts.append(torch.round(part / torch.where(d > 0, d, 1)) * d)
+            return torch.cat(parts, dim=-1)
         return hook
-    return [m.register_forward_pre_hook(quantize(32 if name.endswith("o_proj") else None))
+    return [m.register_forward_pre_hook(quantize(32 if name.endswith("o_proj") else 128))
             for name, m in hf.named_modules() if name.split(".")[-1] in LINEARS]
 
 
-def test_int8_activations_are_the_checkpoints_per_token_product(w8a8, monkeypatch):
-    """The default path: the per-channel linears' rows quantized per token (the checkpoint's own int8 x int8
-    product, csrc/quant_channel.h), the Q8_0 one's per block of 32: the logits of transformers' float model with
-    its linears' inputs so quantized, alone and batched, through the one-call step (decode) and op by op
-    (prompts)."""
+def test_int8_activations_are_the_int8_product_of_x_per_group(w8a8, monkeypatch):
+    """The default path: the per-channel linears' rows quantized per group of 128 values (csrc/quant_channel.h;
+    finer than the checkpoint's per token), the Q8_0 one's per block of 32: the logits of transformers' float
+    model with its linears' inputs so quantized, alone and batched, through the one-call step (decode) and op
+    by op (prompts)."""
     monkeypatch.delenv("SLUICE_QUANT_ACTIVATIONS", raising=False)
     path, hf, _ = w8a8
     runner, sched = make_engine(path, block_size=8)

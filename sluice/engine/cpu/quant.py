@@ -149,7 +149,7 @@ class QuantMatmul:
         parts = (weight,) if isinstance(weight, QuantizedWeight) else tuple(weight)
         int8 = activations() == "int8" if int8 is None else int8
         if any(p.qtype == Q8_C for p in parts):
-            if int8 and all(p.qtype == Q8_C for p in parts) and parts[0].shape[1] <= CHANNEL_MOST_K:
+            if int8 and all(p.qtype == Q8_C for p in parts):
                 repack = True  # (the per-channel tiles read only the repacked form)
             elif (blocks := _blocks(parts)) is None:
                 return None
@@ -180,10 +180,6 @@ class QuantMatmul:
             raise MemoryError("the quantized matmul kernel could not allocate its workspace")
         if status:
             raise ValueError("the quantized matmul kernel refused a part's type")
-
-
-# K past which a per-channel weight's int32 sums could overflow (csrc/quant_channel.h): run as Q8_0 blocks there
-CHANNEL_MOST_K = 65536
 
 
 def _blocks(parts: tuple[QuantizedWeight, ...]) -> tuple[QuantizedWeight, ...] | None:

@@ -236,7 +236,7 @@ typedef struct {
     int type, n;
 } quant_part_t;
 
-/* Rows [r0, r1) of x quantized into x8 as the parts' tiles read them: per row for per-channel weights
+/* Rows [r0, r1) of x quantized into x8 as the parts' tiles read them: per group of 128 for per-channel weights
  * (quant_channel.h: a linear's parts are all Q8_C or none), else per block of 32. */
 static inline void qm_quantize_for(const quant_part_t *parts, const float *x, long ldx, int r0, int r1, int k,
                                    const qm_x8_t *x8) {

@@ -1,13 +1,15 @@
 /* Per-channel int8 weights (Q8_C: not a GGUF type): rows of K int8 values, one float32 scale a row, w = scale * q,
  * as compressed-tensors' W8A8 checkpoints store them (a scale per output channel, or one for the tensor), run with
- * x's rows quantized per row, as those checkpoints' dynamic per-token activations are (and vLLM's int8 kernels run
- * them): d = max|x| / 127 over the whole row, xq = round(x / d).
+ * x's rows quantized per group of QC_GROUP = 128 values: d = max |x| / 127 over the group, xq = round(x / d).
  *
- * Then a product needs no scale inside K: each lane's int8 pairs summed exactly in int32 over the whole row
- * (VPDPBUSD on w + 128 from minus 128 times the row's sum of xq; VPMADDUBSW + VPMADDWD on |w| and x with w's sign
- * without it: |sum| <= K * 255 * 127, which int32 holds for K <= 65,536, engine/cpu/quant.py's bound), one
- * conversion and one multiply by the row's d times the lane's scale at the end. The Q8_0 tiles
- * (quant_repack.h) scale every block of 32 in float32: a third of their instructions at a prompt's many rows.
+ * Those checkpoints' activations are dynamic per token (one d a row, as vLLM's int8 kernels run them); a row's
+ * few large values then coarsen all of its others: on the trained SmolLM2-135M in that layout, per token costs
+ * 1.7% of perplexity against the float product of the same weights, groups of 256 0.8%, of 128 0.3%, Q8_0's
+ * blocks of 32 0.1% (bench/RESULTS.md#w8a8-channel). Per group of 128, each group's int8 pairs are summed exactly
+ * in int32 (VPDPBUSD on w + 128 from minus 128 times the group's sum of xq; VPMADDUBSW + VPMADDWD on |w| and x
+ * with w's sign without it), then converted and multiplied-added by the group's d, the weight rows' scales once at
+ * the end: one float step per 128 values where the Q8_0 tiles (quant_repack.h) take three per 32, 1.4-1.7x their
+ * speed at a prompt's rows.
  *
  * A weight's row as stored (quant_part_t, unpacked): its scale (float32), then its K values (int8): K + 4 bytes.
  * Repacked (the only form the kernels read), a group of QR_ROWS rows takes the same bytes as:
@@ -17,7 +19,7 @@
 #ifndef SLUICE_QUANT_CHANNEL_H
 #define SLUICE_QUANT_CHANNEL_H
 
-enum { Q8_C = 64 };
+enum { Q8_C = 64, QC_GROUP = 128 };
 
 /* w [n][k + 4] (a float32 scale, then k int8 values a row) as ceil(n / QR_ROWS) groups into out (the last
  * group's missing rows zero) */
@@ -33,60 +35,76 @@ static inline void qc_repack(const uint8_t *w, int n, int k, uint8_t *out) {
     }
 }
 
-/* Rows [r0, r1) of x (k values each, ldx apart) quantized per row into x8: q (k values), rd (d) and rneg (minus
- * the row's sum of q). */
+/* Rows [r0, r1) of x (k values each, ldx apart) quantized per group of QC_GROUP values (the last one shorter
+ * where k is not whole groups) into x8: q (k values), and per group (at the row's blocks' index g, lb = ld / 32
+ * a row) bd (d) and bneg (minus the group's sum of q). */
 static void qc_quantize_rows(const float *x, long ldx, int r0, int r1, int k, const qm_x8_t *x8) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const long lb = x8->ld / 32;
     for (int r = r0; r < r1; r++) {
         const float *xr = x + (size_t)r * ldx;
         int8_t *q = x8->q + (size_t)r * x8->ld;
-        __m256 top = _mm256_setzero_ps();
-        for (int i = 0; i < k; i += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(xr + i)));
-        __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-        t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-        const float amax = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
-        const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        __m256i sums = _mm256_setzero_si256();
-        for (int i = 0; i < k; i += 32) {
-            __m256i v[4]; /* (rounded to nearest even, as nearbyintf) */
-            for (int j = 0; j < 4; j++) v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + i + 8 * j), inv));
-            const __m256i packed = _mm256_permutevar8x32_epi32(
-                _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3])), order);
-            _mm256_storeu_si256((__m256i *)(q + i), packed);
-            sums = _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), packed),
-                                                            _mm256_set1_epi16(1)));
+        for (int g0 = 0; g0 < k; g0 += QC_GROUP) {
+            const int g1 = g0 + QC_GROUP < k ? g0 + QC_GROUP : k;
+            __m256 top = _mm256_setzero_ps();
+            for (int i = g0; i < g1; i += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(xr + i)));
+            __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+            t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+            const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            __m256i sums = _mm256_setzero_si256();
+            for (int i = g0; i < g1; i += 32) {
+                __m256i v[4]; /* (rounded to nearest even, as nearbyintf) */
+                for (int j = 0; j < 4; j++) v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + i + 8 * j), inv));
+                const __m256i packed = _mm256_permutevar8x32_epi32(
+                    _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3])), order);
+                _mm256_storeu_si256((__m256i *)(q + i), packed);
+                sums = _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), packed),
+                                                                _mm256_set1_epi16(1)));
+            }
+            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+            const long at = (size_t)r * lb + g0 / QC_GROUP;
+            x8->bd[at] = amax / 127.0f, x8->bneg[at] = -_mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
         }
-        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
-        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-        x8->rd[r] = amax / 127.0f, x8->rneg[r] = -_mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
     }
 }
 
-/* sums[r][i] = row half * QR_VL + i of the group . row r0 + r of x8, over `blocks` blocks of 32, for R rows of x */
+/* sums[r][i] = row half * QR_VL + i of the group . row r0 + r of x8, over `blocks` blocks of 32, for R rows of x:
+ * each group of x's int8 products summed in int32, scaled by its d in float32, the weight rows' scales at the
+ * end */
 #define QC_TILE(NAME, V, DOT, R)                                                                               \
     static void NAME##_##R(const uint8_t *group, int blocks, int half, const qm_x8_t *x8, int r0, float *sums) { \
         const float *scales = (const float *)group + half * QR_VL;                                             \
         const uint8_t *values = group + QR_ROWS * 4 + half * QR_VL * 4;                                        \
+        const long lb = x8->ld / 32;                                                                           \
         const int8_t *xq[R];                                                                                   \
-        qi_t acc[R];                                                                                           \
+        qf_t acc[R];                                                                                           \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                  \
             xq[r] = x8->q + (size_t)(r0 + r) * x8->ld;                                                         \
-            acc[r] = (V) ? qr_set1(128 * x8->rneg[r0 + r]) : qi_zero();                                        \
+            acc[r] = qf_zero();                                                                                \
         }                                                                                                      \
-        for (int c = 0; c < 8 * blocks; c++) {                                                                 \
-            const uint8_t *vc = values + (size_t)c * QR_ROWS * 4;                                              \
-            _mm_prefetch((const char *)(vc + QR_AHEAD), _MM_HINT_T1);                                          \
-            const qi_t raw = qi_load(vc);                                                                      \
-            const qi_t w = (V) ? qi_xor80(raw) : qr_abs(raw);                                                  \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                              \
-                const qi_t xb = qr_bcast(xq[r] + 4 * c);                                                       \
-                acc[r] = (V) ? DOT(acc[r], w, xb) : qr_add32(acc[r], qr_dot_signed(w, raw, xb));               \
+        for (int c0 = 0, g = 0; c0 < 8 * blocks; c0 += QC_GROUP / 4, g++) {                                    \
+            const int c1 = c0 + QC_GROUP / 4 < 8 * blocks ? c0 + QC_GROUP / 4 : 8 * blocks;                    \
+            qi_t dot[R];                                                                                       \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                \
+                dot[r] = (V) ? qr_set1(128 * x8->bneg[(size_t)(r0 + r) * lb + g]) : qi_zero();                 \
+            for (int c = c0; c < c1; c++) {                                                                    \
+                const uint8_t *vc = values + (size_t)c * QR_ROWS * 4;                                          \
+                _mm_prefetch((const char *)(vc + QR_AHEAD), _MM_HINT_T1);                                      \
+                const qi_t raw = qi_load(vc);                                                                  \
+                const qi_t w = (V) ? qi_xor80(raw) : qr_abs(raw);                                              \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                          \
+                    const qi_t xb = qr_bcast(xq[r] + 4 * c);                                                   \
+                    dot[r] = (V) ? DOT(dot[r], w, xb) : qr_add32(dot[r], qr_dot_signed(w, raw, xb));           \
+                }                                                                                              \
             }                                                                                                  \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                \
+                acc[r] = qf_fmadd(qr_cvt(dot[r]), qr_setf(x8->bd[(size_t)(r0 + r) * lb + g]), acc[r]);          \
         }                                                                                                      \
         const qf_t ws = qf_load(scales);                                                                       \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                    \
-            qr_store(sums + r * QR_VL, qr_mul(qr_cvt(acc[r]), qr_mul(ws, qr_setf(x8->rd[r0 + r]))));           \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) qr_store(sums + r * QR_VL, qr_mul(acc[r], ws));     \
     }
 #if defined(__AVX512BW__)
 #define QC_ALL(NAME, V, DOT)                                                                                   \

@@ -17,8 +17,8 @@
 /* Rows of x as the int8 path reads them: per row, ld values (k padded with zeros to a multiple of 64) and per
  * lane of 4 of them, the block's d, minus the lane's sum of xq, and d times that sum; per block of 32 (the
  * repacked tiles', quant_repack.h), the same three; per half block of 16 (Q6_K's repacked tiles), minus its sum
- * of xq. Or (per-channel weights, quant_channel.h) the values quantized per row, and per row its d and minus
- * its sum of xq. */
+ * of xq. Per-channel weights' rows (quant_channel.h) are quantized per group of 128 instead: their d and minus
+ * their sum of xq in bd and bneg, a group at each block's index. */
 typedef struct {
     int8_t *q;     /* [m][ld] */
     float *d;      /* [m][ld / 4] */
@@ -28,8 +28,6 @@ typedef struct {
     int32_t *bneg; /* [m][ld / 32] */
     float *bsum;   /* [m][ld / 32] */
     int32_t *hneg; /* [m][ld / 16] */
-    float *rd;     /* [m] */
-    int32_t *rneg; /* [m] */
     long ld;
 } qm_x8_t;
 
@@ -37,7 +35,7 @@ static inline long qm_x8_ld(int k) { return (k + 63) / 64 * 64; }
 
 /* bytes a workspace for m rows of k values takes (see qm_x8_at) */
 static inline size_t qm_x8_bytes(int m, int k) {
-    return (size_t)m * (qm_x8_ld(k) * 4 + qm_x8_ld(k) / 32 * 12 + qm_x8_ld(k) / 16 * 4 + 8);
+    return (size_t)m * (qm_x8_ld(k) * 4 + qm_x8_ld(k) / 32 * 12 + qm_x8_ld(k) / 16 * 4);
 }
 
 static inline qm_x8_t qm_x8_at(void *mem, int m, int k) {
@@ -49,9 +47,7 @@ static inline qm_x8_t qm_x8_at(void *mem, int m, int k) {
     float *sum = (float *)(neg + lane), *bd = sum + lane;
     int32_t *bneg = (int32_t *)(bd + block);
     float *bsum = (float *)(bneg + block);
-    int32_t *hneg = (int32_t *)(bsum + block);
-    float *rd = (float *)(hneg + 2 * block);
-    return (qm_x8_t){q, d, neg, sum, bd, bneg, bsum, hneg, rd, (int32_t *)(rd + m), ld};
+    return (qm_x8_t){q, d, neg, sum, bd, bneg, bsum, (int32_t *)(bsum + block), ld};
 }
 
 /* Rows [r0, r1) of x (k values each, ldx apart) quantized into x8. */

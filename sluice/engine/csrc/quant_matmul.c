@@ -1,6 +1,6 @@
-/* Float32 rows times a weight kept in GGUF's block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) or as
- * per-channel int8 (Q8_C, quant_channel.h: repacked, int8 activations per row), the entries engine/cpu/quant.py
- * calls: out[m][n] = sum_k x[m][k] w[n][k] (+ bias[n]).
+/* Float32 rows times a weight kept in GGUF's block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) or
+ * as per-channel int8 (Q8_C, quant_channel.h: repacked, int8 activations per group of 128), the entries
+ * engine/cpu/quant.py calls: out[m][n] = sum_k x[m][k] w[n][k] (+ bias[n]).
  *
  * - sluice_quant_linear: quant_blocks.h's product, a tile of weight rows decoded in registers for several rows
  *   of x at a time (the one-call step, f32_layers.c, runs the same tiles), with float activations (the weight
@@ -20,9 +20,9 @@ int sluice_quant_supported(int type) { return qm_supported(type); }
 
 /* out[m][ldo] = x @ W^T (+ bias) for float32 rows x and a weight W [sum of the parts' n][k] (K a multiple of
  * 32, of 256 for the K-quants): with int8 = 0, each value dequantized exactly as sluice_quant_dequantize gives
- * it and multiplied in float32; else x's rows quantized per block of 32 first (quant_int8.h; per row for Q8_C
- * parts, quant_channel.h). Returns 0, -1
- * where a part's type is not one of these, -2 where the int8 rows' workspace could not be allocated. */
+ * it and multiplied in float32; else x's rows quantized per block of 32 first (quant_int8.h; per group of 128
+ * for Q8_C parts, quant_channel.h). Returns 0, -1 where a part's type is not one of these, -2 where the int8
+ * rows' workspace could not be allocated. */
 int sluice_quant_linear(const quant_part_t *parts, int num_parts, int k, const float *x, long ldx, int m,
                         const float *bias, float *out, long ldo, int int8) {
     double n = 0;
