@@ -59,8 +59,21 @@ def pick_kv_dtype(name: str, dtype: torch.dtype, model: torch.nn.Module | None) 
     (bench/RESULTS.md#kv-cache-dtype)."""
     if name != "auto":
         return getattr(torch, name)
-    quantized = model is not None and any(getattr(m, "quant", None) is not None for m in model.modules())
-    return torch.float16 if quantized and dtype == torch.float32 else dtype
+    return torch.float16 if quantized(model) and dtype == torch.float32 else dtype
+
+
+def warn_dtype(device: torch.device, dtype: torch.dtype, model: torch.nn.Module | None) -> None:
+    """Quantized linears on the CPU under activations other than float32 run, slower: the log says so."""
+    if device.type == "cpu" and dtype != torch.float32 and quantized(model):
+        log.warning("quantized linears under --dtype %s: their CPU kernels and the step in one call take float32 "
+                    "rows, so each linear converts its rows and the layers run op by op (half the decode speed "
+                    "of a W8A8 checkpoint, bench/JOURNAL.md); --dtype float32 (auto's choice on the CPU) is faster",
+                    str(dtype).removeprefix("torch."))
+
+
+def quantized(model: torch.nn.Module | None) -> bool:
+    """Whether some of the model's linears hold quantized weights (engine/quant.py's set_quantized)."""
+    return model is not None and any(getattr(m, "quant", None) is not None for m in model.modules())
 
 
 def cpu_threads(spec: str) -> ThreadTuner | None:
@@ -83,6 +96,7 @@ class Engine:
         dtype = pick_dtype(cfg.dtype, hf, device)
         model = None if cfg.runner == "replay" else load_model(Path(cfg.model_path), dtype, device, cfg.quantization)
         kv_dtype = pick_kv_dtype(cfg.kv_cache_dtype, dtype, model)
+        warn_dtype(device, dtype, model)
         exporter = exporter_for(cfg, kv_dtype, device)  # a context worker's cache where its KV transport reads it
         self.runner: ModelRunner | ReplayRunner
         if model is None:

@@ -7,6 +7,7 @@ what is refused."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -210,3 +211,17 @@ def test_an_experts_int8_weight_is_handed_to_its_model_dequantized(caplog):
     stored[f"{prefix}.weight_zero_point"] = torch.ones(16, 1, dtype=torch.int8)
     with pytest.raises(ValueError, match="weight_zero_point: an asymmetric weight"):
         reader.float_weight(prefix, stored.__contains__, stored.__getitem__)
+
+
+def test_a_quantized_model_under_bfloat16_is_told_float32_is_faster(w8a8, caplog):
+    """The CPU's quantized kernels and the one-call step take float32 rows: --dtype bfloat16 runs, slower, and the
+    log says so (vLLM's users pass it out of habit); float32, or a float model, says nothing."""
+    from sluice.engine.engine import warn_dtype
+
+    cpu, model = torch.device("cpu"), load_model(w8a8[0], torch.bfloat16, torch.device("cpu"))
+    with caplog.at_level(logging.WARNING, logger="sluice.engine"):
+        warn_dtype(cpu, torch.float32, model)
+        warn_dtype(cpu, torch.bfloat16, w8a8[1])  # (transformers' float model: nothing quantized)
+        assert not caplog.text
+        warn_dtype(cpu, torch.bfloat16, model)
+    assert "quantized linears under --dtype bfloat16" in caplog.text

@@ -353,6 +353,11 @@ static inline void f32_share(int t, int th, int nth, int *r0, int *r1) {
     *r1 = (int)((long)t * (th + 1) / nth);
 }
 
+/* Whether a linear starts with each thread quantizing its own share of the rows (f32_share's, int8
+ * activations) and then waits for the others: a step that made those rows in the same shares needs no barrier
+ * before it (the one after the quantization orders them). */
+static inline int f32_own_rows(const f32_linear_t *l) { return l->num_parts && l->int8; }
+
 /* this thread's share of in @ l^T into out [rows][l->n] (the block counter *next, shared by the team). On
  * AMX (l->bf16 == F32_AMX) the rows are readied in xs first (amx_ready: room for 3 * amx_rows(rows) * l->k,
  * the thread's own up to AMX_OWN_ROWS rows, else the team's, which waits at the barrier); a quantized linear
@@ -457,7 +462,7 @@ int sluice_f32_layers(const f32_layer_t *layers, int count, const f32_step_t *s,
             int *next = counters + (size_t)i * 5;
             const int hd = l->head_dim, width = l->qkv.n;
             for (int r = r0; r < r1; r++) f32_rms_row(x + (size_t)r * d, l->input_norm, d, l->eps, h + (size_t)r * d);
-            f32_barrier(&barrier, &sense);
+            if (!f32_own_rows(&l->qkv)) f32_barrier(&barrier, &sense);
             f32_linear_part(&l->qkv, h, t, qkv, c, next, th, nth, mine, x8, &barrier, &sense);
             f32_barrier(&barrier, &sense);
             for (int r = r0; r < r1; r++)
@@ -475,15 +480,16 @@ int sluice_f32_layers(const f32_layer_t *layers, int count, const f32_step_t *s,
                 f32_add_into(x + (size_t)r * d, h + (size_t)r * d, d);
                 f32_rms_row(x + (size_t)r * d, l->post_norm, d, l->eps, h + (size_t)r * d);
             }
-            f32_barrier(&barrier, &sense);
+            if (!f32_own_rows(&l->gate_up)) f32_barrier(&barrier, &sense);
             f32_linear_part(&l->gate_up, h, t, gu, c, next + 2, th, nth, mine, x8, &barrier, &sense);
             f32_barrier(&barrier, &sense);
             f32_swiglu(gu + (size_t)r0 * l->gate_up.n, r1 - r0, l->gate_up.n / 2, act + (size_t)r0 * (l->gate_up.n / 2));
-            f32_barrier(&barrier, &sense);
+            if (!f32_own_rows(&l->down)) f32_barrier(&barrier, &sense);
             f32_linear_part(&l->down, act, t, h, c, next + 3, th, nth, mine, x8, &barrier, &sense);
             f32_barrier(&barrier, &sense);
+            /* (no barrier after: the next layer's norm reads and writes only this thread's rows, and waits at its
+             * linear's start, or the region's end) */
             for (int r = r0; r < r1; r++) f32_add_into(x + (size_t)r * d, h + (size_t)r * d, d);
-            f32_barrier(&barrier, &sense);
         }
         free(c);
         free(scores);
