@@ -136,8 +136,13 @@ class CpuBackend(Backend):
 
     def swiglu(self, gate_up: nn.Module, x: torch.Tensor) -> torch.Tensor:
         kernel = gate_up.run
-        if isinstance(kernel, F32Matmul) and kernel.swiglu_ok and x.dtype == torch.float32 and x.device.type == "cpu":
-            return kernel.swiglu(x)
+        if x.dtype == torch.float32 and x.device.type == "cpu":
+            if isinstance(kernel, F32Matmul) and kernel.swiglu_ok:
+                return kernel.swiglu(x)
+            if isinstance(kernel, QuantMatmul) and kernel.n % 2 == 0 and kernels.f32_swiglu() is not None:
+                out = ops.swiglu(gate_up(x))  # (a quantized product, then the one-call step's SwiGLU over it)
+                assert out is not None
+                return out
         return super().swiglu(gate_up, x)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -15,7 +15,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from sluice.engine.cpu import kernels
+from sluice.engine.cpu import kernels, ops
 from sluice.engine.cpu.kernels import padded, pair_tiles, tiles
 
 log = logging.getLogger("sluice.engine")
@@ -107,12 +107,11 @@ class F32Matmul:
         """silu(gate) * up of this stacked product (gate outputs first) for float32 rows x [M, K], as [M, N / 2]
         (only where `swiglu_ok`): in the product's epilogue, the [M, N] product never written, where this build
         has one (f32_matmul.c's), else the product and then f32_layers.c's SwiGLU over it."""
-        out = torch.empty(*x.shape[:-1], self.n // 2, dtype=torch.float32)
         if self._swiglu is None:
-            gate_up = self(x).view(-1, self.n)
-            if out.numel():
-                kernels.f32_swiglu()(gate_up.data_ptr(), gate_up.shape[0], self.n // 2, out.data_ptr())
+            out = ops.swiglu(self(x))
+            assert out is not None  # (swiglu_ok)
             return out
+        out = torch.empty(*x.shape[:-1], self.n // 2, dtype=torch.float32)
         rows = self._rows(x)
         if out.numel() and self._swiglu(self.packed.data_ptr(), self.mode, self.n, self.k, rows.data_ptr(),
                                         rows.stride(0), rows.shape[0],

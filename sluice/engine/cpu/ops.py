@@ -170,3 +170,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     if x.shape[0]:
         fn(x.data_ptr(), x.stride(0), weight.data_ptr(), x.shape[0], x.shape[1], eps, out.data_ptr(), out.stride(0))
     return out
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of a float32 gate-and-up product [M, 2 I] (gate columns first) as [M, I], on csrc/f32_layers.c's
+    SwiGLU (the one-call step's, the team's threads over the rows), or None where it does not run."""
+    fn = kernels.f32_swiglu()
+    if fn is None or gate_up.dtype != torch.float32 or gate_up.shape[-1] % 2:
+        return None
+    rows = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
+    out = torch.empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2, dtype=torch.float32)
+    if out.numel():
+        fn(rows.data_ptr(), rows.shape[0], rows.shape[1] // 2, out.data_ptr())
+    return out
+
