@@ -30,7 +30,7 @@ from sluice.app.builtin_models import write_llama_family
 from sluice.engine.backend import TORCH
 from sluice.engine.cpu import build as kernel_build
 from sluice.engine.cpu import kernels, ops
-from sluice.engine.cpu.matmul import F32Matmul, bf16_exact, narrowed
+from sluice.engine.cpu.matmul import Bf16Screen, F32Matmul, Int8Argmax, bf16_exact, narrowed
 from sluice.engine.cpu.stack import DecoderStack
 from sluice.engine.lm_head import lm_head
 from tests.engine.helpers import generate, make_engine, seq
@@ -48,6 +48,7 @@ KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # the caches the flo
 STEP_ISAS = [pytest.param(kernels.f32_layers, id="AVX-512F", marks=needs_avx512),
              pytest.param(kernels.f32_layers_avx2, id="AVX2", marks=needs_avx2)]
 AMX = {*_ISA, "avx512_bf16", "amx_tile", "amx_bf16"} <= kernel_build.cpu_flags()
+BF16 = {*_ISA, "avx512_bf16", "avx512_vnni"} <= kernel_build.cpu_flags()  # (the bf16 screen's build)
 needs_amx = pytest.mark.skipif(not AMX, reason="this CPU lacks AMX-BF16")
 
 
@@ -379,14 +380,34 @@ def test_int8_screened_float32_argmax_is_the_float32_kernels(vocab, dim, rows, t
                                                                seed):
     """The screen settles every row on the float32 kernel's token (bf16 and float32 weights): random rows,
     exact ties (the first index), near copies one step apart, and a cluster of close rows with hidden rows
-    along it (top logits closer than the int8 error)."""
+    along it (top logits closer than the int8 error). A bf16 weight off AMX is screened in bf16 where the CPU
+    has AVX512-BF16 (the weight's own tiles), else in int8."""
     weight, hidden = screen_case(vocab, dim, rows, ties, cluster, outlier, torch.Generator().manual_seed(seed), eps)
     if bf16:
         weight = weight.bfloat16()
     head = lm_head(weight, torch.float32)
-    assert head.screen is not None and head.screen.f32
-    assert head.kernel.isa == ("AMX" if AMX and bf16 and dim % 32 == 0 else "AVX-512F")  # (AMX: settled there)
+    on_amx = AMX and bf16 and dim % 32 == 0
+    assert head.kernel.isa == ("AMX" if on_amx else "AVX-512F")  # (AMX: settled there)
+    assert isinstance(head.screen, Bf16Screen if bf16 and BF16 and not on_amx else Int8Argmax)
     assert torch.equal(head.screen(hidden), head.kernel.argmax(hidden))
+
+
+@pytest.mark.skipif(not BF16, reason="this CPU lacks AVX512-BF16")
+def test_a_bf16_screen_settles_rows_the_int8_one_redoes():
+    """Rows with a few large values (a trained model's final hidden rows: max / rms about 20): an int8 row's
+    error is max |x| / 254 on every value, so its screen keeps too many columns and redoes the row; rounding x
+    to bf16 moves each value by 2^-9 of itself, and the bf16 screen settles every row, on the kernel's tokens
+    (an exact tie among them)."""
+    g = torch.Generator().manual_seed(7)
+    weight, hidden = (torch.randn(16000, 512, generator=g) * 0.02).bfloat16(), torch.randn(24, 512, generator=g)
+    hidden[:, :3] *= 100  # (three outlier values a row: the int8 bound about a standard deviation of the logits)
+    weight[-2] = weight[-1]  # (an exact tie: the first index wins)
+    hidden[0] = weight[-1].float() * 20
+    kernel = F32Matmul.build(weight, amx=False)
+    bf16, int8 = Bf16Screen.build(kernel, weight), Int8Argmax.build(kernel, weight)
+    want = kernel.argmax(hidden)
+    assert torch.equal(bf16(hidden), want) and torch.equal(int8(hidden), want)
+    assert bf16.redone == 0 and int8.redone > 12
 
 
 @needs_f32_kernel

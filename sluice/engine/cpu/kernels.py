@@ -90,6 +90,12 @@ def f32_int8_argmax():
 
 
 @_cached
+def f32_bf16_argmax():
+    """The float32 head's bf16 screen for a bf16 weight (csrc/f32_int8_argmax.c built for AVX512-BF16), or None."""
+    return _function("f32_int8_argmax", _AVX512_VNNI, "sluice_f32_bf16_argmax", [P, P, P, INT, INT, FLOAT, P, INT, P])
+
+
+@_cached
 def f32_int8_argmax_amx():
     """The same screen built with AMX, which settles an AMX head's rows as its product computes them (None
     where f32_layers' linears do not run on AMX)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from sluice.engine.backend import LMHead
-from sluice.engine.cpu.matmul import Bf16Matmul, F32Matmul, Int8Argmax, narrowed
+from sluice.engine.cpu.matmul import Bf16Matmul, Bf16Screen, F32Matmul, Int8Argmax, narrowed
 
 
 def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
@@ -32,7 +32,7 @@ def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 class CpuLMHead(LMHead):
-    def __init__(self, weight: torch.Tensor, kernel: F32Matmul | Bf16Matmul | None, screen: Int8Argmax | None,
+    def __init__(self, weight: torch.Tensor, kernel: F32Matmul | Bf16Matmul | None, screen: Int8Argmax | Bf16Screen | None,
                  onednn: torch.Tensor | None) -> None:
         super().__init__(weight)
         self.kernel, self.screen, self.onednn = kernel, screen, onednn
@@ -41,14 +41,14 @@ class CpuLMHead(LMHead):
     def build(cls, weight: torch.Tensor, dtype: torch.dtype) -> "CpuLMHead":
         """The head of `weight` for activations in `dtype` (the first path of the module's doc that runs)."""
         if dtype == torch.float32 and (kernel := F32Matmul.build(narrow := narrowed(weight))) is not None:
-            return cls(weight, kernel, Int8Argmax.build(kernel, narrow), None)
+            return cls(weight, kernel, Bf16Screen.build(kernel, narrow) or Int8Argmax.build(kernel, narrow), None)
         if dtype == torch.bfloat16 and (bf16 := Bf16Matmul.build(weight)) is not None:
             return cls(weight, bf16, Int8Argmax.build(bf16, weight), None)
         return cls(weight, None, None, onednn_packed(weight) if weight.dtype == dtype else None)
 
     @property
     def path(self) -> str:  # type: ignore[override]
-        screened = " (greedy rows screened in int8)" if self.screen else ""
+        screened = f" (greedy rows screened in {self.screen.kind})" if self.screen else ""
         if isinstance(self.kernel, F32Matmul):
             weight = "bf16" if self.kernel.bf16 else "float32"
             return f"Sluice's float32 kernel ({self.kernel.isa}, the weight in {weight}){screened}"

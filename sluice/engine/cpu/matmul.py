@@ -174,7 +174,72 @@ class Bf16Matmul:
         return tokens.long()
 
 
-class Int8Argmax:
+class _Screen:
+    """What the LM head's screens share: a count of the rows screened and redone, and whether screening still pays
+    (`active`: after `_TRIAL` rows with more than `_REDO_MAX` of them redone, it stops)."""
+
+    _TRIAL, _REDO_MAX = 1024, 1 / 8
+    kind = ""  # what the log and the head's path call it
+
+    def __init__(self) -> None:
+        self.rows = self.redone = 0
+
+    @property
+    def active(self) -> bool:
+        return self.rows < self._TRIAL or self.redone <= self._REDO_MAX * self.rows
+
+    def _counted(self, rows: int, redone: int) -> None:
+        if redone < 0:
+            raise MemoryError(f"the {self.kind} argmax kernel could not allocate its workspace")
+        self.rows += rows
+        self.redone += redone
+        if not self.active:
+            log.info("LM head: greedy rows no longer screened in %s (%d of %d rows had to be redone)", self.kind,
+                     self.redone, self.rows)
+
+
+class Bf16Screen(_Screen):
+    """csrc/f32_int8_argmax.c's bf16 screen for a float32 head whose weight is bf16 (F32Matmul's packed tiles,
+    not AMX's), on AVX512-BF16: each row rounded to bf16 and screened with VDPBF16PS on the head's own packed
+    weight (no copy), the columns within ||x - bf16(x)|| ||w_v|| of the best settled on the kernel's exact logits:
+    the kernel's tokens. Rounding x to bf16 moves a logit by about 2^-9 of ||x|| ||w_v|| where an int8 row moves
+    it by max |x| / 254 a value: on a trained model's rows (a few large values) the int8 screen keeps thousands
+    of columns and stops, this one one or a few (bench/JOURNAL.md)."""
+
+    kind = "bf16"
+    _CHUNK = 1 << 21  # weight rows' values normed at a time (float64 copies of 16 MB)
+
+    def __init__(self, fn, kernel: F32Matmul, weight: torch.Tensor) -> None:
+        super().__init__()
+        n, k = weight.shape
+        self.err, self.norm = torch.zeros(2, padded(n), dtype=torch.float32)  # (e_v: the weight is exact)
+        step = max(1, self._CHUNK // k)
+        for i in range(0, n, step):  # (rounded up: their float32 copies still bound)
+            rows = weight[i:i + step].detach().double()
+            self.norm[i:i + len(rows)] = (rows.norm(dim=1) * (1 + 2**-10) + 1e-30).float()
+        self.largest = self.norm.max().item()
+        self.kernel, self.n, self.k, self.fn = kernel, n, k, fn
+
+    @classmethod
+    def build(cls, kernel: F32Matmul | None, weight: torch.Tensor) -> "Bf16Screen | None":
+        """The screen for a float32 kernel's bf16 weight, or None where it does not apply (a float32 weight, AMX's
+        head: settled there by its own screen) or cannot run (no AVX512-BF16 build)."""
+        if kernel is None or kernel.mode != 1 or (fn := kernels.f32_bf16_argmax()) is None:
+            return None
+        return cls(fn, kernel, weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's first index of its maximum logit, as int64 [M]."""
+        x = x.to(torch.float32).contiguous()
+        tokens = torch.empty(x.shape[0], dtype=torch.int32)
+        if x.shape[0]:
+            self._counted(x.shape[0], self.fn(self.kernel.packed.data_ptr(), self.err.data_ptr(),
+                                              self.norm.data_ptr(), self.n, self.k, self.largest, x.data_ptr(),
+                                              x.shape[0], tokens.data_ptr()))
+        return tokens.long()
+
+
+class Int8Argmax(_Screen):
     """csrc/int8_argmax.c for a bf16 kernel's weight (csrc/f32_int8_argmax.c for a float32 kernel's): each
     row's argmax screened on an int8 copy of the weight and settled on the exact logits of the few columns
     the screen keeps, computed as the kernel computes them: the same tokens as the kernel's `argmax`, at
@@ -182,12 +247,13 @@ class Int8Argmax:
 
     A row the screen cannot narrow enough is computed again in full by the bf16 kernel. Where that is
     common (a model whose top logits sit closer together than the int8 error bound), screening costs more
-    than it saves: after `_TRIAL` rows with more than `_REDO_MAX` of them redone, it stops (`active`)."""
+    than it saves, and it stops (`active`)."""
 
-    _TRIAL, _REDO_MAX = 1024, 1 / 8
+    kind = "int8"
     _CHUNK = 1 << 21  # weight elements quantized at a time (bounds the float64 copies: 16 MB each)
 
     def __init__(self, fn, kernel: Bf16Matmul | F32Matmul, weight: torch.Tensor) -> None:
+        super().__init__()
         n, k = weight.shape
         q = torch.zeros(n, k, dtype=torch.int8)
         # per column (zero past n): s_v, e_v = ||w_v - s_v q_v||, n_v = ||s_v q_v||, and ||w_v||
@@ -213,7 +279,6 @@ class Int8Argmax:
         self.f32 = isinstance(kernel, F32Matmul)
         if isinstance(kernel, F32Matmul):
             self._weights.append(kernel.mode)
-        self.rows = self.redone = 0
 
     @classmethod
     def build(cls, kernel: Bf16Matmul | F32Matmul | None, weight: torch.Tensor) -> "Int8Argmax | None":
@@ -228,22 +293,11 @@ class Int8Argmax:
             fn = kernels.int8_argmax()
         return None if fn is None else cls(fn, kernel, weight)
 
-    @property
-    def active(self) -> bool:
-        return self.rows < self._TRIAL or self.redone <= self._REDO_MAX * self.rows
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Each row's first index of its maximum logit, as int64 [M]."""
         x = x.to(torch.float32 if self.f32 else torch.bfloat16).contiguous()
         tokens = torch.empty(x.shape[0], dtype=torch.int32)
         if x.shape[0]:
-            redone = self.fn(*self._weights, self.n, self.k, *self.largest, x.data_ptr(), x.shape[0],
-                             tokens.data_ptr())
-            if redone < 0:
-                raise MemoryError("the int8 argmax kernel could not allocate its workspace")
-            self.rows += x.shape[0]
-            self.redone += redone
-            if not self.active:
-                log.info("LM head: greedy rows no longer screened in int8 (%d of %d rows had to be redone)",
-                         self.redone, self.rows)
+            self._counted(x.shape[0], self.fn(*self._weights, self.n, self.k, *self.largest, x.data_ptr(),
+                                              x.shape[0], tokens.data_ptr()))
         return tokens.long()

@@ -10,6 +10,7 @@
  *
  * Built for AVX2 and FMA (no AVX-512), the screen multiplies with VPMADDUBSW + VPMADDWD (int8_screen.h) and the
  * exact logits are f32_matmul_avx2.c's (the same bits as f32_matmul.c's): the same tokens on either build.
+ * Built with AVX512-BF16 it also screens a bf16 weight in bf16 (sluice_f32_bf16_argmax, at the end).
  */
 #ifdef __AVX512F__
 #include "f32_matmul.c"
@@ -93,8 +94,135 @@ int sluice_f32_int8_argmax(const int8_t *q, const int32_t *start, const float *s
     if (bf16 == F32_AMX) amx_configure(1); /* (this thread's tiles, for exact_logits; the redo sets its own) */
 #endif
     /* the slack: the float32 sums' rounding (2 G), and 2^-16 for the screen's own */
-    F32Head f = {{sizeof(float) * k, 2, 0x1p-16f, NULL, as_float, exact_logits, full_argmax}, w, bf16, n, k, hs};
+    F32Head f = {{sizeof(float) * k, 2, 0x1p-16f, NULL, as_float, exact_logits, full_argmax, k}, w, bf16, n, k, hs};
     const int status = screened_argmax(&f.head, &c, err_w, norm_w, norm_q, h, m, tokens);
     free(hs);
     return status;
 }
+
+#if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
+/* ---- the bf16 screen: the head's own bf16 weight (no int8 copy), on AVX512-BF16 ----
+ *
+ * Each row x is rounded to bf16 (to nearest even; values under bf16's normal range to zero, as VDPBF16PS takes
+ * its inputs), x^, and screened with VDPBF16PS against the packed weight the float32 head multiplies (bf16
+ * tiles, [K/2][16][2]): a_v = x^ . w_v, the products exact, summed in float32. The weight is exact in bf16, so
+ * |x . w_v - a_v| <= ||x - x^|| ||w_v|| (Cauchy-Schwarz: B_v with e_v = 0, n_v = ||w_v||, in units of 1) plus
+ * the screen's own float32 sums' rounding (2 G, of the same G as the exact logits'). x - x^ is at most 2^-9 of
+ * each value (an int8 row's error is max |x| / 254 on every value), so B_v is about 0.3 logits on a trained
+ * model's rows, and one column or a few are kept: the int8 screen keeps thousands of such rows and stops. */
+
+/* x (k floats) as bf16 pairs into xb and its bounds; -1 where it cannot be screened (not finite, all zero) */
+static int bf16_row(const float *x, int k, uint16_t *xb, float norm_w, double rounds, float rel, Row *row) {
+    double xx = 0, dd = 0;
+    for (int i = 0; i < k; i++) {
+        const float v = x[i];
+        if (!isfinite(v)) return -1;
+        uint32_t bits;
+        memcpy(&bits, &v, 4);
+        bits += 0x7FFF + ((bits >> 16) & 1); /* (to nearest even; finite values stay finite or become inf) */
+        uint16_t b = (uint16_t)(bits >> 16);
+        if ((b & 0x7F80) == 0 || (b & 0x7F80) == 0x7F80) b = 0; /* (under the normal range, or rounded to inf) */
+        xb[i] = b;
+        const uint32_t back = (uint32_t)b << 16;
+        float r;
+        memcpy(&r, &back, 4);
+        const double d = (double)v - (double)r;
+        xx += (double)v * v;
+        dd += d * d;
+    }
+    if (!(xx > 0)) return -1;
+    const double b = norm_w * sqrt(dd);                             /* the largest B_v */
+    const double g = 0x1p-24 * k * norm_w * (sqrt(xx) + sqrt(dd)); /* the float32 sums' rounding, of ||x^|| too */
+    row->nx = 0;
+    row->ndx = (float)(sqrt(dd) * (1 + 0x1p-10));
+    row->fixed = (float)(((rounds + 2) * g + rel * b) * (1 + 0x1p-10) + 1e-30);
+    row->rel = rel;
+    return 0;
+}
+
+/* R bf16 rows xb (k apart) against NT tiles from tile0 of the packed weight w: the screened values into out
+ * ([R][NT][16]); returns which (bit r * NT + t) have an upper bound reaching their row's floor */
+#define BSCREEN(R, NT)                                                                                       \
+    static uint32_t bscreen_##R##_##NT(const Weight *c, const uint16_t *w, const uint16_t *restrict xb,        \
+                                       int tile0, const Row *rows, const Pool *pools, float *restrict out) {  \
+        const int k = c->k;                                                                                  \
+        __m512 acc[R][NT];                                                                                   \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                  \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_ps();            \
+        const uint16_t *wt = w + (size_t)tile0 * k * TILE;                                                   \
+        for (int p = 0; p < k / 2; p++) {                                                                    \
+            __m512bh wv[NT];                                                                                 \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                             \
+                wv[t] = (__m512bh)_mm512_loadu_si512(wt + (size_t)t * k * TILE + (size_t)p * 32);            \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                            \
+                int32_t pair;                                                                                \
+                memcpy(&pair, xb + (size_t)r * k + 2 * p, 4);                                                \
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);                                       \
+                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], xv, wv[t]); \
+            }                                                                                                \
+        }                                                                                                    \
+        uint32_t hits = 0;                                                                                   \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                               \
+            const size_t col = (size_t)(tile0 + t) * TILE;                                                   \
+            const __m512 norm = _mm512_loadu_ps(c->norm + col);                                              \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                            \
+                _mm512_storeu_ps(out + (r * NT + t) * TILE, acc[r][t]);                                      \
+                const __m512 up = _mm512_fmadd_ps(norm, _mm512_set1_ps(rows[r].ndx), acc[r][t]);             \
+                if (_mm512_cmp_ps_mask(up, _mm512_set1_ps(pools[r].floor), _CMP_GE_OQ)) hits |= 1u << (r * NT + t); \
+            }                                                                                                \
+        }                                                                                                    \
+        return hits;                                                                                         \
+    }
+BSCREEN(1, 4) BSCREEN(2, 4) BSCREEN(3, 4) BSCREEN(4, 4) BSCREEN(5, 4) BSCREEN(6, 4)
+BSCREEN(1, 1) BSCREEN(2, 1) BSCREEN(3, 1) BSCREEN(4, 1) BSCREEN(5, 1) BSCREEN(6, 1)
+typedef uint32_t (*bscreen_fn)(const Weight *, const uint16_t *, const uint16_t *, int, const Row *, const Pool *,
+                               float *);
+static const bscreen_fn BSCREEN_FULL[7] = {0, bscreen_1_4, bscreen_2_4, bscreen_3_4, bscreen_4_4, bscreen_5_4,
+                                           bscreen_6_4};
+static const bscreen_fn BSCREEN_ONE[7] = {0, bscreen_1_1, bscreen_2_1, bscreen_3_1, bscreen_4_1, bscreen_5_1,
+                                          bscreen_6_1};
+
+/* tokens[m]: each float32 row h's argmax over the n columns of the head's bf16 weight w (packed as the float32
+ * head's: the same tokens as sluice_f32_matmul(w, 1, ...)), screened in bf16 (err: zeros, norm: ||w_v||, both
+ * padded to whole tiles; norm_w the largest). Returns how many rows were computed again in full, or -1 when out
+ * of memory. */
+int sluice_f32_bf16_argmax(const uint16_t *w, const float *err, const float *norm, int n, int k, float norm_w,
+                           const float *h, int m, int32_t *tokens) {
+    const Weight c = {NULL, NULL, NULL, err, norm, n, k};
+    const int threads = omp_get_max_threads(), tiles = (n + TILE - 1) / TILE, groups = (tiles + GROUP - 1) / GROUP;
+    F32Head f = {{sizeof(float) * k, 2, 0x1p-16f, NULL, as_float, exact_logits, full_argmax, k}, w, 1, n, k, NULL};
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)m * k);
+    Row *rows = malloc(sizeof(Row) * m);
+    int *bad = malloc(sizeof(int) * m);
+    Pool *pools = malloc(sizeof(Pool) * (size_t)threads * m);
+    int status = -1;
+    if (xb && rows && bad && pools) {
+        for (int r = 0; r < m; r++)
+            bad[r] = bf16_row(h + (size_t)r * k, k, xb + (size_t)r * k, norm_w, f.head.sums_g, f.head.rel, rows + r);
+        init_pools(pools, threads, m, bad);
+        int next = 0;
+#pragma omp parallel num_threads(threads)
+        {
+            Pool *mine = pools + (size_t)omp_get_thread_num() * m;
+            float out[6 * 4 * TILE];
+            for (int g0, g1; take_groups(&next, groups, &g0, &g1);)
+                for (int g = g0; g < g1; g++) {
+                    const int tile0 = g * GROUP, nt = tiles - tile0 < GROUP ? tiles - tile0 : GROUP;
+                    for (int r0 = 0; r0 < m; r0 += 6) {
+                        const int r = m - r0 < 6 ? m - r0 : 6;
+                        for (int t = 0, step; t < nt; t += step) {
+                            step = nt - t < 4 ? 1 : 4;
+                            const uint32_t hits = (step == 4 ? BSCREEN_FULL : BSCREEN_ONE)[r](
+                                &c, w, xb + (size_t)r0 * k, tile0 + t, rows + r0, mine + r0, out);
+                            if (hits) offer(hits, out, r, step, &c, tile0 + t, rows + r0, mine + r0);
+                        }
+                    }
+                }
+        }
+        status = settle_rows(&f.head, pools, threads, m, rows, h, tokens);
+    }
+    free(xb), free(rows), free(bad), free(pools);
+    return status;
+}
+#endif
+

@@ -78,6 +78,6 @@ int sluice_int8_argmax(const int8_t *q, const int32_t *start, const float *scale
                        int m, int32_t *tokens) {
     const Weight c = {q, start, scale, err, norm, n, k};
     /* the slack: the bf16 kernel's float32 sums (3 G: see above) and bf16's rounding of the logits (2^-6) */
-    Bf16Head b = {{sizeof(uint16_t) * k, 3, 0x1p-6f, NULL, as_float, exact_logits, full_argmax}, w, n, k};
+    Bf16Head b = {{sizeof(uint16_t) * k, 3, 0x1p-6f, NULL, as_float, exact_logits, full_argmax, k}, w, n, k};
     return screened_argmax(&b.head, &c, err_w, norm_w, norm_q, h, m, tokens);
 }

@@ -311,36 +311,24 @@ typedef struct Head {
     void (*exact)(struct Head *, const void *row, const int32_t *col, int count, int first, float *out);
     /* the head's own argmax of the m rows (contiguous): 0, or nonzero when out of memory */
     int (*full)(const struct Head *, const void *rows, int m, int32_t *tokens);
+    int k;                           /* values a row */
 } Head;
 
-/* tokens[m]: each row h's (m x k, row_bytes apart) argmax over the n columns of head's weight, screened on its
- * int8 copy c (err_w, norm_w, norm_q: the largest e_v, ||w_v|| and n_v) and settled on the exact logits of the
- * columns kept, the first index of a tie winning: the head's own tokens. Returns how many rows were computed
- * again in full, or -1 when out of memory. */
-static int screened_argmax(Head *head, const Weight *c, float err_w, float norm_w, float norm_q, const void *h, int m,
-                           int32_t *tokens) {
-    const int threads = omp_get_max_threads(), k = c->k;
+/* Settles the m screened rows h (row_bytes apart: pools, threads * m, hold each thread's kept columns): each
+ * row's token, the first index of the best exact logit among the columns kept, or the row computed again in full
+ * where its pool overflowed. Returns how many rows were redone, or -1 when out of memory. */
+static int settle_rows(Head *head, const Pool *pools, int threads, int m, const Row *rows, const void *h,
+                       int32_t *tokens) {
     const size_t rb = head->row_bytes;
-    uint8_t *u = malloc((size_t)m * k);
-    Row *rows = malloc(sizeof(Row) * m);
-    int *bad = malloc(sizeof(int) * m);
-    Pool *pools = malloc(sizeof(Pool) * (size_t)threads * m);
     int *redo = malloc(sizeof(int) * m);
     char *hr = malloc(rb * m);
     int32_t *tr = malloc(sizeof(int32_t) * m);
     int32_t *kept = malloc(sizeof(int32_t) * (size_t)threads * CAP);
-    float *hf = malloc(sizeof(float) * k);
-    head->tile = malloc(sizeof(float) * (size_t)k * TILE);
-    if (!u || !rows || !bad || !pools || !redo || !hr || !tr || !kept || !hf || !head->tile) {
-        free(u), free(rows), free(bad), free(pools), free(redo), free(hr), free(tr), free(kept), free(hf);
-        free(head->tile);
+    head->tile = malloc(sizeof(float) * (size_t)head->k * TILE);
+    if (!redo || !hr || !tr || !kept || !head->tile) {
+        free(redo), free(hr), free(tr), free(kept), free(head->tile);
         return -1;
     }
-    for (int r = 0; r < m; r++)
-        bad[r] = quantize_row(head->as_float(head, (const char *)h + rb * r, hf), k, u + (size_t)r * k, err_w,
-                              norm_w, norm_q, head->sums_g, head->rel, rows + r);
-    init_pools(pools, threads, m, bad);
-    screen_rows(c, u, m, rows, pools, threads);
     int redone = 0;
     for (int r = 0; r < m; r++) {
         const int count = merge_pools(pools, threads, m, r, rows + r, kept);
@@ -366,7 +354,33 @@ static int screened_argmax(Head *head, const Weight *c, float err_w, float norm_
     int status = redone;
     if (redone && head->full(head, hr, redone, tr)) status = -1;
     for (int i = 0; status >= 0 && i < redone; i++) tokens[redo[i]] = tr[i];
-    free(u), free(rows), free(bad), free(pools), free(redo), free(hr), free(tr), free(kept), free(hf), free(head->tile);
+    free(redo), free(hr), free(tr), free(kept), free(head->tile);
+    return status;
+}
+
+/* tokens[m]: each row h's (m x k, row_bytes apart) argmax over the n columns of head's weight, screened on its
+ * int8 copy c (err_w, norm_w, norm_q: the largest e_v, ||w_v|| and n_v) and settled on the exact logits of the
+ * columns kept, the first index of a tie winning: the head's own tokens. Returns how many rows were computed
+ * again in full, or -1 when out of memory. */
+static int screened_argmax(Head *head, const Weight *c, float err_w, float norm_w, float norm_q, const void *h, int m,
+                           int32_t *tokens) {
+    const int threads = omp_get_max_threads(), k = c->k;
+    const size_t rb = head->row_bytes;
+    uint8_t *u = malloc((size_t)m * k);
+    Row *rows = malloc(sizeof(Row) * m);
+    int *bad = malloc(sizeof(int) * m);
+    Pool *pools = malloc(sizeof(Pool) * (size_t)threads * m);
+    float *hf = malloc(sizeof(float) * k);
+    int status = -1;
+    if (u && rows && bad && pools && hf) {
+        for (int r = 0; r < m; r++)
+            bad[r] = quantize_row(head->as_float(head, (const char *)h + rb * r, hf), k, u + (size_t)r * k, err_w,
+                                  norm_w, norm_q, head->sums_g, head->rel, rows + r);
+        init_pools(pools, threads, m, bad);
+        screen_rows(c, u, m, rows, pools, threads);
+        status = settle_rows(head, pools, threads, m, rows, h, tokens);
+    }
+    free(u), free(rows), free(bad), free(pools), free(hf);
     return status;
 }
 
