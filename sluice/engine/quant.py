@@ -62,10 +62,9 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 values [N, K] (through the gguf package: llama.cpp's definitions; Q8_C's scale * q)."""
-        from gguf import GGMLQuantizationType
-
         if self.qtype == Q8_C:
             return self.data[:, 4:].view(torch.int8).float() * self.data[:, :4].contiguous().view(torch.float32)
+        from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         values = dequantize(self.data.numpy(), GGMLQuantizationType(self.qtype.ggml))

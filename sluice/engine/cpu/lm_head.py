@@ -32,8 +32,8 @@ def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 class CpuLMHead(LMHead):
-    def __init__(self, weight: torch.Tensor, kernel: F32Matmul | Bf16Matmul | None, screen: Int8Argmax | Bf16Screen | None,
-                 onednn: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, kernel: F32Matmul | Bf16Matmul | None,
+                 screen: Int8Argmax | Bf16Screen | None, onednn: torch.Tensor | None) -> None:
         super().__init__(weight)
         self.kernel, self.screen, self.onednn = kernel, screen, onednn
 

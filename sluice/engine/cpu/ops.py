@@ -183,4 +183,3 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor | None:
     if out.numel():
         fn(rows.data_ptr(), rows.shape[0], rows.shape[1] // 2, out.data_ptr())
     return out
-
