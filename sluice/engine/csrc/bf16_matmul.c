@@ -26,6 +26,7 @@
 #include <stdlib.h>
 
 #include "argmax_fold.h"
+#include "bf16_tiles.h"
 #include "simd.h"
 
 enum { TILE = 16, GROUP = 4, ROWS = 6, CHUNK = 8 };
@@ -76,20 +77,7 @@ static inline void store_logits(__m512 acc, int tile0, int n, const float *bias,
         __m512 acc[R][NT];                                                                                   \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                  \
             _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_ps();            \
-        const uint16_t *wt = w + (size_t)tile0 * k * TILE;                                                   \
-        for (int p = 0; p < k / 2; p++) {                                                                    \
-            __m512bh wv[NT];                                                                                 \
-            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                             \
-                wv[t] = (__m512bh)_mm512_loadu_si512(wt + (size_t)t * k * TILE + p * 32);                    \
-            if (pf)                                                                                          \
-                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                         \
-                    _mm_prefetch((const char *)(pf + (size_t)t * k * TILE + p * 32), _MM_HINT_T1);           \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                            \
-                __m512bh hb = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(h + (size_t)r * k + 2 * p));    \
-                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                         \
-                    acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv[t], hb);                                      \
-            }                                                                                                \
-        }                                                                                                    \
+        BF16_TILES_DOT(R, NT, acc, w, h, k, tile0, pf);                                                      \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                \
             if (out) {                                                                                       \
                 _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                         \

@@ -101,6 +101,8 @@ int sluice_f32_int8_argmax(const int8_t *q, const int32_t *start, const float *s
 }
 
 #if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
+#include "bf16_tiles.h"
+
 /* ---- the bf16 screen: the head's own bf16 weight (no int8 copy), on AVX512-BF16 ----
  *
  * Each row x is rounded to bf16 (to nearest even; values under bf16's normal range to zero, as VDPBF16PS takes
@@ -149,18 +151,7 @@ static int bf16_row(const float *x, int k, uint16_t *xb, float norm_w, double ro
         __m512 acc[R][NT];                                                                                   \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                  \
             _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_ps();            \
-        const uint16_t *wt = w + (size_t)tile0 * k * TILE;                                                   \
-        for (int p = 0; p < k / 2; p++) {                                                                    \
-            __m512bh wv[NT];                                                                                 \
-            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                                             \
-                wv[t] = (__m512bh)_mm512_loadu_si512(wt + (size_t)t * k * TILE + (size_t)p * 32);            \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                            \
-                int32_t pair;                                                                                \
-                memcpy(&pair, xb + (size_t)r * k + 2 * p, 4);                                                \
-                const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);                                       \
-                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], xv, wv[t]); \
-            }                                                                                                \
-        }                                                                                                    \
+        BF16_TILES_DOT(R, NT, acc, w, xb, k, tile0, (const uint16_t *)NULL);                                 \
         uint32_t hits = 0;                                                                                   \
         _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                               \
             const size_t col = (size_t)(tile0 + t) * TILE;                                                   \
