@@ -9,7 +9,9 @@ machine, alternating runs.
 vLLM runs in its best configuration here (VLLM_ENABLE_V1_MULTIPROCESSING=0, the uni executor), with
 VLLM_HOST_IP=127.0.0.1 so its internal queue stays on loopback. `--dtype` is what both serve in: bfloat16 (the
 default, vLLM's CPU default) or float32 (Sluice's CPU default, `--dtype auto`: Sluice then runs at its
-defaults). `--model`: a path, or a name of bench/checkpoints.py (the real models' shapes). Each load point
+defaults); a quantized checkpoint (a `quantization_config`: W8A8, GPTQ, AWQ) or a GGUF file runs Sluice at its
+defaults whatever --dtype says (its quantized kernels take float32 rows: under bfloat16 it logs that it runs
+slower). `--model`: a path, or a name of bench/checkpoints.py (the real models' shapes). Each load point
 is preceded by 32 uncounted requests (--warmup). `--greedy-check N` first sends N prompts at temperature 0
 to each server and compares their text with transformers' `generate` in float32 on the same checkpoint;
 `--ttft-len L` times single requests with L-token prompts (time to the first token, each server alone).
@@ -166,6 +168,12 @@ CHECK_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a t
                  "Water boils at", "The largest planet in the solar system"]
 
 
+def quantized(path: str) -> bool:
+    """Whether a checkpoint directory's config declares quantized weights (W8A8, GPTQ, AWQ)."""
+    config = Path(path) / "config.json"
+    return config.is_file() and "quantization_config" in json.loads(config.read_text())
+
+
 def transformers_greedy(path: str, prompts: list[str], max_tokens: int) -> list[str]:
     """Each prompt's greedy continuation by transformers in float32 (the reference both servers must match)."""
     import torch
@@ -212,7 +220,8 @@ def main() -> None:
     parser.add_argument("--concurrencies", default="16,64")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--temperatures", default="0,1")
-    parser.add_argument("--sluice-flags", nargs="*", help="default: --dtype bfloat16 for bfloat16, none for float32")
+    parser.add_argument("--sluice-flags", nargs="*", help="default: --dtype bfloat16 for bfloat16, none for float32 "
+                        "and for a quantized checkpoint (Sluice's quantized kernels take float32 rows)")
     parser.add_argument("--greedy-check", type=int, default=0, metavar="N",
                         help="compare N greedy completions of each server with transformers' float32 ones first")
     parser.add_argument("--greedy-tokens", type=int, default=32)
@@ -235,7 +244,7 @@ def main() -> None:
     if args.peer == "llamacpp" and not gguf:
         parser.error("--peer llamacpp serves a GGUF file: --model FILE.gguf")
     flags = args.sluice_flags if args.sluice_flags is not None else (
-        ["--dtype", "bfloat16"] if args.dtype == "bfloat16" and not gguf else [])
+        ["--dtype", "bfloat16"] if args.dtype == "bfloat16" and not gguf and not quantized(path) else [])
     env = {"SLUICE_CPU_HIDE": hidden_avx512(), **AVX2_ENV} if args.avx2 else {}
     args.model, args.ignore_eos, args.no_progress = path, True, True
     if gguf and not args.tokenizer:

@@ -1,5 +1,6 @@
 """bench/perplexity.py's chunking, scoring and parsing (llama-perplexity's output, llama-tokenize's ids, Sluice's
 prompt_logprobs), and bench/peer.py's Sluice / peer ratios."""
+import json
 import math
 
 import pytest
@@ -84,3 +85,14 @@ def test_peer_ratios_are_sluice_over_the_peer_at_each_point_averaged_over_rounds
                {"server": "llama.cpp", "ttft_len": 2000, "ttft_p50": 1200}]
     assert ratios(results, "llama.cpp") == {"tok_s c16 t0.0": 2.0, "itl_p50 c16 t0.0": 0.5,
                                             "ttft_p50 c16 t0.0": 2.0, "ttft 2000": 0.75}
+
+
+def test_a_quantized_checkpoint_is_served_by_sluice_at_its_float32_default(tmp_path):
+    """bench.peer's `--dtype bfloat16` asks both servers for bfloat16, but Sluice's quantized kernels take float32
+    rows: a checkpoint whose config declares quantized weights runs Sluice at its defaults."""
+    from bench.peer import quantized
+
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "compressed-tensors"}}))
+    assert quantized(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    assert not quantized(str(tmp_path)) and not quantized(str(tmp_path / "model.gguf"))
