@@ -32,8 +32,8 @@ setup (on 2 shared cores one Sluice start can take minutes).
 
 `--checkpoints` scores Hugging Face checkpoint directories too, through Sluice alone, on their own tokenizer's
 ids of the same text (a compressed-tensors W8A8 checkpoint: `float`, the weight-only product of its exact
-values, against `int8`, rows quantized per token on its per-channel linears, the checkpoint's own product;
-beside it the float checkpoint it was made from, at `float`).
+values, against `int8`, rows quantized per group of 128 values on its per-channel linears; beside it the float
+checkpoint it was made from, at `float`).
 """
 from __future__ import annotations
 
