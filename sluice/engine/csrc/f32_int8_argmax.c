@@ -100,7 +100,7 @@ int sluice_f32_int8_argmax(const int8_t *q, const int32_t *start, const float *s
     return status;
 }
 
-#if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && !defined(__AMX_BF16__)
 #include "bf16_tiles.h"
 
 /* ---- the bf16 screen: the head's own bf16 weight (no int8 copy), on AVX512-BF16 ----
@@ -142,16 +142,17 @@ static int bf16_row(const float *x, int k, uint16_t *xb, float norm_w, double ro
     return 0;
 }
 
-/* R bf16 rows xb (k apart) against NT tiles from tile0 of the packed weight w: the screened values into out
- * ([R][NT][16]); returns which (bit r * NT + t) have an upper bound reaching their row's floor */
+/* R bf16 rows u (k values apart) against NT tiles from tile0 of the packed bf16 weight c->q: the screened values
+ * into out ([R][NT][16]); returns which (bit r * NT + t) have an upper bound reaching their row's floor. pf: the
+ * next group's tiles, to prefetch (or NULL). screen_rows' screen_fn, as int8_screen.h's SCREEN's. */
 #define BSCREEN(R, NT)                                                                                       \
-    static uint32_t bscreen_##R##_##NT(const Weight *c, const uint16_t *w, const uint16_t *restrict xb,        \
-                                       int tile0, const Row *rows, const Pool *pools, float *restrict out) {  \
+    static uint32_t bscreen_##R##_##NT(const Weight *c, const uint8_t *restrict u, int tile0, const Row *rows, \
+                                       const Pool *pools, float *restrict out, const int8_t *pf) {           \
         const int k = c->k;                                                                                  \
         __m512 acc[R][NT];                                                                                   \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                  \
             _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_ps();            \
-        BF16_TILES_DOT(R, NT, acc, w, xb, k, tile0, (const uint16_t *)NULL);                                 \
+        BF16_TILES_DOT(R, NT, acc, (const uint16_t *)c->q, (const uint16_t *)u, k, tile0, (const uint16_t *)pf); \
         uint32_t hits = 0;                                                                                   \
         _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                                               \
             const size_t col = (size_t)(tile0 + t) * TILE;                                                   \
@@ -166,12 +167,10 @@ static int bf16_row(const float *x, int k, uint16_t *xb, float norm_w, double ro
     }
 BSCREEN(1, 4) BSCREEN(2, 4) BSCREEN(3, 4) BSCREEN(4, 4) BSCREEN(5, 4) BSCREEN(6, 4)
 BSCREEN(1, 1) BSCREEN(2, 1) BSCREEN(3, 1) BSCREEN(4, 1) BSCREEN(5, 1) BSCREEN(6, 1)
-typedef uint32_t (*bscreen_fn)(const Weight *, const uint16_t *, const uint16_t *, int, const Row *, const Pool *,
-                               float *);
-static const bscreen_fn BSCREEN_FULL[7] = {0, bscreen_1_4, bscreen_2_4, bscreen_3_4, bscreen_4_4, bscreen_5_4,
-                                           bscreen_6_4};
-static const bscreen_fn BSCREEN_ONE[7] = {0, bscreen_1_1, bscreen_2_1, bscreen_3_1, bscreen_4_1, bscreen_5_1,
-                                          bscreen_6_1};
+static const screen_fn BSCREEN_FULL[S_ROWS + 1] = {0, bscreen_1_4, bscreen_2_4, bscreen_3_4, bscreen_4_4,
+                                                   bscreen_5_4, bscreen_6_4};
+static const screen_fn BSCREEN_ONE[S_ROWS + 1] = {0, bscreen_1_1, bscreen_2_1, bscreen_3_1, bscreen_4_1,
+                                                  bscreen_5_1, bscreen_6_1};
 
 /* tokens[m]: each float32 row h's argmax over the n columns of the head's bf16 weight w (packed as the float32
  * head's: the same tokens as sluice_f32_matmul(w, 1, ...)), screened in bf16 (err: zeros, norm: ||w_v||, both
@@ -179,8 +178,8 @@ static const bscreen_fn BSCREEN_ONE[7] = {0, bscreen_1_1, bscreen_2_1, bscreen_3
  * of memory. */
 int sluice_f32_bf16_argmax(const uint16_t *w, const float *err, const float *norm, int n, int k, float norm_w,
                            const float *h, int m, int32_t *tokens) {
-    const Weight c = {NULL, NULL, NULL, err, norm, n, k};
-    const int threads = omp_get_max_threads(), tiles = (n + TILE - 1) / TILE, groups = (tiles + GROUP - 1) / GROUP;
+    const Weight c = {(const int8_t *)w, NULL, NULL, err, norm, n, k};
+    const int threads = omp_get_max_threads();
     F32Head f = {{sizeof(float) * k, 2, 0x1p-16f, NULL, as_float, exact_logits, full_argmax, k}, w, 1, n, k, NULL};
     uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)m * k);
     Row *rows = malloc(sizeof(Row) * m);
@@ -191,25 +190,8 @@ int sluice_f32_bf16_argmax(const uint16_t *w, const float *err, const float *nor
         for (int r = 0; r < m; r++)
             bad[r] = bf16_row(h + (size_t)r * k, k, xb + (size_t)r * k, norm_w, f.head.sums_g, f.head.rel, rows + r);
         init_pools(pools, threads, m, bad);
-        int next = 0;
-#pragma omp parallel num_threads(threads)
-        {
-            Pool *mine = pools + (size_t)omp_get_thread_num() * m;
-            float out[6 * 4 * TILE];
-            for (int g0, g1; take_groups(&next, groups, &g0, &g1);)
-                for (int g = g0; g < g1; g++) {
-                    const int tile0 = g * GROUP, nt = tiles - tile0 < GROUP ? tiles - tile0 : GROUP;
-                    for (int r0 = 0; r0 < m; r0 += 6) {
-                        const int r = m - r0 < 6 ? m - r0 : 6;
-                        for (int t = 0, step; t < nt; t += step) {
-                            step = nt - t < 4 ? 1 : 4;
-                            const uint32_t hits = (step == 4 ? BSCREEN_FULL : BSCREEN_ONE)[r](
-                                &c, w, xb + (size_t)r0 * k, tile0 + t, rows + r0, mine + r0, out);
-                            if (hits) offer(hits, out, r, step, &c, tile0 + t, rows + r0, mine + r0);
-                        }
-                    }
-                }
-        }
+        screen_rows(&c, 2, (const uint8_t *)xb, sizeof(uint16_t) * k, BSCREEN_FULL, BSCREEN_ONE, m, rows, pools,
+                    threads);
         status = settle_rows(&f.head, pools, threads, m, rows, h, tokens);
     }
     free(xb), free(rows), free(bad), free(pools);

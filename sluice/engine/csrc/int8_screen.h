@@ -259,8 +259,11 @@ static int merge_pools(const Pool *pools, int threads, int m, int r, const Row *
     return count;
 }
 
-/* Screens m quantized rows u against the int8 weight c on the team's threads (pools: threads * m). */
-static void screen_rows(const Weight *c, const uint8_t *u, int m, const Row *rows, Pool *pools, int threads) {
+/* Screens m rows u (row_bytes apart) against the weight c (c->q, elem bytes a value) on the team's threads
+ * (pools: threads * m), with a screen's tiles: full (S_ROWS rows x S_TILES tiles) and one (x 1 tile); the
+ * int8 screen's are SCREEN_FULL / SCREEN_ONE. */
+static void screen_rows(const Weight *c, int elem, const uint8_t *u, size_t row_bytes, const screen_fn *full,
+                        const screen_fn *one, int m, const Row *rows, Pool *pools, int threads) {
     const int tiles = (c->n + TILE - 1) / TILE, groups = (tiles + GROUP - 1) / GROUP, k = c->k;
     int next = 0;
 #pragma omp parallel num_threads(threads)
@@ -272,13 +275,13 @@ static void screen_rows(const Weight *c, const uint8_t *u, int m, const Row *row
                 const int tile0 = g * GROUP, nt = tiles - tile0 < GROUP ? tiles - tile0 : GROUP;
                 for (int r0 = 0; r0 < m; r0 += S_ROWS) {
                     const int r = m - r0 < S_ROWS ? m - r0 : S_ROWS;
-                    const uint8_t *ur = u + (size_t)r0 * k;
+                    const uint8_t *ur = u + (size_t)r0 * row_bytes;
                     for (int t = 0, step; t < nt; t += step) {
                         step = nt - t < S_TILES ? 1 : S_TILES;
                         const int8_t *pf = r0 == 0 && nt == GROUP && g + 1 < groups
-                                               ? c->q + (size_t)(tile0 + t + GROUP) * k * TILE : NULL;
-                        const uint32_t hits = (step == S_TILES ? SCREEN_FULL : SCREEN_ONE)[r](
-                            c, ur, tile0 + t, rows + r0, mine + r0, out, pf);
+                                               ? c->q + (size_t)(tile0 + t + GROUP) * k * TILE * elem : NULL;
+                        const uint32_t hits = (step == S_TILES ? full : one)[r](c, ur, tile0 + t, rows + r0,
+                                                                               mine + r0, out, pf);
                         if (hits) offer(hits, out, r, step, c, tile0 + t, rows + r0, mine + r0);
                     }
                 }
@@ -377,7 +380,7 @@ static int screened_argmax(Head *head, const Weight *c, float err_w, float norm_
             bad[r] = quantize_row(head->as_float(head, (const char *)h + rb * r, hf), k, u + (size_t)r * k, err_w,
                                   norm_w, norm_q, head->sums_g, head->rel, rows + r);
         init_pools(pools, threads, m, bad);
-        screen_rows(c, u, m, rows, pools, threads);
+        screen_rows(c, 1, u, k, SCREEN_FULL, SCREEN_ONE, m, rows, pools, threads);
         status = settle_rows(head, pools, threads, m, rows, h, tokens);
     }
     free(u), free(rows), free(bad), free(pools), free(hf);

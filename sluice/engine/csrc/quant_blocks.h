@@ -260,8 +260,7 @@ enum { QM_DIRECT_ROWS = 8 };
  * out's columns at `col`: QR_VL rows of the group by up to QR_R rows of x a tile. */
 static void qr_group(const quant_part_t *p, int j0, int count, int col, int k, const qm_x8_t *x8, int m,
                      const float *bias, float *out, long ldo) {
-    const int type = p->type & ~QR_PACKED;
-    const qr_tile_fn *tiles = type == Q8_C ? qc_tiles() : qr_tiles(type);
+    const qr_tile_fn *tiles = qr_tiles(p->type & ~QR_PACKED);
     const uint8_t *group = p->w + (size_t)j0 * p->row_bytes;
     for (int h = 0; h * QR_VL < count; h++) {
         const int lanes = count - h * QR_VL < QR_VL ? count - h * QR_VL : QR_VL, c0 = col + h * QR_VL;

@@ -14,7 +14,7 @@
  * A weight's row as stored (quant_part_t, unpacked): its scale (float32), then its K values (int8): K + 4 bytes.
  * Repacked (the only form the kernels read), a group of QR_ROWS rows takes the same bytes as:
  *   scales [QR_ROWS] float32, then values [K / 4 chunks][QR_ROWS][4] int8 (values 4c..4c+3 of each row).
- * Included by quant_repack.h after its shims.
+ * Included by quant_repack.h after its shims: its QR_ALL makes these tiles beside the block formats' (qr_tiles).
  */
 #ifndef SLUICE_QUANT_CHANNEL_H
 #define SLUICE_QUANT_CHANNEL_H
@@ -40,7 +40,6 @@ static inline void qc_repack(const uint8_t *w, int n, int k, uint8_t *out) {
  * a row) bd (d) and bneg (minus the group's sum of q). */
 static void qc_quantize_rows(const float *x, long ldx, int r0, int r1, int k, const qm_x8_t *x8) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const long lb = x8->ld / 32;
     for (int r = r0; r < r1; r++) {
         const float *xr = x + (size_t)r * ldx;
@@ -49,24 +48,12 @@ static void qc_quantize_rows(const float *x, long ldx, int r0, int r1, int k, co
             const int g1 = g0 + QC_GROUP < k ? g0 + QC_GROUP : k;
             __m256 top = _mm256_setzero_ps();
             for (int i = g0; i < g1; i += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(xr + i)));
-            __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-            t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-            const float amax = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+            const float amax = qm_hmax(top);
             const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-            __m256i sums = _mm256_setzero_si256();
-            for (int i = g0; i < g1; i += 32) {
-                __m256i v[4]; /* (rounded to nearest even, as nearbyintf) */
-                for (int j = 0; j < 4; j++) v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + i + 8 * j), inv));
-                const __m256i packed = _mm256_permutevar8x32_epi32(
-                    _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3])), order);
-                _mm256_storeu_si256((__m256i *)(q + i), packed);
-                sums = _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), packed),
-                                                                _mm256_set1_epi16(1)));
-            }
-            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
-            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+            int32_t total = 0;
+            for (int i = g0; i < g1; i += 32) total += qm_hsum(qm_quantize32(xr + i, inv, q + i));
             const long at = (size_t)r * lb + g0 / QC_GROUP;
-            x8->bd[at] = amax / 127.0f, x8->bneg[at] = -_mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+            x8->bd[at] = amax / 127.0f, x8->bneg[at] = -total;
         }
     }
 }
@@ -78,13 +65,7 @@ static void qc_quantize_rows(const float *x, long ldx, int r0, int r1, int k, co
     static void NAME##_##R(const uint8_t *group, int blocks, int half, const qm_x8_t *x8, int r0, float *sums) { \
         const float *scales = (const float *)group + half * QR_VL;                                             \
         const uint8_t *values = group + QR_ROWS * 4 + half * QR_VL * 4;                                        \
-        const long lb = x8->ld / 32;                                                                           \
-        const int8_t *xq[R];                                                                                   \
-        qf_t acc[R];                                                                                           \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                  \
-            xq[r] = x8->q + (size_t)(r0 + r) * x8->ld;                                                         \
-            acc[r] = qf_zero();                                                                                \
-        }                                                                                                      \
+        QR_ROWS_OF_X(R)                                                                                        \
         for (int c0 = 0, g = 0; c0 < 8 * blocks; c0 += QC_GROUP / 4, g++) {                                    \
             const int c1 = c0 + QC_GROUP / 4 < 8 * blocks ? c0 + QC_GROUP / 4 : 8 * blocks;                    \
             qi_t dot[R];                                                                                       \
@@ -115,23 +96,6 @@ static void qc_quantize_rows(const float *x, long ldx, int r0, int r1, int k, co
 #define QC_ALL(NAME, V, DOT)                                                                                   \
     QC_TILE(NAME, V, DOT, 1) QC_TILE(NAME, V, DOT, 2) QC_TILE(NAME, V, DOT, 3) QC_TILE(NAME, V, DOT, 4)             \
     static const qr_tile_fn NAME##s[] = {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4};
-#endif
-
-/* The tiles, chosen as qr_tiles are. */
-#if defined(__AVX512VNNI__)
-QC_ALL(qc_vnni_tile, 1, qi_dot_vnni)
-static const qr_tile_fn *qc_tiles(void) { return qc_vnni_tiles; }
-#else
-QC_ALL(qc_mtile, 0, qi_dot_pairs)
-#if defined(__AVX512BW__)
-#pragma GCC push_options
-#pragma GCC target("avx512vnni")
-QC_ALL(qc_vnni_tile, 1, qi_dot_vnni)
-#pragma GCC pop_options
-static const qr_tile_fn *qc_tiles(void) { return __builtin_cpu_supports("avx512vnni") ? qc_vnni_tiles : qc_mtiles; }
-#else
-static const qr_tile_fn *qc_tiles(void) { return qc_mtiles; }
-#endif
 #endif
 
 #endif

@@ -50,28 +50,45 @@ static inline qm_x8_t qm_x8_at(void *mem, int m, int k) {
     return (qm_x8_t){q, d, neg, sum, bd, bneg, bsum, (int32_t *)(bsum + block), ld};
 }
 
+/* the largest of v's 8 lanes */
+static inline float qm_hmax(__m256 v) {
+    __m128 t = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+    return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+
+/* the sum of v's 8 lanes */
+static inline int32_t qm_hsum(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
+/* 32 values x times inv rounded to int8 into q (to nearest even, as nearbyintf); returns the sums of each lane's
+ * 4 of them (lanes in the order of q) */
+static inline __m256i qm_quantize32(const float *x, __m256 inv, int8_t *q) {
+    __m256i n[4];
+    for (int j = 0; j < 4; j++) n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), inv));
+    const __m256i packed = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, packed);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), packed), _mm256_set1_epi16(1));
+}
+
 /* Rows [r0, r1) of x (k values each, ldx apart) quantized into x8. */
 static void qm_quantize_rows(const float *x, long ldx, int r0, int r1, int k, const qm_x8_t *x8) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int r = r0; r < r1; r++) {
         int8_t *q = x8->q + (size_t)r * x8->ld;
         const size_t at = (size_t)r * x8->ld / 4;
         for (int i = 0; i < k; i += 32) {
             const float *xb = x + (size_t)r * ldx + i;
-            __m256 v[4], top = _mm256_setzero_ps();
-            for (int j = 0; j < 4; j++) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[j] = _mm256_loadu_ps(xb + 8 * j)));
-            __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-            t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-            const float amax = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+            __m256 top = _mm256_setzero_ps();
+            for (int j = 0; j < 4; j++) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * j)));
+            const float amax = qm_hmax(top);
             const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f), d = _mm256_set1_ps(amax / 127.0f);
-            __m256i n[4]; /* (rounded to nearest even, as nearbyintf) */
-            for (int j = 0; j < 4; j++) n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
-            const __m256i packed = _mm256_permutevar8x32_epi32(
-                _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3])), order);
-            _mm256_storeu_si256((__m256i *)(q + i), packed);
-            const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), packed),
-                                                   _mm256_set1_epi16(1));
+            const __m256i sums = qm_quantize32(xb, inv, q + i);
             _mm256_storeu_ps(x8->d + at + i / 4, d);
             _mm256_storeu_si256((__m256i *)(x8->neg + at + i / 4), _mm256_sub_epi32(_mm256_setzero_si256(), sums));
             _mm256_storeu_ps(x8->sum + at + i / 4, _mm256_mul_ps(d, _mm256_cvtepi32_ps(sums)));

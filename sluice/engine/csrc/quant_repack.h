@@ -375,12 +375,15 @@ typedef void (*qr_tile_fn)(const uint8_t *, int, int, const qm_x8_t *, int, floa
     QR_TILES(NAME, V, DOT, Q8_0) QR_TILES(NAME, V, DOT, Q4_0) QR_TILES(NAME, V, DOT, Q4_1)                     \
     QR_TILES(NAME, V, DOT, Q5_0) QR_TILES(NAME, V, DOT, Q5_1)                                                  \
     QR_TILES(NAME, V, DOT, Q4_K) QR_TILES(NAME, V, DOT, Q5_K) QR_TILES6(NAME, V, DOT)                          \
-    QX_BY_TYPE(qr_tile_fn, QR_BY_ROWS, NAME)
+    QX_BY_TYPE(qr_tile_fn, QR_BY_ROWS, NAME) QC_ALL(NAME##_c, V, DOT)
 
-/* The tiles of a type, chosen as quant_int8.h's qi_tiles are. */
+#include "quant_channel.h"
+
+/* The tiles of a type (Q8_C's: quant_channel.h's), chosen as quant_int8.h's qi_tiles are. */
+#define QR_TYPE_TILES(NAME, type) ((type) == Q8_C ? NAME##_cs : NAME##s(type))
 #if defined(__AVX512VNNI__)
 QR_ALL(qr_vnni_tile, 1, qi_dot_vnni)
-static const qr_tile_fn *qr_tiles(int type) { return qr_vnni_tiles(type); }
+static const qr_tile_fn *qr_tiles(int type) { return QR_TYPE_TILES(qr_vnni_tile, type); }
 #else
 QR_ALL(qr_mtile, 0, qi_dot_pairs)
 #if defined(__AVX512BW__)
@@ -389,14 +392,12 @@ QR_ALL(qr_mtile, 0, qi_dot_pairs)
 QR_ALL(qr_vnni_tile, 1, qi_dot_vnni)
 #pragma GCC pop_options
 static const qr_tile_fn *qr_tiles(int type) {
-    return __builtin_cpu_supports("avx512vnni") ? qr_vnni_tiles(type) : qr_mtiles(type);
+    return __builtin_cpu_supports("avx512vnni") ? QR_TYPE_TILES(qr_vnni_tile, type) : QR_TYPE_TILES(qr_mtile, type);
 }
 #else
-static const qr_tile_fn *qr_tiles(int type) { return qr_mtiles(type); }
+static const qr_tile_fn *qr_tiles(int type) { return QR_TYPE_TILES(qr_mtile, type); }
 #endif
 #endif
-
-#include "quant_channel.h"
 
 #if !defined(__AVX512BW__)
 #pragma GCC pop_options
