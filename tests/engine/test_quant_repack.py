@@ -14,11 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from sluice.engine.cpu import build as kernel_build
 from sluice.engine.cpu import quant as cpu_quant
-from sluice.engine.cpu.quant import QuantMatmul
-from sluice.engine.quant import QuantizedWeight, channel_int8
+from sluice.engine.cpu.quant import QuantMatmul, RepackedWeight
+from sluice.engine.quant import BY_NAME, Q8_C, QuantizedWeight, channel_int8
 from tests.engine import test_quant
 from tests.engine.test_quant import ISAS, random_weight, reference
 
@@ -117,6 +119,32 @@ def test_a_file_mapped_weight_gives_its_pages_back_once_repacked(tmp_path):
     x = torch.randn(3, 512)
     assert torch.equal(kernel(x), QuantMatmul.build(weight, None, int8=True)(x))
     assert torch.equal(mapped.data, weight.data)
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from([*REPACKED, "Q8_C"]), n=st.integers(1, 40), blocks=st.integers(1, 3),
+       seed=st.integers(0, 2**31))
+def test_a_weight_read_into_memory_is_held_only_repacked_and_unpacks_to_its_bytes(isa, name, n, blocks, seed):
+    """Once its int8 kernel is built, a weight in memory (not a file's map) is held as the repacked copy alone
+    (`RepackedWeight`: the loaded bytes go), and reading its bytes unpacks them exactly: any bytes at all (every
+    bit of a row is in its repacked form; Q4_K / Q5_K's 6-bit scales and mins encoded back into their 12), N not
+    whole groups of 16. A float-activation kernel or one on the file's layout built from it runs those bytes."""
+    qtype = Q8_C if name == "Q8_C" else BY_NAME[name]
+    k = blocks * (256 if name.endswith("_K") else 32)
+    data = torch.randint(0, 256, (n, qtype.row_head + k // qtype.block_size * qtype.block_bytes), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(seed))
+    kernel = QuantMatmul.build(QuantizedWeight(data.clone(), qtype, (n, k)), None, int8=True)
+    (held,) = kernel.parts
+    assert isinstance(held, RepackedWeight) and held.packed is kernel.packed[0] and held.nbytes == data.numel()
+    assert torch.equal(held.data, data)
+    if name != "Q8_C":  # (per-channel weights under float activations: Q8_0 blocks of them, tested above)
+        x, stored = torch.randn(2, k), QuantizedWeight(data, qtype, (n, k))
+        for int8, repack in ((False, True), (True, False)):
+            rebuilt = QuantMatmul.build(held, None, int8=int8, repack=repack)
+            assert not isinstance(rebuilt.parts[0], RepackedWeight) and torch.equal(rebuilt.parts[0].data, data)
+            torch.testing.assert_close(rebuilt(x), QuantMatmul.build(stored, None, int8=int8, repack=repack)(x),
+                                       rtol=0, atol=0, equal_nan=True)  # (random bytes: some scales NaN)
 
 
 def resident_kb(path: Path) -> int:

@@ -6,9 +6,11 @@ them (the default: per group of 128 values on the per-channel linears); scales n
 what is refused."""
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import shutil
+import weakref
 
 import pytest
 import torch
@@ -16,6 +18,10 @@ import transformers
 
 from sluice.app.builtin_models import save_sharded, write_llama_family
 from sluice.engine import compressed_tensors, gptq_config
+from sluice.engine.cpu import quant as cpu_quant
+from sluice.engine.cpu.backend import CpuBackend
+from sluice.engine.cpu.quant import RepackedWeight
+from sluice.engine.layers import Linear
 from sluice.engine.loader import load_model
 from sluice.engine.quant import dequantized
 from tests.engine.helpers import assert_logits_match, make_engine, seq
@@ -100,6 +106,30 @@ def test_each_linear_holds_exactly_the_checkpoints_values(w8a8):
             want = torch.cat([dequant[f"model.layers.{i}.{block}.{p}.weight"] for p in parts])
             assert torch.equal(dequantized(layer.quant), want), stacked
     assert getattr(model.lm_head, "quant", None) is None and model.lm_head.weight.dtype == torch.float32  # (float)
+
+
+def test_a_model_read_into_memory_holds_its_weights_once_its_kernels_are_built(w8a8, monkeypatch):
+    """Once the backend builds a linear's int8 kernel, the loaded bytes go (nothing holds them) and the layer
+    holds the repacked copy the kernel reads (RepackedWeight), whose bytes unpack to the checkpoint's values: a
+    W8A8 (or GPTQ / AWQ, or --quantization) model is held once, not twice."""
+    monkeypatch.delenv("SLUICE_QUANT_ACTIVATIONS", raising=False)
+    if cpu_quant.library() is None:
+        pytest.skip("no quantized kernel builds here")
+    path, _, dequant = w8a8
+    model = load_model(path, torch.float32, torch.device("cpu"))
+    backend, linears = CpuBackend(torch.float32), [m for m in model.modules() if isinstance(m, Linear)]
+    loaded = [weakref.ref(p.data) for m in linears for p in m.quant]
+    for m in linears:
+        m.run = backend.linear(m)
+    gc.collect()
+    assert loaded and not [r for r in loaded if r() is not None]
+    for i in range(2):
+        for block, stacked, parts in (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                                      ("mlp", "down_proj", ("down_proj",)), ("self_attn", "o_proj", ("o_proj",))):
+            layer = model.get_submodule(f"model.layers.{i}.{block}.{stacked}")
+            assert all(isinstance(p, RepackedWeight) and p.packed is q for p, q in zip(layer.quant, layer.run.packed))
+            want = torch.cat([dequant[f"model.layers.{i}.{block}.{p}.weight"] for p in parts])
+            assert torch.equal(dequantized(layer.quant), want)
 
 
 def test_logits_equal_the_float_model_of_the_dequantized_weights(w8a8, monkeypatch):

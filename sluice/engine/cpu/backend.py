@@ -103,7 +103,10 @@ class CpuBackend(Backend):
     def linear(self, layer: nn.Linear):
         weight, bias = layer.weight, layer.bias
         if getattr(layer, "quant", None) is not None:  # a weight kept in a block format (engine/quant.py)
-            return quant_linear(layer.quant, bias)
+            run = quant_linear(layer.quant, bias)
+            if isinstance(run, QuantMatmul):
+                layer.quant = run.parts  # (those read into memory now held only repacked: RepackedWeight)
+            return run
         if weight.device.type != "cpu":
             return None
         if self.dtype == torch.float32:

@@ -18,6 +18,10 @@ Two paths, one kernel source built for AVX512-VNNI or for AVX2 (chosen at run ti
 SLUICE_QUANT_ACTIVATIONS=int8 or float chooses one for every weight, `auto` whichever measures faster at start
 (logged).
 
+A weight read into memory (not a file's map) is held once: its kernel's repacked copy, the loaded bytes dropped
+(`RepackedWeight`, which unpacks them exactly where something reads them as stored); a GGUF file's mapped pages
+are given back instead (`_give_back`).
+
 The LM head of a quantized table (a GGUF file's `output`, or its token embedding where tied) is the same
 product over the vocabulary (`QuantLMHead`): float logits, greedy rows screened with int8 activations first
 (the float path's tokens, exactly). Without either instruction set (or a C compiler), the weight is
@@ -38,7 +42,7 @@ from sluice.base import envs
 from sluice.engine.backend import LMHead
 from sluice.engine.cpu.build import _AVX2, _AVX512_VL_VNNI, cpu_flags, load
 from sluice.engine.cpu.kernels import _cached
-from sluice.engine.quant import BY_NAME, Q8_C, QuantizedWeight, dequantized
+from sluice.engine.quant import BY_NAME, Q8_C, QuantizedWeight, QuantType, dequantized
 from sluice.engine.sampler import argmax
 
 log = logging.getLogger("sluice.engine")
@@ -65,6 +69,8 @@ def library() -> tuple[ctypes.CDLL, str] | None:
             lib.sluice_quant_dequantize.argtypes = [P, INT, INT, INT, L, P]
             lib.sluice_quant_repack.restype = INT
             lib.sluice_quant_repack.argtypes = [P, INT, INT, INT, L, P]
+            lib.sluice_quant_unpack.restype = INT
+            lib.sluice_quant_unpack.argtypes = [P, INT, INT, INT, L, P]
             lib.sluice_quant_group_rows.restype = INT
             lib.sluice_quant_repacked_row_bytes.restype = L
             lib.sluice_quant_repacked_row_bytes.argtypes = [INT, INT, L]
@@ -117,24 +123,28 @@ def _measured() -> str:
 
 class QuantMatmul:
     """x @ W^T + bias for float32 rows x [..., K] and a quantized weight W [N, K] (never unpacked whole), W
-    given as parts stacked on N."""
+    given as parts stacked on N. With int8 activations each part is repacked once (csrc/quant_repack.h), and
+    one read into memory (not a file's map) is then held only so: `parts` gives it as a `RepackedWeight`."""
 
     def __init__(self, lib: ctypes.CDLL, isa: str, parts: tuple[QuantizedWeight, ...], bias: torch.Tensor | None,
                  int8: bool, repack: bool = True) -> None:
-        self.parts = parts
         self.n, self.k = sum(p.shape[0] for p in parts), parts[0].shape[1]
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.int8 = int8
         self.isa = f"{isa}, {'int8' if int8 else 'float'} activations"
         self.lib = lib
         # (int8: parts repacked once, csrc/quant_repack.h; the kernel reads only the copy)
-        self.packed = [_repacked(lib, p) if repack and int8 and (_repacks(isa) or p.qtype == Q8_C) else None
+        self.packed = [p.packed if isinstance(p, RepackedWeight) else
+                       _repacked(lib, p) if repack and int8 and (_repacks(isa) or p.qtype == Q8_C) else None
                        for p in parts]
+        self.parts = tuple(p if packed is None or p.mapped or isinstance(p, RepackedWeight)
+                           else RepackedWeight(packed, p.qtype, p.shape, p.data.shape[1])
+                           for p, packed in zip(parts, self.packed))
         # (what csrc/f32_layers.c's step reads too: pointers into the bytes, which this object keeps)
         self.spec = (QuantPart * len(parts))(*[
             QuantPart(p.data.data_ptr(), p.data.stride(0), p.qtype.ggml, p.shape[0]) if packed is None
             else QuantPart(packed.data_ptr(), packed.stride(0), p.qtype.ggml | _PACKED, p.shape[0])
-            for p, packed in zip(parts, self.packed)])
+            for p, packed in zip(self.parts, self.packed)])
 
     @classmethod
     def build(cls, weight: QuantizedWeight | tuple[QuantizedWeight, ...], bias: torch.Tensor | None = None,
@@ -155,8 +165,11 @@ class QuantMatmul:
                 return None
             else:
                 parts = blocks
-        if any(p.data.stride(1) != 1 for p in parts):
-            parts = tuple(QuantizedWeight(p.data.contiguous(), p.qtype, p.shape) for p in parts)
+        if not (int8 and repack):  # (a weight held repacked, unpacked for the tiles on its own layout)
+            parts = tuple(p.stored() if isinstance(p, RepackedWeight) else p for p in parts)
+        if any(not isinstance(p, RepackedWeight) and p.data.stride(1) != 1 for p in parts):
+            parts = tuple(p if isinstance(p, RepackedWeight) else QuantizedWeight(p.data.contiguous(), p.qtype, p.shape)
+                          for p in parts)
         return cls(lib, isa, parts, bias, int8, repack)
 
     @property
@@ -210,6 +223,40 @@ def _repacked(lib: ctypes.CDLL, weight: QuantizedWeight) -> torch.Tensor:
     if weight.mapped:
         _give_back(weight.data)
     return out
+
+
+class RepackedWeight(QuantizedWeight):
+    """A weight held only as its repacked copy (`packed`: the int8 tiles' form, csrc/quant_repack.h), as one read
+    into memory is once its kernel is built (a W8A8, GPTQ / AWQ or `--quantization` weight: held once, not as its
+    loaded bytes beside the copy). `data`, its bytes as stored, is unpacked from the copy at each read (exactly:
+    sluice_quant_unpack), for what reads them so (a float-activation kernel, dequantize, tests)."""
+
+    packed: torch.Tensor
+    row_bytes: int
+
+    def __init__(self, packed: torch.Tensor, qtype: QuantType, shape: tuple[int, int], row_bytes: int) -> None:
+        for name, value in (("packed", packed), ("qtype", qtype), ("shape", shape), ("mapped", False),
+                            ("row_bytes", row_bytes)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def data(self) -> torch.Tensor:
+        found = library()
+        assert found is not None  # (it repacked this weight)
+        n, k = self.shape
+        out = torch.empty(n, self.row_bytes, dtype=torch.uint8)
+        if found[0].sluice_quant_unpack(self.packed.data_ptr(), self.qtype.ggml, n, k, self.row_bytes,
+                                        out.data_ptr()):
+            raise ValueError(f"the unpack kernel refused {self.qtype.name}")
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.row_bytes
+
+    def stored(self) -> QuantizedWeight:
+        """The weight as its bytes are stored (unpacked once: a copy)."""
+        return QuantizedWeight(self.data, self.qtype, self.shape)
 
 
 _MADV_DONTNEED = 4

@@ -35,6 +35,17 @@ static inline void qc_repack(const uint8_t *w, int n, int k, uint8_t *out) {
     }
 }
 
+/* The inverse of qc_repack: the rows w [n][k + 4] of the groups at packed */
+static inline void qc_unpack(const uint8_t *packed, int n, int k, uint8_t *w) {
+    const long row = (long)k + 4;
+    for (int j = 0; j < n; j++) {
+        const uint8_t *g = packed + (size_t)(j / QR_ROWS) * QR_ROWS * row;
+        const int i = j % QR_ROWS;
+        memcpy(w + (size_t)j * row, g + (size_t)i * 4, 4);
+        for (int c = 0; c < k / 4; c++) memcpy(w + (size_t)j * row + 4 + 4 * c, g + QR_ROWS * 4 + ((size_t)c * QR_ROWS + i) * 4, 4);
+    }
+}
+
 /* Rows [r0, r1) of x (k values each, ldx apart) quantized per group of QC_GROUP values (the last one shorter
  * where k is not whole groups) into x8: q (k values), and per group (at the row's blocks' index g, lb = ld / 32
  * a row) bd (d) and bneg (minus the group's sum of q). */

@@ -7,7 +7,7 @@
  *   dequantized exactly, multiplied in float32) or int8 ones (x's rows quantized per block of 32 as
  *   llama.cpp's dot products do, quant_int8.h);
  * - sluice_quant_repack: a weight of any of these types interleaved QR_ROWS rows a group for the int8
- *   tiles (quant_repack.h), made once at load;
+ *   tiles (quant_repack.h), made once at load; sluice_quant_unpack its inverse;
  * - sluice_quant_dequantize: a weight's float32 values (the gguf package's, exactly).
  *
  * Built once per instruction set (engine/cpu/kernels.py); K is a multiple of 32 (of 256 for the K-quants).
@@ -74,6 +74,20 @@ int sluice_quant_repack(const uint8_t *w, int type, int n, int k, long row_bytes
     }
     if (!qm_supported(type) || k % (type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32)) return -1;
     qr_repack(w, type, n, k, row_bytes, out);
+    return 0;
+}
+
+/* The inverse of sluice_quant_repack: the weight's own rows w [n][row_bytes] (row_bytes: its type's, whole
+ * blocks) back from a repacked copy, exactly (a weight held only repacked gives its bytes to whatever reads
+ * them as stored). Returns 0, or -1 where the type is not one of these. */
+int sluice_quant_unpack(const uint8_t *packed, int type, int n, int k, long row_bytes, uint8_t *w) {
+    if (type == Q8_C) {
+        if (k % 32 || row_bytes != (long)k + 4) return -1;
+        qc_unpack(packed, n, k, w);
+        return 0;
+    }
+    if (!qm_supported(type) || k % (type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32)) return -1;
+    qr_unpack(packed, type, n, k, row_bytes, w);
     return 0;
 }
 

@@ -155,6 +155,100 @@ static inline void qr_repack(const uint8_t *w, int type, int n, int k, long row_
     }
 }
 
+/* The inverse of qr_put_block: row i's 32 values q of the block at vb (`bits` wide) */
+static inline void qr_get_block(const uint8_t *vb, int i, uint8_t *q, int bits) {
+    for (int c = 0; c < 4; c++)
+        for (int t = 0; t < 4; t++) {
+            const int v = vb[((size_t)c * QR_ROWS + i) * 4 + t];
+            int lo = v & 0xF, hi = v >> 4;
+            if (bits == 5) {
+                const int h = vb[((size_t)4 * QR_ROWS + i) * 4 + t] >> (2 * c);
+                lo |= (h & 1) << 4, hi |= (h >> 1 & 1) << 4;
+            }
+            if (bits == 6) {
+                const int h = vb[((size_t)(4 + (c & 1)) * QR_ROWS + i) * 4 + t] >> (4 * (c >> 1));
+                lo |= (h & 3) << 4, hi |= (h >> 2 & 3) << 4;
+            }
+            q[4 * c + t] = (uint8_t)lo, q[16 + 4 * c + t] = (uint8_t)hi;
+        }
+}
+
+/* The inverse of qr_repack: the file's rows w [n][row_bytes] (row_bytes: the type's own, whole blocks) of the
+ * groups at packed (qr_row_bytes a row). A weight kept only repacked gives its bytes back this way, exactly
+ * (every bit of a row is in its repacked form; Q4_K's 6-bit scales and mins encoded back into their 12 bytes). */
+static inline void qr_unpack(const uint8_t *packed, int type, int n, int k, long row_bytes, uint8_t *w) {
+    const int blocks = k / 32, supers = k / 256, five = QR_FIVE(type);
+    const long pr = qr_row_bytes(type, k, row_bytes);
+    memset(w, 0, (size_t)n * row_bytes);
+    for (int j = 0; j < n; j++) {
+        const int i = j % QR_ROWS;
+        const uint8_t *g = packed + (size_t)(j / QR_ROWS) * QR_ROWS * pr;
+        uint8_t *row = w + (size_t)j * row_bytes, q[32];
+        if (type == Q6_K) {
+            const uint8_t *sc = g + (size_t)supers * QR_ROWS * 2, *values = sc + (size_t)blocks * 2 * QR_ROWS;
+            for (int s = 0; s < supers; s++) {
+                uint8_t *sb = row + (size_t)s * 210;
+                memcpy(sb + 208, g + ((size_t)s * QR_ROWS + i) * 2, 2);
+                for (int u = 0; u < 8; u++) {
+                    const int b = 8 * s + u, h = u >> 2, t = u & 3;
+                    sb[192 + 2 * u] = sc[((size_t)b * 2 + 0) * QR_ROWS + i];
+                    sb[192 + 2 * u + 1] = sc[((size_t)b * 2 + 1) * QR_ROWS + i];
+                    qr_get_block(values + (size_t)b * 6 * QR_ROWS * 4, i, q, 6);
+                    for (int l = 0; l < 32; l++) {
+                        sb[64 * h + 32 * (t & 1) + l] |= (uint8_t)((q[l] & 0xF) << (4 * (t >> 1)));
+                        sb[128 + 32 * h + l] |= (uint8_t)((q[l] >> 4) << (2 * t));
+                    }
+                }
+            }
+        } else if (type == Q4_K || type == Q5_K) {
+            const int bytes_a_super = five ? 176 : 144;
+            const uint8_t *sc = g + (size_t)supers * QR_ROWS * 4, *mins = sc + (size_t)blocks * QR_ROWS;
+            const uint8_t *values = mins + (size_t)blocks * QR_ROWS;
+            for (int s = 0; s < supers; s++) {
+                uint8_t *sb = row + (size_t)s * bytes_a_super, *scales = sb + 4;
+                memcpy(sb, g + ((size_t)s * QR_ROWS + i) * 2, 2);
+                memcpy(sb + 2, g + ((size_t)(supers + s) * QR_ROWS + i) * 2, 2);
+                for (int sub = 0; sub < 8; sub++) { /* (k4_scale_min's encoding) */
+                    const int b = 8 * s + sub, a = sc[(size_t)b * QR_ROWS + i], m = mins[(size_t)b * QR_ROWS + i];
+                    if (sub < 4) {
+                        scales[sub] |= (uint8_t)a, scales[sub + 4] |= (uint8_t)m;
+                    } else {
+                        scales[sub - 4] |= (uint8_t)((a >> 4) << 6), scales[sub] |= (uint8_t)((m >> 4) << 6);
+                        scales[sub + 4] = (uint8_t)((a & 0xF) | (m & 0xF) << 4);
+                    }
+                    qr_get_block(values + (size_t)b * (4 + five) * QR_ROWS * 4, i, q, five ? 5 : 4);
+                    uint8_t *qs = sb + (five ? 48 : 16) + 32 * (sub >> 1), *qh = sb + 16;
+                    for (int l = 0; l < 32; l++) {
+                        qs[l] |= (uint8_t)((q[l] & 0xF) << (4 * (sub & 1)));
+                        if (five) qh[l] |= (uint8_t)((q[l] >> 4) << sub);
+                    }
+                }
+            }
+        } else {
+            const int bb = qr_block_bytes(type), chunks = type == Q8_0 ? 8 : 4;
+            const int head = type == Q4_1 || type == Q5_1 ? 4 : 2;
+            const uint8_t *values = g + (size_t)blocks * QR_ROWS * head;
+            for (int b = 0; b < blocks; b++) {
+                uint8_t *blk = row + (size_t)b * bb;
+                const uint8_t *vb = values + (size_t)b * (chunks + five) * QR_ROWS * 4;
+                memcpy(blk, g + ((size_t)b * QR_ROWS + i) * 2, 2);
+                if (head == 4) memcpy(blk + 2, g + ((size_t)(blocks + b) * QR_ROWS + i) * 2, 2);
+                if (five) {
+                    uint32_t bits = 0;
+                    qr_get_block(vb, i, q, 5);
+                    for (int l = 0; l < 32; l++) {
+                        blk[head + 4 + l % 16] |= (uint8_t)((q[l] & 0xF) << (4 * (l / 16)));
+                        bits |= (uint32_t)(q[l] >> 4) << l;
+                    }
+                    memcpy(blk + head, &bits, 4);
+                } else {
+                    for (int c = 0; c < chunks; c++) memcpy(blk + head + 4 * c, vb + ((size_t)c * QR_ROWS + i) * 4, 4);
+                }
+            }
+        }
+    }
+}
+
 #if defined(__AVX512BW__)
 enum { QR_VL = 16, QR_R = 8 };
 static inline qi_t qr_bcast(const int8_t *p) {
