@@ -83,6 +83,10 @@ class Backend:
         """A quantized weight's float32 values [N, K] (the rows an embedding looks up)."""
         return weight.dequantize()
 
+    def tie(self, embedding: nn.Embedding, head: LMHead) -> None:
+        """An embedding whose table the LM head `head` multiplies by: where the head holds the table in a copy of
+        its own (packed for a kernel), the embedding may look its rows up there and drop its own."""
+
     def exp_kernels(self) -> ExpKernels | None:
         """The sampler's exp pass, where this backend has kernels for it (None: torch's softmax)."""
         return None

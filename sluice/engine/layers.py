@@ -64,12 +64,18 @@ class Linear(nn.Linear):
 
 class Embedding(nn.Embedding):
     """nn.Embedding whose table may be kept in a GGUF block format (`quant`, set by engine.quant.set_quantized):
-    then only the rows looked up are dequantized (by the backend's kernel where it has one), never the table."""
+    then only the rows looked up are dequantized (by the backend's kernel where it has one), never the table.
+    A table tied to the LM head may be held only as the head's kernel packed it (`lookup`, set by the backend's
+    `tie`)."""
 
     backend: Backend = TORCH
     quant = None  # (an engine.quant.QuantizedWeight,) in place of `weight`
+    lookup: Callable[[torch.Tensor], torch.Tensor] | None = None  # ids [T] -> rows [T, D], in place of `weight`
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.lookup is not None:
+            rows = self.lookup(ids.reshape(-1))
+            return rows.view(*ids.shape, rows.shape[-1])
         if self.quant is None:
             return super().forward(ids)
         return self.backend.dequantize(self.quant[0].rows(ids.reshape(-1))).view(*ids.shape, -1)  # float32
@@ -298,10 +304,15 @@ class CausalLM(nn.Module):
         c = self.config
         return c.num_layers, c.num_kv_heads, c.head_dim
 
+    def tied_embedding(self) -> Embedding | None:
+        """The embedding whose table is the LM head's (tied), else None."""
+        return None if hasattr(self, "lm_head") else self.model.embed_tokens
+
     def lm_weight(self) -> torch.Tensor | QuantizedWeight:
         """The LM head's table [V, D]: its own or the embedding's, kept quantized where it is (the backend's
         `lm_head` multiplies by it as it lies)."""
-        head = self.lm_head if hasattr(self, "lm_head") else self.model.embed_tokens
+        tied = self.tied_embedding()
+        head = self.lm_head if tied is None else tied
         quant = getattr(head, "quant", None)
         return head.weight if quant is None else quant[0]
 

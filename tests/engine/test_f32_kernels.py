@@ -33,6 +33,7 @@ from sluice.engine.cpu import kernels, ops
 from sluice.engine.cpu.matmul import Bf16Screen, F32Matmul, Int8Argmax, bf16_exact, narrowed
 from sluice.engine.cpu.stack import DecoderStack
 from sluice.engine.lm_head import lm_head
+from sluice.engine.loader import load_model
 from tests.engine.helpers import generate, make_engine, seq
 
 _ISA = {"avx512f", "avx512bw", "avx512vl"}
@@ -464,6 +465,8 @@ def test_a_bf16_checkpoint_in_float32_keeps_bf16_weights_and_generates_torch_fp3
     # on AMX a bf16 weight whose K is a multiple of 32 runs there, the others on AVX-512F
     assert all(m.run.isa == ("AMX" if AMX and m.run.k % 32 == 0 else isa) for m in linears)
     assert all(m.run is None and m.weight.dtype == torch.float32 for m in ref.model.modules() if hasattr(m, "run"))
+    tied = runner.model.tied_embedding()  # (a tied table read from the head's packed rows: held once)
+    assert (tied is None) == (variant == "llama-gqa") and (tied is None or tied.weight.numel() == 0)
     requests = [seq(f"r{i}", p, max_tokens=24, temperature=0.0) for i, p in enumerate(PROMPTS)]
     assert generate(runner, sched, requests) == generate(ref, ref_sched, [seq(s.request_id, s.token_ids[:len(p)],
                                                                             max_tokens=24, temperature=0.0)
@@ -489,6 +492,25 @@ def test_long_prompts_take_the_causal_kernel_and_generate_torch_fp32_tokens(vari
     assert any(int(c.args[7].max()) > 0 for c in kernel.call_args_list) == (budget < 600)  # chunks after the first
     assert got == generate(ref, ref_sched, [seq(f"r{i}", p, max_tokens=8, temperature=0.0)
                                             for i, p in enumerate(prompts)])
+
+
+@needs_f32_kernel
+@pytest.mark.parametrize("bf16", [True, False])
+def test_a_tied_table_is_held_once_the_embedding_reading_the_heads_packed_rows(bf16, tmp_path):
+    """The embedding of a table tied to the LM head drops its copy and looks its rows up in the head kernel's
+    packed one (bf16 tiles, or float32 pairs): the table's own rows, bit for bit; an id past the table is
+    refused as nn.Embedding refuses it (the packed rows past it are zero padding)."""
+    path = (_bf16_checkpoint if bf16 else write_llama_family)(tmp_path / "m", architecture="Qwen3ForCausalLM")
+    table = load_model(path, torch.float32, torch.device("cpu")).model.embed_tokens.weight.detach().clone()
+    runner, _ = make_engine(path)
+    embedding = runner.model.model.embed_tokens
+    assert runner.lm_head.kernel.bf16 == bf16 and embedding.lookup is not None
+    assert embedding.weight.numel() == 0 and runner.lm_head.weight.numel() == 0
+    ids = torch.tensor([[0, 5, len(table) - 1], [17, 5, 16]])
+    assert torch.equal(embedding(ids).float(), table[ids]) and embedding(ids[:, :0]).shape == (2, 0, table.shape[1])
+    for bad in (len(table), -1):
+        with pytest.raises(IndexError):
+            embedding(torch.tensor([3, bad]))
 
 
 @needs_f32_kernel

@@ -42,12 +42,25 @@ def tiles(w: torch.Tensor, group: int) -> torch.Tensor:
     return w.view(-1, TILE, k // group, group).permute(0, 2, 1, 3).contiguous()
 
 
+def tile_rows(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` [T] of a weight packed by `tiles` ([N/16][K/group][16][group]), as [T, K]."""
+    whole = packed.shape[-1] * packed.element_size() == 4  # (a group's values gathered as one 4-byte unit: 2.5x)
+    rows = (packed.view(torch.int32) if whole else packed)[index // TILE, :, index % TILE]
+    return rows.reshape(index.numel(), packed.shape[1]).view(packed.dtype) if whole else \
+        rows.reshape(index.numel(), packed.shape[1] * packed.shape[3])
+
+
 def pair_tiles(w: torch.Tensor) -> torch.Tensor:
     """A float32 weight [N, K] (K even) as csrc/f32_matmul.c reads it: tiles of 16 output rows, each
     [K / 2][2][16] (for every pair of columns, the 16 rows' values of the first, then of the second)."""
     n, k = w.shape
     w = F.pad(w, (0, 0, 0, padded(n) - n))
     return w.view(-1, TILE, k // 2, 2).permute(0, 2, 3, 1).contiguous()
+
+
+def pair_tile_rows(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` [T] of a weight packed by `pair_tiles` ([N/16][K/2][2][16]), as [T, K]."""
+    return packed[index // TILE, :, :, index % TILE].reshape(index.numel(), 2 * packed.shape[1])
 
 
 _LINEAR_F32: list[Any] = [P, INT, INT, INT, P, L, INT, P, P, L, P]

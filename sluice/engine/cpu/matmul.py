@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from sluice.engine.cpu import kernels, ops
-from sluice.engine.cpu.kernels import padded, pair_tiles, tiles
+from sluice.engine.cpu.kernels import padded, pair_tile_rows, pair_tiles, tile_rows, tiles
 
 log = logging.getLogger("sluice.engine")
 
@@ -75,6 +75,10 @@ class F32Matmul:
     @property
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size()
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """The weight's rows `index` [T] as packed (bf16 or float32) [T, K]: a tied embedding's lookups."""
+        return tile_rows(self.packed, index) if self.bf16 else pair_tile_rows(self.packed, index)
 
     def _run(self, x: torch.Tensor, out: torch.Tensor | None, tokens: torch.Tensor | None) -> None:
         bias = None if self.bias is None or out is None else self.bias.data_ptr()
@@ -152,6 +156,10 @@ class Bf16Matmul:
             return None
         fn = kernels.bf16_matmul()
         return None if fn is None else cls(fn, weight, bias)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """The weight's rows `index` [T] (bf16) [T, K]: a tied embedding's lookups."""
+        return tile_rows(self.packed, index)
 
     def _run(self, x: torch.Tensor, out: torch.Tensor | None, tokens: torch.Tensor | None) -> None:
         x = x.to(torch.bfloat16).contiguous()
