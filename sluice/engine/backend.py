@@ -83,6 +83,10 @@ class Backend:
         """A quantized weight's float32 values [N, K] (the rows an embedding looks up)."""
         return weight.dequantize()
 
+    def loaded(self) -> None:
+        """Called once the model's weights are ready (packed, its head built): a backend may give back to the
+        system what loading freed."""
+
     def tie(self, embedding: nn.Embedding, head: LMHead) -> None:
         """An embedding whose table the LM head `head` multiplies by: where the head holds the table in a copy of
         its own (packed for a kernel), the embedding may look its rows up there and drop its own."""

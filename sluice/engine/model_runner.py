@@ -105,6 +105,7 @@ class ModelRunner:
         self.lm_head = self.backend.lm_head(model.lm_weight())
         if (tied := getattr(model, "tied_embedding", lambda: None)()) is not None:
             self.backend.tie(tied, self.lm_head)  # (a backend whose head packed the table: held once)
+        self.backend.loaded()
         # the model's own map of the LM head's logits (soft-capping, scaling): order-keeping, so greedy rows'
         # argmax path skips it
         self.finish_logits = getattr(model, "finish_logits", lambda logits: logits)

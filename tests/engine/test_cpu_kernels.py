@@ -376,12 +376,13 @@ def test_sampling_with_the_exp_kernel_draws_torch_softmax_tokens(fresh_kernels, 
 def test_small_bf16_linears_run_on_the_kernel_with_f_linears_values(rows, out_features, bias, seed):
     torch.manual_seed(seed)
     layer = Linear(64, out_features, bias=bias).bfloat16()
-    x = torch.randn(rows, 64).bfloat16()
+    x, weight = torch.randn(rows, 64).bfloat16(), layer.weight.detach().clone()
     CpuBackend(torch.bfloat16).prepare(layer, [])
     out = layer(x)
     assert isinstance(layer.run, Bf16Matmul)
+    assert layer.weight.numel() == 0 and torch.equal(layer.run.rows(torch.arange(out_features)), weight)  # (once)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
-    ref = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+    ref = F.linear(x.float(), weight.float(), None if layer.bias is None else layer.bias.float())
     torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
 
 

@@ -9,6 +9,7 @@ from unittest import mock
 
 import pytest
 import torch
+from torch import nn
 
 from sluice.app.builtin_models import write_llama_family
 from sluice.engine.cpu import build as kernel_build
@@ -81,8 +82,8 @@ def test_the_stack_prepared_again_runs_a_weight_loaded_in_place(tmp_path):
     path = write_llama_family(tmp_path / "m", architecture="LlamaForCausalLM")
     runner, batch = _decoding(path)
     before, _ = _step(runner, batch, fused=True)
-    with torch.no_grad():
-        runner.model.model.layers[1].mlp.down_proj.weight.mul_(-3)
+    down = runner.model.model.layers[1].mlp.down_proj  # (held packed: a new weight, then prepare again)
+    down.weight = nn.Parameter(down.run.rows(torch.arange(down.run.n)) * -3, requires_grad=False)
     assert runner.backend.prepare(runner.model, runner.kv_caches)
     hidden, _ = _step(runner, batch, fused=True)
     ref, _ = _step(runner, batch, fused=False)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 from sluice.engine.backend import TORCH
 from sluice.engine.cpu.backend import BucketedLinear, CpuBackend, row_bucket
@@ -34,16 +35,24 @@ def test_bucketed_linear_is_f_linear(rows, dtype, bias):
 
 
 def test_a_linear_prepared_again_after_a_weight_loaded_in_place_runs_the_new_weight():
-    """Weights are packed once, at `prepare`: a weight loaded in place after it needs `prepare` again."""
+    """Weights are packed once, at `prepare`, and held only packed (the layer's weight an empty placeholder): a
+    weight loaded after it is a new one, and needs `prepare` again; prepared again without one, the kernel stays."""
     layer = Linear(64, 48, bias=True).bfloat16()
     x = torch.randn(3, 64).bfloat16()
     backend = CpuBackend(torch.bfloat16)
     backend.prepare(layer, [])
-    layer(x)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(48, 64))
-        layer.bias.copy_(torch.randn(48))
+    first = layer.run
+    assert layer.weight.numel() == 0 and torch.equal(layer(x), first(x))
     backend.prepare(layer, [])
+    assert layer.run is first
+    layer.weight = nn.Parameter(torch.randn(48, 64).bfloat16(), requires_grad=False)
+    with torch.no_grad():
+        layer.bias.copy_(torch.randn(48))
+    weight = layer.weight.detach().clone()
+    backend.prepare(layer, [])
+    assert layer.run is not first
+    torch.testing.assert_close(layer(x), F.linear(x, weight, layer.bias), rtol=1e-2, atol=1e-2)
+    layer.weight = nn.Parameter(weight, requires_grad=False)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-2, atol=1e-2)
     TORCH.prepare(layer, [])
     assert layer.run is None and torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))

@@ -37,7 +37,7 @@ from sluice.engine.cpu import kernels, ops, quant
 from sluice.engine.cpu.experts import F32Experts
 from sluice.engine.cpu.lm_head import CpuLMHead
 from sluice.engine.cpu.matmul import Bf16Matmul, F32Matmul, narrowed
-from sluice.engine.cpu.quant import QuantMatmul, quant_linear, quant_lm_head
+from sluice.engine.cpu.quant import QuantMatmul, libc, quant_linear, quant_lm_head
 from sluice.engine.cpu.stack import DecodeLayer, DecoderStack
 from sluice.engine.quant import QuantizedWeight
 from sluice.engine.sampler import ExpKernels
@@ -100,7 +100,7 @@ class CpuBackend(Backend):
                  ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())), "one call" if one_call else "torch ops")
         return one_call
 
-    def linear(self, layer: nn.Linear):
+    def linear(self, layer: nn.Module):
         weight, bias = layer.weight, layer.bias
         if getattr(layer, "quant", None) is not None:  # a weight kept in a block format (engine/quant.py)
             run = quant_linear(layer.quant, bias)
@@ -109,16 +109,15 @@ class CpuBackend(Backend):
             return run
         if weight.device.type != "cpu":
             return None
+        if isinstance(layer.run, (F32Matmul, Bf16Matmul)) and not weight.numel():  # (prepared before: held packed)
+            return layer.run
         if self.dtype == torch.float32:
             kernel = F32Matmul.build(narrowed(weight), bias)
-            if kernel is not None:
-                layer.weight.data = kernel_weight(weight, kernel)
-                return kernel
-            return None
+            return None if kernel is None else _held_packed(layer, kernel)
         if self.dtype == torch.bfloat16 and weight.numel() <= _SMALL_WEIGHT:
             small = Bf16Matmul.build(weight, bias)
             if small is not None:
-                return small
+                return _held_packed(layer, small)
         return BucketedLinear(weight, bias)
 
     def experts(self, experts: nn.Module):
@@ -132,6 +131,12 @@ class CpuBackend(Backend):
         head = quant_lm_head(weight) if isinstance(weight, QuantizedWeight) else CpuLMHead.build(weight, self.dtype)
         log.info("LM head: %s", head.path)
         return head
+
+    def loaded(self) -> None:
+        """The heap's free pages given back (glibc's malloc_trim): loading in float32 and packing narrower frees
+        many weights' worth of memory that malloc keeps otherwise (SmolLM2 in float32: 905 -> 732 MB resident)."""
+        if (trim := getattr(libc(), "malloc_trim", None)) is not None:
+            trim(0)
 
     def tie(self, embedding: nn.Embedding, head: LMHead) -> None:
         """The embedding's rows read from the head's packed table (the same values: the bf16 or float32 table the
@@ -150,7 +155,7 @@ class CpuBackend(Backend):
             return kernel.rows(ids)
 
         embedding.lookup = lookup
-        embedding.weight = nn.Parameter(torch.empty(0, dtype=table.dtype), requires_grad=False)
+        _held_packed(embedding, kernel)
         head.weight = torch.empty(0)
 
     def dequantize(self, weight: QuantizedWeight) -> torch.Tensor:
@@ -210,10 +215,12 @@ def _kind(run) -> str:
     return f"{type(run).__name__} ({run.isa})" if hasattr(run, "isa") else type(run).__name__
 
 
-def kernel_weight(weight: torch.Tensor, kernel: F32Matmul) -> torch.Tensor:
-    """The layer's weight as the kernel reads it: bf16 where the kernel widens bf16 (the same values; the
-    float32 copy is not kept), else as it was."""
-    return weight.detach().bfloat16() if kernel.bf16 and weight.dtype != torch.bfloat16 else weight.data
+def _held_packed(layer: nn.Module, kernel: F32Matmul | Bf16Matmul) -> F32Matmul | Bf16Matmul:
+    """The kernel, the layer's (or a tied embedding's) weight now held only as it packed it: the layer keeps an
+    empty placeholder of the packed dtype (its values, where something needs them: `kernel.rows`). A float
+    linear is held once (it was twice: Qwen3-0.6B's layers 840 MB of bf16 beside their 840 MB packed)."""
+    layer.weight = nn.Parameter(torch.empty(0, dtype=kernel.packed.dtype), requires_grad=False)
+    return kernel
 
 
 class StepInOneCall:

@@ -270,15 +270,18 @@ def _give_back(data: torch.Tensor) -> None:
     start = data.data_ptr()
     first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
     end = (start + data.numel() * data.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
-    if end > first and _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), _MADV_DONTNEED):
+    if end > first and libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), _MADV_DONTNEED):
         log.debug("madvise(MADV_DONTNEED) failed: errno %d", ctypes.get_errno())
 
 
 @_cached
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc
+def libc() -> ctypes.CDLL:
+    """This process's C library (madvise; glibc's malloc_trim where it has one)."""
+    lib = ctypes.CDLL(None, use_errno=True)
+    lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if hasattr(lib, "malloc_trim"):
+        lib.malloc_trim.argtypes = [ctypes.c_size_t]
+    return lib
 
 
 class DequantizedLinear:
