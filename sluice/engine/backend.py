@@ -40,7 +40,8 @@ class LMHead:
         self.weight = weight
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+        # (a table kept narrower than the rows, as a bf16 checkpoint's is under float32 on the CPU: widened)
+        return F.linear(hidden, self.weight if self.weight.dtype == hidden.dtype else self.weight.to(hidden.dtype))
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """Each row's greedy token [B] (int64)."""
@@ -87,9 +88,9 @@ class Backend:
         """Called once the model's weights are ready (packed, its head built): a backend may give back to the
         system what loading freed."""
 
-    def tie(self, embedding: nn.Embedding, head: LMHead) -> None:
-        """An embedding whose table the LM head `head` multiplies by: where the head holds the table in a copy of
-        its own (packed for a kernel), the embedding may look its rows up there and drop its own."""
+    def give_table(self, model: nn.Module, head: LMHead) -> None:
+        """The model's LM head table once `head` is built from it: where the head holds it in a copy of its own
+        (packed for a kernel), the model's copy may go (a tied embedding then looks its rows up in the head's)."""
 
     def exp_kernels(self) -> ExpKernels | None:
         """The sampler's exp pass, where this backend has kernels for it (None: torch's softmax)."""

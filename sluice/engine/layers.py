@@ -59,7 +59,11 @@ class Linear(nn.Linear):
     quant = None  # an engine.quant.QuantizedWeight in place of `weight` (engine.quant.set_quantized)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) if self.run is None else self.run(x)
+        if self.run is not None:
+            return self.run(x)
+        # (a weight kept narrower than x, as a bf16 checkpoint's is under float32 on the CPU: widened here,
+        # where no kernel runs it)
+        return F.linear(x, self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype), self.bias)
 
 
 class Embedding(nn.Embedding):

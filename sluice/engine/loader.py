@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from sluice.base.gguf_checkpoint import is_gguf_checkpoint
 from sluice.engine import compressed_tensors, gptq, gptq_config
-from sluice.engine.layers import stacked_parts
+from sluice.engine.layers import Embedding, Linear, stacked_parts
 from sluice.engine.models.registry import model_class
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -68,6 +68,10 @@ def _load_safetensors(path: Path, dtype: torch.dtype, device: torch.device) -> t
         reader = gptq.Reader(packed, device)
     model = empty_model(hf_config, dtype, device)
     params = dict(model.named_parameters())
+    # A bf16 checkpoint served in float32 on the CPU: its linears', embeddings' and LM head's weights stay bf16 (the CPU
+    # backend packs them in bf16 and widens them in registers: the same values), so loading peaks at the
+    # checkpoint's size, not twice it (torch.empty's float32 buffers are never written, never resident).
+    narrow = device.type == "cpu" and dtype == torch.float32
     files = {name: file for file in checkpoint_files(path) for name in _tensor_names(file)}
     handles: dict[Path, Any] = {}
 
@@ -106,7 +110,12 @@ def _load_safetensors(path: Path, dtype: torch.dtype, device: torch.device) -> t
         if tensor.shape != target.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
         with torch.no_grad():
-            target.copy_(tensor.to(target.dtype))  # (the model's dtype, but where a model keeps float32)
+            if narrow and tensor.dtype == torch.bfloat16 and target.dtype == torch.float32 and (
+                    name == "lm_head.weight" or isinstance(owner := model.get_submodule(name.rpartition(".")[0]),
+                                                           (Linear, Embedding)) and target is owner.weight):
+                target.data = tensor.contiguous()  # (kept in bf16: the float32 buffer never written)
+            else:
+                target.copy_(tensor.to(target.dtype))  # (the model's dtype, but where a model keeps float32)
         consumed.update(used)
     if hasattr(model, "unused_tensors"):  # tensors a model knows it does not run (DeepSeek's MTP layers)
         consumed.update(model.unused_tensors(set(files) - consumed))

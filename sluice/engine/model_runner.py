@@ -103,8 +103,7 @@ class ModelRunner:
         self.backend = select_backend(device, dtype)
         self.one_call = self.backend.prepare(model, self.kv_caches)
         self.lm_head = self.backend.lm_head(model.lm_weight())
-        if (tied := getattr(model, "tied_embedding", lambda: None)()) is not None:
-            self.backend.tie(tied, self.lm_head)  # (a backend whose head packed the table: held once)
+        self.backend.give_table(model, self.lm_head)  # (a backend whose head packed the table: held once)
         self.backend.loaded()
         # the model's own map of the LM head's logits (soft-capping, scaling): order-keeping, so greedy rows'
         # argmax path skips it

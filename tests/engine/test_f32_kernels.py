@@ -464,9 +464,11 @@ def test_a_bf16_checkpoint_in_float32_keeps_bf16_weights_and_generates_torch_fp3
                            for m in linears)
     # on AMX a bf16 weight whose K is a multiple of 32 runs there, the others on AVX-512F
     assert all(m.run.isa == ("AMX" if AMX and m.run.k % 32 == 0 else isa) for m in linears)
-    assert all(m.run is None and m.weight.dtype == torch.float32 for m in ref.model.modules() if hasattr(m, "run"))
-    tied = runner.model.tied_embedding()  # (a tied table read from the head's packed rows: held once)
-    assert (tied is None) == (variant == "llama-gqa") and (tied is None or tied.weight.numel() == 0)
+    # (torch's path: the weights as loaded, in bf16, each product's widened to float32)
+    assert all(m.run is None and m.weight.dtype == torch.bfloat16 for m in ref.model.modules() if hasattr(m, "run"))
+    tied = runner.model.tied_embedding()  # (the table held once: the head's packed copy)
+    assert (tied is None) == (variant == "llama-gqa")
+    assert (runner.model.lm_head if tied is None else tied).weight.numel() == 0
     requests = [seq(f"r{i}", p, max_tokens=24, temperature=0.0) for i, p in enumerate(PROMPTS)]
     assert generate(runner, sched, requests) == generate(ref, ref_sched, [seq(s.request_id, s.token_ids[:len(p)],
                                                                             max_tokens=24, temperature=0.0)
@@ -499,9 +501,13 @@ def test_long_prompts_take_the_causal_kernel_and_generate_torch_fp32_tokens(vari
 def test_a_tied_table_is_held_once_the_embedding_reading_the_heads_packed_rows(bf16, tmp_path):
     """The embedding of a table tied to the LM head drops its copy and looks its rows up in the head kernel's
     packed one (bf16 tiles, or float32 pairs): the table's own rows, bit for bit; an id past the table is
-    refused as nn.Embedding refuses it (the packed rows past it are zero padding)."""
+    refused as nn.Embedding refuses it (the packed rows past it are zero padding). A bf16 checkpoint's linears
+    and table are loaded in bf16 under float32 (never widened: loading peaks at the checkpoint's size)."""
     path = (_bf16_checkpoint if bf16 else write_llama_family)(tmp_path / "m", architecture="Qwen3ForCausalLM")
-    table = load_model(path, torch.float32, torch.device("cpu")).model.embed_tokens.weight.detach().clone()
+    model = load_model(path, torch.float32, torch.device("cpu"))
+    linears = [m.weight.dtype for m in model.modules() if hasattr(m, "run")]
+    assert linears and set(linears) == {torch.bfloat16 if bf16 else torch.float32}
+    table = model.model.embed_tokens.weight.detach().float()
     runner, _ = make_engine(path)
     embedding = runner.model.model.embed_tokens
     assert runner.lm_head.kernel.bf16 == bf16 and embedding.lookup is not None

@@ -113,6 +113,8 @@ class CpuBackend(Backend):
             return layer.run
         if self.dtype == torch.float32:
             kernel = F32Matmul.build(narrowed(weight), bias)
+            if kernel is None and weight.dtype != torch.float32:  # (loaded in bf16: F.linear's, widened once)
+                layer.weight.data = weight.detach().float()
             return None if kernel is None else _held_packed(layer, kernel)
         if self.dtype == torch.bfloat16 and weight.numel() <= _SMALL_WEIGHT:
             small = Bf16Matmul.build(weight, bias)
@@ -138,24 +140,29 @@ class CpuBackend(Backend):
         if (trim := getattr(libc(), "malloc_trim", None)) is not None:
             trim(0)
 
-    def tie(self, embedding: nn.Embedding, head: LMHead) -> None:
-        """The embedding's rows read from the head's packed table (the same values: the bf16 or float32 table the
-        head packed, `narrowed` as the embedding was) and the embedding's own copy dropped: a tied table held
-        once (Qwen3-0.6B's: 297 MB)."""
+    def give_table(self, model: nn.Module, head: LMHead) -> None:
+        """Where the head's kernel packed the table, the model's own copy goes: an untied head's weight, or a tied
+        embedding's table, whose rows the embedding then reads from the packed copy (the same values: the bf16
+        or float32 table the head packed, `narrowed` as the embedding was). A table held once (Qwen3-0.6B's
+        tied one: 297 MB)."""
         kernel = head.kernel if isinstance(head, CpuLMHead) else None
-        table = embedding.weight
-        if (not isinstance(kernel, (F32Matmul, Bf16Matmul)) or getattr(embedding, "quant", None) is not None
-                or kernel.packed.dtype != table.dtype or (kernel.n, kernel.k) != tuple(table.shape)):
+        tied = model.tied_embedding() if hasattr(model, "tied_embedding") else None
+        owner = tied if tied is not None else getattr(model, "lm_head", None)
+        if (not isinstance(kernel, (F32Matmul, Bf16Matmul)) or owner is None
+                or getattr(owner, "quant", None) is not None or (kernel.n, kernel.k) != tuple(owner.weight.shape)):
             return
-        n = kernel.n
+        if tied is not None:
+            if kernel.packed.dtype != tied.weight.dtype:
+                return
+            n = kernel.n
 
-        def lookup(ids: torch.Tensor) -> torch.Tensor:
-            if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < n:
-                raise IndexError("index out of range in self")  # (nn.Embedding's; the packed rows past n are zero)
-            return kernel.rows(ids)
+            def lookup(ids: torch.Tensor) -> torch.Tensor:
+                if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < n:
+                    raise IndexError("index out of range in self")  # (nn.Embedding's; the rows past n are zero)
+                return kernel.rows(ids)
 
-        embedding.lookup = lookup
-        _held_packed(embedding, kernel)
+            tied.lookup = lookup
+        _held_packed(owner, kernel)
         head.weight = torch.empty(0)
 
     def dequantize(self, weight: QuantizedWeight) -> torch.Tensor:

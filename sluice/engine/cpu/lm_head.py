@@ -44,6 +44,8 @@ class CpuLMHead(LMHead):
             return cls(weight, kernel, Bf16Screen.build(kernel, narrow) or Int8Argmax.build(kernel, narrow), None)
         if dtype == torch.bfloat16 and (bf16 := Bf16Matmul.build(weight)) is not None:
             return cls(weight, bf16, Int8Argmax.build(bf16, weight), None)
+        if dtype == torch.float32 and weight.dtype != dtype:  # (a bf16 table loaded as it is stored: widened once)
+            weight = weight.float()
         return cls(weight, None, None, onednn_packed(weight) if weight.dtype == dtype else None)
 
     @property
