@@ -7,6 +7,8 @@
   ships (Q4_1, dequantized into bf16 safetensors): real logits, for what depends on their shape.
 - `smollm2_135m_w8a8()`: that model as llm-compressor's W8A8 recipe leaves it (compressed-tensors int8: each
   layer linear's rows quantized symmetrically, a scale a row; activations per token, dynamic).
+- `smollm2_135m_gptq_act_order()`: that model in GPTQ's int4 layout, symmetric, groups of 128, in act order (the
+  columns of the linears that read one input grouped in one order), rounded to nearest (no GPTQ solve).
 
     python -m bench.checkpoints [NAME ...]      # writes them and prints their paths
 """
@@ -37,7 +39,7 @@ SHAPES: dict[str, dict] = {
                          rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
 }
-CHECKPOINTS = ("tiny-llama-o200k", *SHAPES, "smollm2-135m", "smollm2-135m-w8a8")
+CHECKPOINTS = ("tiny-llama-o200k", *SHAPES, "smollm2-135m", "smollm2-135m-w8a8", "smollm2-135m-gptq-act-order")
 _GAIN = 2.0
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _VERSION = "v2"
@@ -66,6 +68,8 @@ def checkpoint(name: str) -> Path:
         return smollm2_135m()
     if name == "smollm2-135m-w8a8":
         return smollm2_135m_w8a8()
+    if name == "smollm2-135m-gptq-act-order":
+        return smollm2_135m_gptq_act_order()
     if name in SHAPES:
         return real_shape(name)
     raise ValueError(f"unknown checkpoint {name!r}; choose from {', '.join(CHECKPOINTS)}")
@@ -248,6 +252,44 @@ def smollm2_135m_w8a8() -> Path:
         (out / "config.json").write_text(json.dumps({**config, "quantization_config": W8A8_CONFIG}, indent=2))
 
     return _written(f"smollm2-135m-w8a8-{_VERSION}", write)
+
+
+def smollm2_135m_gptq_act_order() -> Path:
+    """smollm2-135m with each layer linear in GPTQ's int4 layout (AutoGPTQ v1: symmetric, zero points stored
+    minus one), groups of 128 input columns in act order: the columns of the linears that read one input (q, k,
+    v; gate, up) quantized in one order, by their summed column norms, largest first (GPTQ orders by its
+    Hessian's diagonal, the same for those linears); the embedding (tied) and norms as they are."""
+
+    def write(out: Path) -> None:
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        from sluice.app.gptq_writer import act_order_groups, pack_gptq, quantize_rtn
+
+        source = smollm2_135m()
+        for f in source.iterdir():
+            if f.suffix != ".safetensors":
+                shutil.copy(f, out / f.name)
+        weights, tensors = load_file(str(source / "model.safetensors")), {}
+        linear = {n for n in weights if n.endswith("_proj.weight") and ".layers." in n}
+        readers: dict[str, list[str]] = {}  # (an input -> the linears that read it)
+        for name in sorted(linear):
+            block, proj = name.removesuffix(".weight").rsplit(".", 1)
+            readers.setdefault(block + ("" if proj in ("o_proj", "down_proj") else "/in"), []).append(name)
+        for names in readers.values():
+            order = torch.argsort(sum(weights[n].float().norm(dim=0) for n in names), descending=True, stable=True)
+            for name in names:
+                q, zeros, scales, groups = quantize_rtn(weights[name], 128, True, act_order_groups(order, 128))
+                prefix = name.removesuffix(".weight")
+                tensors.update({f"{prefix}.{k}": v for k, v in pack_gptq(q, zeros, scales, groups, v1=True).items()})
+        tensors.update({n: w for n, w in weights.items() if n not in linear})
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((out / "config.json").read_text())
+        gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": True,
+                "checkpoint_format": "gptq"}
+        (out / "config.json").write_text(json.dumps({**config, "quantization_config": gptq}, indent=2))
+
+    return _written(f"smollm2-135m-gptq-act-order-{_VERSION}", write)
 
 
 def main() -> None:

@@ -17,8 +17,11 @@ Where every block of 32 input columns lies in one group and the scales are float
 the weight is converted exactly (the same float32 values): with every zero point 8 (symmetric GPTQ) to Q4_0
 (d = s, the nibble q: d * (q - 8)), else to Q8_0 (d = s, the int8 q - z, within [-16, 15]: twice Q4_0's bytes,
 as there is no 4-bit block format with an integer zero point among the kernels'), and runs on the CPU's
-quantized kernels (engine/cpu/quant.py). Otherwise (an act-order permutation, groups not whole blocks of 32,
-other scale types, a device other than the CPU) it is dequantized to the model's dtype at load.
+quantized kernels (engine/cpu/quant.py). An act-order weight's columns are sorted by group first (each group
+then whole blocks) and x is read in that order (`sorted_blocks`; a stacked projection's parts, which GPTQ
+orders by the same input's Hessian, must share it). Otherwise (groups not whole blocks of 32, a stacked
+projection's parts in different orders, other scale types, a device other than the CPU) it is dequantized to
+the model's dtype at load.
 
 A mixture's experts (read by their model: engine/models/mixtures.py) have no quantized kernel: the loader hands
 it each packed expert weight dequantized (`Reader.float_weight`), in the model's dtype, and the log says how
@@ -32,6 +35,7 @@ its model.)
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -128,6 +132,16 @@ def to_blocks(w: Int4) -> QuantizedWeight | None:
     return q8_0(w.q.view(torch.int8) - w.zeros[:, w.groups].to(torch.int8), d)
 
 
+def sorted_blocks(w: Int4) -> QuantizedWeight | None:
+    """An act-order weight (g_idx not k / group_size) as `to_blocks` of its columns sorted by group (stable:
+    a group's columns in x's order), x then read in that order (QuantizedWeight.perm: the kernels gather each
+    row of x as they quantize it, as exllama and Marlin do on the GPU); None where even sorted a block of 32
+    spans groups (a group not whole blocks)."""
+    perm = torch.argsort(w.groups, stable=True)
+    blocks = to_blocks(Int4(w.q[:, perm], w.zeros, w.scales, w.groups[perm]))
+    return None if blocks is None else dataclasses.replace(blocks, perm=perm.to(torch.int32))
+
+
 def q8_0(q: torch.Tensor, d: torch.Tensor) -> QuantizedWeight:
     """Q8_0 blocks of int8 values q [N, K] and one float16 scale a block of 32 columns, d [N, K / 32]: the
     weight d * q, exactly."""
@@ -162,13 +176,16 @@ class Reader:
             names = {sfx: f"{prefix}.{sfx}" for sfx in _SUFFIXES if has(f"{prefix}.{sfx}")}
             w = unpack(self.scheme, {sfx: fetch(full) for sfx, full in names.items()})
             used += names.values()
-            blocks = to_blocks(w) if self.device.type == "cpu" and isinstance(module, Linear) else None
+            blocks = (to_blocks(w) or sorted_blocks(w)) if self.device.type == "cpu" and isinstance(module, Linear) \
+                else None
             parts.append(w.dequantize() if blocks is None else blocks)
             if getattr(module, "bias", None) is None:
                 used += _zero_bias(prefix, has, fetch)
-        if all(isinstance(p, QuantizedWeight) for p in parts):
-            set_quantized(module, tuple(parts))  # type: ignore[arg-type]
-            self.kinds.update(p.qtype.name for p in parts)  # type: ignore[union-attr]
+        held = [p for p in parts if isinstance(p, QuantizedWeight)]
+        orders = {None if p.perm is None else tuple(p.perm.tolist()) for p in held}
+        if len(held) == len(parts) and len(orders) == 1:  # (a stacked projection's parts read x in one order)
+            set_quantized(module, tuple(held))
+            self.kinds.update(p.qtype.name + ("" if p.perm is None else " (act order)") for p in held)
             return None, used
         self.kinds["dequantized"] += len(parts)
         return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]), used
@@ -189,7 +206,8 @@ class Reader:
     def summary(self, dtype: torch.dtype) -> None:
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(self.kinds.items()))
         log.info("%s int4 checkpoint: linear parts %s (Q4_0: symmetric, exact; Q8_0: zero points, exact, 8 bits a "
-                 "weight; dequantized: act order or groups across blocks of 32, in the model's dtype)",
+                 "weight; act order: the columns sorted by group, x read in that order; dequantized: groups across "
+                 "blocks of 32, or a stacked projection's parts in different orders, in the model's dtype)",
                  self.scheme.method.upper(), kinds or "none")
         if self.expert_values:
             log.info("%s int4 experts dequantized at load (no quantized expert kernel): %d values, %.1f MiB in %s "

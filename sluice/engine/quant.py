@@ -44,6 +44,9 @@ class QuantizedWeight:
     qtype: QuantType
     shape: tuple[int, int]  # (N, K)
     mapped: bool = False  # data lies in a read-only map of a file (a GGUF file's): its pages may be given back
+    # the columns' order as stored (None: as x's): column c of the blocks is column perm[c] of the weight and of
+    # x, int32 [K] (a GPTQ act-order weight, its columns sorted by group so that each block lies in one)
+    perm: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n, k = self.shape
@@ -51,6 +54,9 @@ class QuantizedWeight:
             raise ValueError(f"{self.qtype.name}: K = {k} is not a multiple of {self.qtype.block_size}")
         if tuple(self.data.shape) != (n, self.qtype.row_head + k // self.qtype.block_size * self.qtype.block_bytes):
             raise ValueError(f"{self.qtype.name} bytes {tuple(self.data.shape)} do not hold a [{n}, {k}] weight")
+        if self.perm is not None and (self.perm.dtype != torch.int32 or tuple(self.perm.shape) != (k,)):
+            raise ValueError(f"a column order for a [{n}, {k}] weight is int32 [{k}], not {self.perm.dtype} "
+                             f"{tuple(self.perm.shape)}")
 
     @property
     def nbytes(self) -> int:
@@ -58,17 +64,30 @@ class QuantizedWeight:
 
     def rows(self, index: torch.Tensor) -> "QuantizedWeight":
         """The rows `index` [T] (an embedding lookup's: only those rows' bytes, still quantized)."""
-        return QuantizedWeight(self.data.index_select(0, index), self.qtype, (index.numel(), self.shape[1]))
+        return QuantizedWeight(self.data.index_select(0, index), self.qtype, (index.numel(), self.shape[1]),
+                               perm=self.perm)
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 values [N, K] (through the gguf package: llama.cpp's definitions; Q8_C's scale * q)."""
+        """The float32 values [N, K] (through the gguf package: llama.cpp's definitions; Q8_C's scale * q), in
+        x's column order."""
         if self.qtype == Q8_C:
-            return self.data[:, 4:].view(torch.int8).float() * self.data[:, :4].contiguous().view(torch.float32)
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
+            values = self.data[:, 4:].view(torch.int8).float() * self.data[:, :4].contiguous().view(torch.float32)
+        else:
+            from gguf import GGMLQuantizationType
+            from gguf.quants import dequantize
 
-        values = dequantize(self.data.numpy(), GGMLQuantizationType(self.qtype.ggml))
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape)
+            found = dequantize(self.data.numpy(), GGMLQuantizationType(self.qtype.ggml))
+            values = torch.from_numpy(np.ascontiguousarray(found, dtype=np.float32)).reshape(self.shape)
+        return in_order(values, self.perm)
+
+
+def in_order(values: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    """A weight's values [N, K] stored in `perm`'s column order (QuantizedWeight.perm) in x's order."""
+    if perm is None:
+        return values
+    out = torch.empty_like(values)
+    out[:, perm.long()] = values
+    return out
 
 
 def channel_int8(weight: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:

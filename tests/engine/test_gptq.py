@@ -3,6 +3,7 @@ tensors, read back into block formats (or dequantized) with the same values, a t
 with the logits of transformers' float model of the dequantized weights, and what is refused."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -14,35 +15,20 @@ from safetensors import safe_open
 
 from sluice.app.builtin_models import save_sharded, write_llama_family
 from sluice.app.cli import config_from_args, parse_args
+from sluice.app.gptq_writer import act_order_groups, pack_gptq, quantize_rtn, words
 from sluice.engine import gptq, gptq_config
+from sluice.engine.cpu.quant import QuantMatmul
 from sluice.engine.loader import checkpoint_files, load_model
 from sluice.engine.quant import dequantized
+from tests.engine import test_quant
 from tests.engine.helpers import assert_logits_match, make_engine, seq
+from tests.engine.test_quant import ISAS
+
+isa = test_quant.isa  # (the fixture: the kernels built for one instruction set)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's packer: the field i of a word takes column AWQ_ORDER[i] of its 8
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
-
-
-def _words(fields: np.ndarray) -> torch.Tensor:
-    """[..., 8 W] 4-bit values -> int32 [..., W], field i of a word in bits 4i .. 4i + 3."""
-    f = fields.astype(np.uint64).reshape(*fields.shape[:-1], -1, 8)
-    words = np.zeros(f.shape[:-1], dtype=np.uint64)
-    for i in range(8):
-        words |= f[..., i] << np.uint64(4 * i)
-    return torch.from_numpy(words.astype(np.uint32).view(np.int32))
-
-
-def pack_gptq(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, groups: torch.Tensor | None,
-              v1: bool) -> dict[str, torch.Tensor]:
-    """q [N, K], zeros / scales [N, G] as a GPTQ checkpoint stores them: qweight [K / 8, N] packed along K,
-    qzeros [G, N / 8] along N (minus one in v1), scales [G, N], g_idx [K]."""
-    out = {"qweight": _words(q.numpy()).t().contiguous(),  # 8 consecutive k in one word
-           "qzeros": _words((zeros - int(v1)).t().contiguous().numpy()),
-           "scales": scales.t().contiguous()}
-    if groups is not None:
-        out["g_idx"] = groups.to(torch.int32)
-    return out
 
 
 def pack_awq(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -53,32 +39,8 @@ def pack_awq(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> dict
         order = [c * 8 + AWQ_ORDER[i] for c in range(n // 8) for i in range(8)]
         return t[:, order].numpy()
 
-    return {"qweight": _words(interleave(q.t())), "qzeros": _words(interleave(zeros.t())),
+    return {"qweight": words(interleave(q.t())), "qzeros": words(interleave(zeros.t())),
             "scales": scales.t().contiguous()}
-
-
-def quantize_rtn(w: torch.Tensor, group_size: int, sym: bool, groups: torch.Tensor | None = None):
-    """Round-to-nearest 4-bit quantization of a float weight [N, K] per group of input columns (`groups`
-    [K] the group of each, k // group_size unless given): (q, zeros, float16 scales)."""
-    n, k = w.shape
-    groups = torch.arange(k) // group_size if groups is None else groups
-    count = int(groups.max()) + 1
-    q = torch.zeros(n, k, dtype=torch.int16)
-    zeros = torch.zeros(n, count, dtype=torch.int16)
-    scales = torch.zeros(n, count, dtype=torch.float16)
-    for g in range(count):
-        cols = groups == g
-        x = w[:, cols]
-        if sym:
-            s = (x.abs().amax(1) / 7.5).half()
-            z = torch.full((n,), 8, dtype=torch.int16)
-        else:
-            lo, hi = x.amin(1).clamp(max=0), x.amax(1).clamp(min=0)
-            s = ((hi - lo) / 15).half()
-            z = (-lo / s.float()).round().clamp(1, 15).to(torch.int16)  # (v1 stores z - 1 in 4 bits)
-        q[:, cols] = (x / s.float()[:, None] + z[:, None]).round().clamp(0, 15).to(torch.int16)
-        zeros[:, g], scales[:, g] = z, s
-    return q, zeros, scales, groups
 
 
 def reference(q, zeros, scales, groups) -> torch.Tensor:
@@ -122,17 +84,31 @@ def test_packed_weights_read_back_exactly_in_a_block_format(case):
     assert torch.equal(blocks.dequantize().double(), reference(q, zeros, scales, groups))
 
 
-def test_act_order_is_dequantized_exactly():
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_act_order_is_held_as_blocks_of_its_columns_sorted_by_group(isa):
     """desc_act: g_idx gives each input column its group in the order GPTQ quantized them, so a block of 32
-    columns spans groups: no block format holds it, and the weight is dequantized."""
+    columns spans groups: sorted by group (stable), each group is whole blocks, held exactly as they are, x read
+    in that order (`perm`). The product, on both paths and both builds, is x times the weight in x's order."""
     n, k, group_size = 16, 128, 32
     q, zeros, scales, _ = _random(n, k, group_size, False, seed=3, zero_range=(1, 17))
-    perm = torch.randperm(k, generator=torch.Generator().manual_seed(1))
-    groups = torch.empty(k, dtype=torch.long)
-    groups[perm] = torch.arange(k) // group_size
+    groups = act_order_groups(torch.randperm(k, generator=torch.Generator().manual_seed(1)), group_size)
     w = gptq.unpack(gptq_config.Scheme("gptq", group_size, True), pack_gptq(q, zeros, scales, groups, v1=True))
     assert gptq.to_blocks(w) is None
-    assert torch.equal(w.dequantize().double(), reference(q, zeros, scales, groups))
+    held = gptq.sorted_blocks(w)
+    assert held is not None and held.qtype.name == "Q8_0" and held.perm.dtype == torch.int32
+    assert torch.equal(groups[held.perm.long()], torch.arange(k) // group_size)  # (each group whole blocks)
+    want = reference(q, zeros, scales, groups)
+    assert torch.equal(w.dequantize().double(), want) and torch.equal(held.dequantize().double(), want)
+    x = torch.randn(5, k, dtype=torch.float64)
+    size = x.abs() @ want.abs().T
+    # (int8: x quantized per block of 32 of its columns in the stored order: half a level a value)
+    level = x[:, held.perm.long()].view(5, -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(5, k)
+    rounding = (level / 254) @ want[:, held.perm.long()].abs().T
+    for int8 in (False, True):
+        got = QuantMatmul.build(held, None, int8=int8)(x.float()).double()
+        assert ((got - x @ want.T).abs() <= (rounding if int8 else 0) + 1e-5 * size + 1e-5).all(), int8
+    unsorted = QuantMatmul.build(dataclasses.replace(held, perm=None), None, int8=False)(x.float()).double()
+    assert not ((unsorted - x @ want.T).abs() <= 1e-5 * size + 1e-5).all()  # (the order is what makes it right)
 
 
 @pytest.mark.parametrize("config, field", [
@@ -163,17 +139,24 @@ def test_served_schemes():
                                            "zero_point": True}}) == Scheme("awq", 128, False)
 
 
-# name: (write_llama_family's arguments, quantization_config, symmetric, act order, layer kinds expected)
-MODELS: dict[str, tuple[dict, dict, bool, bool, set[str]]] = {
+# name: (write_llama_family's arguments, quantization_config, symmetric, act order ("", "shared" by the linears
+# that read one input, or each linear's "own"), layer kinds expected)
+MODELS: dict[str, tuple[dict, dict, bool, str, set[str]]] = {
     "gptq-sym-qwen3": (dict(architecture="Qwen3ForCausalLM"),
                        {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False},
-                       True, False, {"Q4_0"}),
+                       True, "", {"Q4_0"}),
+    # act order as GPTQ writes it: the linears that read one input (q, k, v; gate, up) in one order (their
+    # Hessian's), held as blocks of their columns sorted by group
     "gptq-act-order-llama": (dict(architecture="LlamaForCausalLM", tie_word_embeddings=False),
                              {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False, "desc_act": True},
-                             False, True, {"dequantized"}),
+                             False, "shared", {"Q8_0 (act order)"}),
+    # each linear in an order of its own: a stacked projection's parts cannot read x in one, and are dequantized
+    "gptq-act-order-own-orders": (dict(architecture="Qwen3ForCausalLM"),
+                                  {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": True},
+                                  True, "own", {"Q4_0 (act order)", "dequantized"}),
     "awq-qwen2-bias": (dict(architecture="Qwen2ForCausalLM", tie_word_embeddings=False),
                        {"quant_method": "awq", "bits": 4, "group_size": 64, "version": "gemm", "zero_point": True},
-                       False, False, {"Q8_0"}),
+                       False, "", {"Q8_0"}),
 }
 
 
@@ -194,7 +177,7 @@ def checkpoints(request, tmp_path_factory):
     quant = tmp_path_factory.mktemp(request.param)
     shutil.copytree(ref, quant, dirs_exist_ok=True)
     floats, packed, dequant = _tensors(ref), {}, {}
-    gen = torch.Generator().manual_seed(7)
+    gen, orders = torch.Generator().manual_seed(7), {}
     for name, w in list(floats.items()):
         prefix = name.removesuffix(".weight")
         if not prefix.endswith(LINEARS):
@@ -202,9 +185,10 @@ def checkpoints(request, tmp_path_factory):
             continue
         groups = None
         if act_order:  # GPTQ's act order: the columns quantized in a permuted order, grouped in that order
-            perm = torch.randperm(w.shape[1], generator=gen)
-            groups = torch.empty(w.shape[1], dtype=torch.long)
-            groups[perm] = torch.arange(w.shape[1]) // config["group_size"]
+            reads = prefix.rpartition(".")[0] + ("" if prefix.endswith(("o_proj", "down_proj")) else "/input")
+            key = reads if act_order == "shared" else prefix
+            order = orders[key] = orders[key] if key in orders else torch.randperm(w.shape[1], generator=gen)
+            groups = act_order_groups(order, config["group_size"])
         q, zeros, scales, groups = quantize_rtn(w, config["group_size"], sym, groups)
         dequant[prefix] = reference(q, zeros, scales, groups).float()
         floats[name] = dequant[prefix]
@@ -236,7 +220,7 @@ def test_each_linear_holds_the_dequantized_weights(checkpoints):
                 seen.add("dequantized")
                 assert torch.equal(layer.weight, expected)
             else:
-                seen.update(p.qtype.name for p in layer.quant)
+                seen.update(p.qtype.name + ("" if p.perm is None else " (act order)") for p in layer.quant)
                 assert torch.equal(dequantized(layer.quant), expected)
     assert seen == kinds
 
@@ -248,6 +232,39 @@ def test_logits_equal_the_float_model_of_the_dequantized_weights(checkpoints, mo
     prompts = [[5, 6, 7, 8, 9], list(range(20, 57)), [300] * 3]
     seqs = [seq(f"r{i}", p, max_tokens=4, temperature=0.0) for i, p in enumerate(prompts)]
     assert assert_logits_match(runner, sched, hf, seqs, tol=1e-4) == len(prompts) * 4
+
+
+def test_act_order_runs_in_the_step_in_one_call_with_int8_activations(checkpoints, monkeypatch):
+    """The default path: an act-order linear's rows of x read through its order as they are quantized, inside
+    the decode step in one call (csrc/f32_layers.c) as op by op: the same hidden states and caches."""
+    path, _, _, kinds = checkpoints
+    if not any(k.endswith("(act order)") for k in kinds):
+        pytest.skip("not an act-order checkpoint")
+    monkeypatch.delenv("SLUICE_QUANT_ACTIVATIONS", raising=False)
+    runner, sched = make_engine(path, block_size=8)
+    ordered = [m.run for m in runner.model.modules() if isinstance(getattr(m, "run", None), QuantMatmul)
+               and m.run.perm is not None]
+    assert runner.one_call and ordered and all(k.int8 for k in ordered)
+    for i, p in enumerate([[5, 6, 7, 8, 9], list(range(20, 57)), [300] * 3]):
+        sched.add(seq(f"r{i}", p, max_tokens=20, temperature=0.0))
+    for _ in range(3):
+        batch = sched.schedule()
+        sched.update(batch, runner.run(batch).tokens)
+    batch, backbone = sched.schedule(), runner.model.model
+    out, ran = {}, []
+    for fused in (True, False):
+        saved = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+        stack = backbone.stack
+        backbone.stack = (lambda *a: ran.append(stack(*a)) or ran[-1]) if fused else None
+        with torch.inference_mode():
+            out[fused] = runner._hidden(batch)[0], [k.clone() for k, _ in runner.kv_caches]
+        backbone.stack = stack
+        for (k, v), (k0, v0) in zip(runner.kv_caches, saved):
+            k.copy_(k0), v.copy_(v0)
+    assert ran == [True]  # (the step ran in one call)
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-4, atol=1e-4)
+    for a, b in zip(out[True][1], out[False][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_a_refused_checkpoint_fails_at_start_naming_the_field(checkpoints, tmp_path):

@@ -264,8 +264,9 @@ def decode_layer(layer: nn.Module, kv: tuple[torch.Tensor, torch.Tensor]) -> Dec
     qk_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     if layer.post_attention_layernorm.eps != eps or any(n is not None and n.eps != eps for n in qk_norm):
         return None
+    # (a quantized weight stored in another column order reads x through it only as it quantizes x: int8)
     linears = [k for k in (attn.qkv_proj.run, attn.o_proj.run, mlp.gate_up_proj.run, mlp.down_proj.run)
-               if isinstance(k, (Bf16Matmul, F32Matmul, QuantMatmul))]
+               if isinstance(k, (Bf16Matmul, F32Matmul)) or isinstance(k, QuantMatmul) and (k.int8 or k.perm is None)]
     if len(linears) < 4:
         return None
     return DecodeLayer(input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,

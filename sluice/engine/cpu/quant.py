@@ -42,7 +42,7 @@ from sluice.base import envs
 from sluice.engine.backend import LMHead
 from sluice.engine.cpu.build import _AVX2, _AVX512_VL_VNNI, cpu_flags, load
 from sluice.engine.cpu.kernels import _cached
-from sluice.engine.quant import BY_NAME, Q8_C, QuantizedWeight, QuantType, dequantized
+from sluice.engine.quant import BY_NAME, Q8_C, QuantizedWeight, QuantType, dequantized, in_order
 from sluice.engine.sampler import argmax
 
 log = logging.getLogger("sluice.engine")
@@ -52,9 +52,10 @@ _PACKED = 0x100  # csrc/quant_repack.h's QR_PACKED: a part's type for its repack
 
 
 class QuantPart(ctypes.Structure):
-    """csrc/quant_blocks.h's quant_part_t: one part of a stacked weight (n rows of row_bytes, GGML type)."""
+    """csrc/quant_blocks.h's quant_part_t: one part of a stacked weight (n rows of row_bytes, GGML type; perm:
+    its columns' order, QuantizedWeight.perm, or NULL)."""
 
-    _fields_ = [("w", P), ("row_bytes", L), ("type", INT), ("n", INT)]
+    _fields_ = [("w", P), ("row_bytes", L), ("type", INT), ("n", INT), ("perm", P)]
 
 
 @_cached
@@ -138,12 +139,15 @@ class QuantMatmul:
                        _repacked(lib, p) if repack and int8 and (_repacks(isa) or p.qtype == Q8_C) else None
                        for p in parts]
         self.parts = tuple(p if packed is None or p.mapped or isinstance(p, RepackedWeight)
-                           else RepackedWeight(packed, p.qtype, p.shape, p.data.shape[1])
+                           else RepackedWeight(packed, p.qtype, p.shape, p.data.shape[1], p.perm)
                            for p, packed in zip(parts, self.packed))
+        # x's columns in the weight's stored order (every part's the same: `build`), or None
+        self.perm = None if parts[0].perm is None else parts[0].perm.contiguous()
+        perm = None if self.perm is None else self.perm.data_ptr()
         # (what csrc/f32_layers.c's step reads too: pointers into the bytes, which this object keeps)
         self.spec = (QuantPart * len(parts))(*[
-            QuantPart(p.data.data_ptr(), p.data.stride(0), p.qtype.ggml, p.shape[0]) if packed is None
-            else QuantPart(packed.data_ptr(), packed.stride(0), p.qtype.ggml | _PACKED, p.shape[0])
+            QuantPart(p.data.data_ptr(), p.data.stride(0), p.qtype.ggml, p.shape[0], perm) if packed is None
+            else QuantPart(packed.data_ptr(), packed.stride(0), p.qtype.ggml | _PACKED, p.shape[0], perm)
             for p, packed in zip(self.parts, self.packed)])
 
     @classmethod
@@ -157,6 +161,10 @@ class QuantMatmul:
             return None
         lib, isa = found
         parts = (weight,) if isinstance(weight, QuantizedWeight) else tuple(weight)
+        first = parts[0].perm
+        if not all((p.perm is None) == (first is None) and (first is None or torch.equal(p.perm, first))
+                   for p in parts):
+            return None  # (x is read in one order for all the parts)
         int8 = activations() == "int8" if int8 is None else int8
         if any(p.qtype == Q8_C for p in parts):
             if int8 and all(p.qtype == Q8_C for p in parts):
@@ -168,8 +176,8 @@ class QuantMatmul:
         if not (int8 and repack):  # (a weight held repacked, unpacked for the tiles on its own layout)
             parts = tuple(p.stored() if isinstance(p, RepackedWeight) else p for p in parts)
         if any(not isinstance(p, RepackedWeight) and p.data.stride(1) != 1 for p in parts):
-            parts = tuple(p if isinstance(p, RepackedWeight) else QuantizedWeight(p.data.contiguous(), p.qtype, p.shape)
-                          for p in parts)
+            parts = tuple(p if isinstance(p, RepackedWeight) else
+                          dataclasses.replace(p, data=p.data.contiguous(), mapped=False) for p in parts)
         return cls(lib, isa, parts, bias, int8, repack)
 
     @property
@@ -234,9 +242,10 @@ class RepackedWeight(QuantizedWeight):
     packed: torch.Tensor
     row_bytes: int
 
-    def __init__(self, packed: torch.Tensor, qtype: QuantType, shape: tuple[int, int], row_bytes: int) -> None:
+    def __init__(self, packed: torch.Tensor, qtype: QuantType, shape: tuple[int, int], row_bytes: int,
+                 perm: torch.Tensor | None = None) -> None:
         for name, value in (("packed", packed), ("qtype", qtype), ("shape", shape), ("mapped", False),
-                            ("row_bytes", row_bytes)):
+                            ("row_bytes", row_bytes), ("perm", perm)):
             object.__setattr__(self, name, value)
 
     @property
@@ -256,7 +265,7 @@ class RepackedWeight(QuantizedWeight):
 
     def stored(self) -> QuantizedWeight:
         """The weight as its bytes are stored (unpacked once: a copy)."""
-        return QuantizedWeight(self.data, self.qtype, self.shape)
+        return QuantizedWeight(self.data, self.qtype, self.shape, perm=self.perm)
 
 
 _MADV_DONTNEED = 4
@@ -371,4 +380,4 @@ def dequantize(weight: QuantizedWeight) -> torch.Tensor | None:
     if out.numel() and found[0].sluice_quant_dequantize(data.data_ptr(), weight.qtype.ggml, *weight.shape,
                                                         data.stride(0), out.data_ptr()):
         raise MemoryError("the dequantize kernel could not allocate its workspace")
-    return out
+    return in_order(out, weight.perm)

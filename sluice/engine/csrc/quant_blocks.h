@@ -229,21 +229,44 @@ static const qm_tile_fn *qm_tiles(int type) {
 #include "quant_int8.h"
 
 /* One part of a quantized linear's weight (a stacked projection's parts may have different types): n rows of
- * row_bytes, in GGUF's block format `type`, stacked on the outputs after the parts before it. */
+ * row_bytes, in GGUF's block format `type`, stacked on the outputs after the parts before it. perm (NULL: none;
+ * the same for every part of a linear): the weight's columns stored in this order, column c of the blocks being
+ * column perm[c] of x (a GPTQ act-order checkpoint's, its groups made contiguous), so x is read through it. */
 typedef struct {
     const uint8_t *w;
     long row_bytes;
     int type, n;
+    const int32_t *perm;
 } quant_part_t;
 
+/* a thread's row of x gathered through a perm (grown as needed, kept for the thread's life) */
+static __thread float *qm_gathered;
+static __thread int qm_gathered_room;
+
 /* Rows [r0, r1) of x quantized into x8 as the parts' tiles read them: per group of 128 for per-channel weights
- * (quant_channel.h: a linear's parts are all Q8_C or none), else per block of 32. */
+ * (quant_channel.h: a linear's parts are all Q8_C or none), else per block of 32; each row read through the
+ * parts' perm where they have one. */
 static inline void qm_quantize_for(const quant_part_t *parts, const float *x, long ldx, int r0, int r1, int k,
                                    const qm_x8_t *x8) {
-    if ((parts[0].type & ~QR_PACKED) == Q8_C)
-        qc_quantize_rows(x, ldx, r0, r1, k, x8);
-    else
-        qm_quantize_rows(x, ldx, r0, r1, k, x8);
+    const int channel = (parts[0].type & ~QR_PACKED) == Q8_C;
+    const int32_t *perm = parts[0].perm;
+    if (perm && k > qm_gathered_room) {
+        free(qm_gathered);
+        qm_gathered = malloc(sizeof(float) * (size_t)k);
+        if (!qm_gathered) abort(); /* (a row of floats) */
+        qm_gathered_room = k;
+    }
+    for (int r = r0; r < r1; r++) {
+        const float *xr = x + (size_t)r * ldx;
+        if (perm) {
+            for (int c = 0; c < k; c++) qm_gathered[c] = xr[perm[c]];
+            xr = qm_gathered;
+        }
+        if (channel)
+            qc_quantize_row(xr, r, k, x8);
+        else
+            qm_quantize_row(xr, r, k, x8);
+    }
 }
 
 /* weight rows a tile of part p: a repacked group's (quant_repack.h), else QM_NR */

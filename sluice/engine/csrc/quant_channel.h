@@ -49,11 +49,10 @@ static inline void qc_unpack(const uint8_t *packed, int n, int k, uint8_t *w) {
 /* Rows [r0, r1) of x (k values each, ldx apart) quantized per group of QC_GROUP values (the last one shorter
  * where k is not whole groups) into x8: q (k values), and per group (at the row's blocks' index g, lb = ld / 32
  * a row) bd (d) and bneg (minus the group's sum of q). */
-static void qc_quantize_rows(const float *x, long ldx, int r0, int r1, int k, const qm_x8_t *x8) {
+static void qc_quantize_row(const float *xr, int r, int k, const qm_x8_t *x8) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const long lb = x8->ld / 32;
-    for (int r = r0; r < r1; r++) {
-        const float *xr = x + (size_t)r * ldx;
+    {
         int8_t *q = x8->q + (size_t)r * x8->ld;
         for (int g0 = 0; g0 < k; g0 += QC_GROUP) {
             const int g1 = g0 + QC_GROUP < k ? g0 + QC_GROUP : k;

@@ -77,13 +77,13 @@ static inline __m256i qm_quantize32(const float *x, __m256 inv, int8_t *q) {
 }
 
 /* Rows [r0, r1) of x (k values each, ldx apart) quantized into x8. */
-static void qm_quantize_rows(const float *x, long ldx, int r0, int r1, int k, const qm_x8_t *x8) {
+static void qm_quantize_row(const float *xr, int r, int k, const qm_x8_t *x8) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int r = r0; r < r1; r++) {
+    {
         int8_t *q = x8->q + (size_t)r * x8->ld;
         const size_t at = (size_t)r * x8->ld / 4;
         for (int i = 0; i < k; i += 32) {
-            const float *xb = x + (size_t)r * ldx + i;
+            const float *xb = xr + i;
             __m256 top = _mm256_setzero_ps();
             for (int j = 0; j < 4; j++) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * j)));
             const float amax = qm_hmax(top);

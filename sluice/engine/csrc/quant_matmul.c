@@ -21,8 +21,9 @@ int sluice_quant_supported(int type) { return qm_supported(type); }
 /* out[m][ldo] = x @ W^T (+ bias) for float32 rows x and a weight W [sum of the parts' n][k] (K a multiple of
  * 32, of 256 for the K-quants): with int8 = 0, each value dequantized exactly as sluice_quant_dequantize gives
  * it and multiplied in float32; else x's rows quantized per block of 32 first (quant_int8.h; per group of 128
- * for Q8_C parts, quant_channel.h). Returns 0, -1 where a part's type is not one of these, -2 where the int8
- * rows' workspace could not be allocated. */
+ * for Q8_C parts, quant_channel.h); x read through the parts' perm where they have one (the same for all).
+ * Returns 0, -1 where a part's type is not one of these (or the parts' perms differ), -2 where a workspace
+ * could not be allocated. */
 int sluice_quant_linear(const quant_part_t *parts, int num_parts, int k, const float *x, long ldx, int m,
                         const float *bias, float *out, long ldo, int int8) {
     double n = 0;
@@ -30,9 +31,16 @@ int sluice_quant_linear(const quant_part_t *parts, int num_parts, int k, const f
     for (int p = 0; p < num_parts; p++) { /* (per-channel parts run repacked, beside no other kind) */
         const int type = parts[p].type & ~QR_PACKED;
         if ((type == Q8_C) != channel || (channel ? !qr_packed(parts[p].type) : !sluice_quant_supported(type)) ||
-            k % 32 || (qr_packed(parts[p].type) && !int8))
+            k % 32 || (qr_packed(parts[p].type) && !int8) || parts[p].perm != parts[0].perm)
             return -1;
         n += parts[p].n;
+    }
+    float *gathered = NULL; /* float activations through a perm: x's rows gathered once (int8: as quantized) */
+    if (parts[0].perm && !int8) {
+        if (!(gathered = malloc(sizeof(float) * (size_t)m * k))) return -2;
+        for (int r = 0; r < m; r++)
+            for (int c = 0; c < k; c++) gathered[(size_t)r * k + c] = x[(size_t)r * ldx + parts[0].perm[c]];
+        x = gathered, ldx = k;
     }
     void *mem = int8 ? malloc(qm_x8_bytes(m, k)) : NULL;
     if (int8 && !mem) return -2;
@@ -49,7 +57,7 @@ int sluice_quant_linear(const quant_part_t *parts, int num_parts, int k, const f
         }
         qm_linear_part(parts, num_parts, k, x, ldx, int8 ? &x8 : NULL, m, bias, out, ldo, &next, chunk);
     }
-    free(mem);
+    free(mem), free(gathered);
     return 0;
 }
 
