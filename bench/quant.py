@@ -2,8 +2,8 @@
 quantized against float32, and a quantized model's memory.
 
     python -m bench.quant kernels [--shape qwen3-0.6b] [--rows 1,8,64] [--rounds 10]
-    python -m bench.quant decode [--model llama-135m] [--batches 1,8] [--new-tokens 32] [--activations float,int8]
-                                 [--only q4,Q4_1] [--clock wall|cpu]
+    python -m bench.quant decode [--model llama-135m | DIR] [--batches 1,8] [--new-tokens 32]
+                                 [--activations float,int8] [--only q4,Q4_1] [--clock wall|cpu]
     python -m bench.quant memory [--gguf FILE | --checkpoint DIR [--quantization int8]] [--kv-mb 256]
 
 `kernels`: GFLOP/s (2 M N K per product) of each linear of one layer of the shape, for every block format with
@@ -124,16 +124,21 @@ def decode(model: str, batches: list[int], new_tokens: int, prompt_len: int, rou
     from sluice.base.gguf_checkpoint import gguf_checkpoint
     from sluice.engine.loader import load_model
 
-    path = checkpoint(model)
-    q8 = path.parent / f"{path.name}.Q8_0.gguf"
-    if not q8.exists():
-        write_gguf(path, q8, {}, "Q8_0")
-    quantized: list[tuple[str, Path, str]] = [("--quantization int8", path, "int8"), ("--quantization q4", path, "q4"),
-                                              ("Q8_0 GGUF", gguf_checkpoint(q8), "none")]
-    if model == "llama-135m" and (gguf := _smollm2_gguf()) is not None:
-        quantized.append(("SmolLM2-135M Q4_1 GGUF", gguf_checkpoint(gguf), "none"))
-    runs = [("float32", path, "none", "")] + [(f"{label} ({a})", where, q, a) for label, where, q in quantized
-                                               for a in activations if not only or any(o in label for o in only)]
+    if Path(model).is_dir():  # (a checkpoint of its own, quantized or not: it alone, with each --activations)
+        path = Path(model)
+        runs = [(f"{path.name} ({a})", path, "none", a) for a in activations]
+    else:
+        path = checkpoint(model)
+        q8 = path.parent / f"{path.name}.Q8_0.gguf"
+        if not q8.exists():
+            write_gguf(path, q8, {}, "Q8_0")
+        quantized: list[tuple[str, Path, str]] = [("--quantization int8", path, "int8"),
+                                                  ("--quantization q4", path, "q4"),
+                                                  ("Q8_0 GGUF", gguf_checkpoint(q8), "none")]
+        if model == "llama-135m" and (gguf := _smollm2_gguf()) is not None:
+            quantized.append(("SmolLM2-135M Q4_1 GGUF", gguf_checkpoint(gguf), "none"))
+        runs = [("float32", path, "none", "")] + [(f"{label} ({a})", where, q, a) for label, where, q in quantized
+                                                   for a in activations if not only or any(o in label for o in only)]
     print(f"decode tok/s of {model} (prompt {prompt_len}, {new_tokens} new tokens, best of {rounds} rounds); "
           f"{torch.get_num_threads()} threads; quantized kernels on {library()[1] if library() else 'none'}; "
           f"CPU flags: {' '.join(sorted(_flags()))}", flush=True)
@@ -146,9 +151,10 @@ def decode(model: str, batches: list[int], new_tokens: int, prompt_len: int, rou
                 os.environ["SLUICE_QUANT_ACTIVATIONS"] = acts
                 rates[label, b] = max(rates[label, b], b / _median_step(m, b, prompt_len, new_tokens, clock))
     os.environ.pop("SLUICE_QUANT_ACTIVATIONS", None)
-    print(f"{'weights':32} " + " ".join(f"{f'batch {b}':>10}" for b in batches) + "  (/ float32)")
+    base = "float32" if runs[0][0] == "float32" else None
+    print(f"{'weights':32} " + " ".join(f"{f'batch {b}':>10}" for b in batches) + ("  (/ float32)" if base else ""))
     for label, *_ in runs:
-        ratios = " ".join(f"{rates[label, b] / rates['float32', b]:>5.2f}x" for b in batches)
+        ratios = " ".join(f"{rates[label, b] / rates[base, b]:>5.2f}x" for b in batches) if base else ""
         print(f"{label:32} " + " ".join(f"{rates[label, b]:>10.1f}" for b in batches) + f"  {ratios}", flush=True)
 
 
@@ -230,7 +236,8 @@ def main() -> None:
     k.add_argument("--columns", default="", help="comma-separated columns to run (default: every one), e.g. "
                    "'Q8_0 int8,Q8_C int8'")
     d = sub.add_parser("decode")
-    d.add_argument("--model", default="llama-135m")
+    d.add_argument("--model", default="llama-135m", help="a bench.checkpoints shape (with its quantized variants), "
+                   "or a checkpoint's directory (it alone)")
     d.add_argument("--batches", default="1,8")
     d.add_argument("--new-tokens", type=int, default=32)
     d.add_argument("--prompt-len", type=int, default=32)

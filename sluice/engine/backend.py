@@ -90,7 +90,9 @@ class Backend:
 
     def give_table(self, model: nn.Module, head: LMHead) -> None:
         """The model's LM head table once `head` is built from it: where the head holds it in a copy of its own
-        (packed for a kernel), the model's copy may go (a tied embedding then looks its rows up in the head's)."""
+        (packed for a kernel), the model's copy may go (a tied embedding then looks its rows up in the head's;
+        the model's `given_head` is then that head, for another runner over the same model). A model prepared
+        so holds its weights as that backend packed them: it serves that backend only."""
 
     def exp_kernels(self) -> ExpKernels | None:
         """The sampler's exp pass, where this backend has kernels for it (None: torch's softmax)."""

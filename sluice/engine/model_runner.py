@@ -102,7 +102,9 @@ class ModelRunner:
         # whether a step runs through the layers in one call, which reads `AttentionMetadata.row_group`.
         self.backend = select_backend(device, dtype)
         self.one_call = self.backend.prepare(model, self.kv_caches)
-        self.lm_head = self.backend.lm_head(model.lm_weight())
+        # (a table given to an earlier runner's head, Backend.give_table: that head, the table held only there)
+        given = getattr(model, "given_head", None)
+        self.lm_head = given if given is not None else self.backend.lm_head(model.lm_weight())
         self.backend.give_table(model, self.lm_head)  # (a backend whose head packed the table: held once)
         self.backend.loaded()
         # the model's own map of the LM head's logits (soft-capping, scaling): order-keeping, so greedy rows'

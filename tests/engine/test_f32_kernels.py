@@ -34,6 +34,7 @@ from sluice.engine.cpu.matmul import Bf16Screen, F32Matmul, Int8Argmax, bf16_exa
 from sluice.engine.cpu.stack import DecoderStack
 from sluice.engine.lm_head import lm_head
 from sluice.engine.loader import load_model
+from sluice.engine.model_runner import ModelRunner
 from tests.engine.helpers import generate, make_engine, seq
 
 _ISA = {"avx512f", "avx512bw", "avx512vl"}
@@ -517,6 +518,11 @@ def test_a_tied_table_is_held_once_the_embedding_reading_the_heads_packed_rows(b
     for bad in (len(table), -1):
         with pytest.raises(IndexError):
             embedding(torch.tensor([3, bad]))
+    # another runner over the same model (prepared again: its kernels kept) takes the head the table went to
+    again = ModelRunner(runner.model, 64, 16, torch.float32, torch.device("cpu"))
+    assert again.lm_head is runner.lm_head and torch.equal(embedding(ids).float(), table[ids])
+    hidden = torch.randn(3, table.shape[1])
+    assert torch.equal(again.lm_head.argmax(hidden), runner.lm_head.argmax(hidden))
 
 
 @needs_f32_kernel

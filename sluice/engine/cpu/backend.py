@@ -146,6 +146,8 @@ class CpuBackend(Backend):
         or float32 table the head packed, `narrowed` as the embedding was). A table held once (Qwen3-0.6B's
         tied one: 297 MB)."""
         kernel = head.kernel if isinstance(head, CpuLMHead) else None
+        if getattr(model, "given_head", None) is head:
+            return
         tied = model.tied_embedding() if hasattr(model, "tied_embedding") else None
         owner = tied if tied is not None else getattr(model, "lm_head", None)
         if (not isinstance(kernel, (F32Matmul, Bf16Matmul)) or owner is None
@@ -164,6 +166,7 @@ class CpuBackend(Backend):
             tied.lookup = lookup
         _held_packed(owner, kernel)
         head.weight = torch.empty(0)
+        model.given_head = head  # (another runner over this model takes this head: ModelRunner)
 
     def dequantize(self, weight: QuantizedWeight) -> torch.Tensor:
         values = quant.dequantize(weight)
