@@ -294,7 +294,9 @@ def layer_parts(model, dtype, batch: int, prompt_len: int = 130, n: int = 20) ->
     layer, kv = model.model.layers[0], runner.kv_caches[0]
     attn, mlp, backend = layer.self_attn, layer.mlp, runner.backend
     h, hkv, d = attn.heads
-    weights = {m: m.weight.to(dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)}
+    # (a linear held packed by its kernel has an empty weight: the kernel's rows are its values)
+    weights = {m: (m.weight if m.weight.numel() else m.run.rows(torch.arange(m.run.n))).to(dtype)
+               for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)}
     x = torch.randn(batch, model.config.hidden_size, dtype=dtype)
     qkv = attn.qkv_proj(x).view(batch, h + 2 * hkv, d)
     q = rope_and_store(qkv[:, : h + hkv], qkv[:, h + hkv :], h, attn.rotary, positions, *kv, meta.slot_mapping[None])

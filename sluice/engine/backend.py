@@ -47,6 +47,10 @@ class LMHead:
         """Each row's greedy token [B] (int64)."""
         return argmax(self(hidden))
 
+    def values(self) -> torch.Tensor:
+        """Its weight [V, D] (a copy where the head holds it only packed for a kernel)."""
+        return self.weight
+
 
 class Backend:
     """Torch's path: every op as torch runs it, on any device and dtype (see the module's doc)."""

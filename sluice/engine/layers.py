@@ -315,6 +315,8 @@ class CausalLM(nn.Module):
     def lm_weight(self) -> torch.Tensor | QuantizedWeight:
         """The LM head's table [V, D]: its own or the embedding's, kept quantized where it is (the backend's
         `lm_head` multiplies by it as it lies)."""
+        if (given := getattr(self, "given_head", None)) is not None:  # (the table held by a head: Backend.give_table)
+            return given.values()
         tied = self.tied_embedding()
         head = self.lm_head if tied is None else tied
         quant = getattr(head, "quant", None)

@@ -521,6 +521,7 @@ def test_a_tied_table_is_held_once_the_embedding_reading_the_heads_packed_rows(b
     # another runner over the same model (prepared again: its kernels kept) takes the head the table went to
     again = ModelRunner(runner.model, 64, 16, torch.float32, torch.device("cpu"))
     assert again.lm_head is runner.lm_head and torch.equal(embedding(ids).float(), table[ids])
+    assert torch.equal(runner.model.lm_weight().float(), table)  # (a copy, from the head's packed rows)
     hidden = torch.randn(3, table.shape[1])
     assert torch.equal(again.lm_head.argmax(hidden), runner.lm_head.argmax(hidden))
 

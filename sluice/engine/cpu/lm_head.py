@@ -65,6 +65,11 @@ class CpuLMHead(LMHead):
             return torch.ops.mkldnn._linear_pointwise(hidden.contiguous(), self.onednn, None, "none", [], "")
         return super().__call__(hidden)
 
+    def values(self) -> torch.Tensor:
+        if self.weight.numel() or self.kernel is None:
+            return self.weight
+        return self.kernel.rows(torch.arange(self.kernel.n))  # (given the model's table: Backend.give_table)
+
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """Each row's greedy token [B]: the first index of the maximum of its logits as `__call__` gives
         them (the same token, without writing the logits, on the kernels' paths)."""
