@@ -70,7 +70,7 @@ class Embedding(nn.Embedding):
     """nn.Embedding whose table may be kept in a GGUF block format (`quant`, set by engine.quant.set_quantized):
     then only the rows looked up are dequantized (by the backend's kernel where it has one), never the table.
     A table tied to the LM head may be held only as the head's kernel packed it (`lookup`, set by the backend's
-    `tie`)."""
+    `give_table`)."""
 
     backend: Backend = TORCH
     quant = None  # (an engine.quant.QuantizedWeight,) in place of `weight`

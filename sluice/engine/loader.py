@@ -68,8 +68,8 @@ def _load_safetensors(path: Path, dtype: torch.dtype, device: torch.device) -> t
         reader = gptq.Reader(packed, device)
     model = empty_model(hf_config, dtype, device)
     params = dict(model.named_parameters())
-    # A bf16 checkpoint served in float32 on the CPU: its linears', embeddings' and LM head's weights stay bf16 (the CPU
-    # backend packs them in bf16 and widens them in registers: the same values), so loading peaks at the
+    # A bf16 checkpoint served in float32 on the CPU: its linears', embeddings' and LM head's weights stay bf16
+    # (the CPU backend packs them in bf16 and widens them in registers: the same values), so loading peaks at the
     # checkpoint's size, not twice it (torch.empty's float32 buffers are never written, never resident).
     narrow = device.type == "cpu" and dtype == torch.float32
     files = {name: file for file in checkpoint_files(path) for name in _tensor_names(file)}

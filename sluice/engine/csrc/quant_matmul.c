@@ -71,17 +71,21 @@ long sluice_quant_repacked_row_bytes(int type, int k, long row_bytes) {
     return type == Q8_C ? row_bytes : qr_row_bytes(type, k, row_bytes);
 }
 
+/* whether a weight of this type, k values and row_bytes a row, is one sluice_quant_repack takes */
+static int qm_repackable(int type, int k, long row_bytes) {
+    if (type == Q8_C) return k % 32 == 0 && row_bytes == (long)k + 4;
+    return qm_supported(type) && k % (type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32) == 0;
+}
+
 /* w [n][row_bytes] (any of the types above, k values a row) repacked into out for int8 activations: its parts
  * then name it as type | QR_PACKED, their row_bytes the repacked rows' (see quant_repack.h). Returns 0, or -1
  * where the type is not one of these. */
 int sluice_quant_repack(const uint8_t *w, int type, int n, int k, long row_bytes, uint8_t *out) {
-    if (type == Q8_C) {
-        if (k % 32 || row_bytes != (long)k + 4) return -1;
+    if (!qm_repackable(type, k, row_bytes)) return -1;
+    if (type == Q8_C)
         qc_repack(w, n, k, out);
-        return 0;
-    }
-    if (!qm_supported(type) || k % (type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32)) return -1;
-    qr_repack(w, type, n, k, row_bytes, out);
+    else
+        qr_repack(w, type, n, k, row_bytes, out);
     return 0;
 }
 
@@ -89,13 +93,11 @@ int sluice_quant_repack(const uint8_t *w, int type, int n, int k, long row_bytes
  * blocks) back from a repacked copy, exactly (a weight held only repacked gives its bytes to whatever reads
  * them as stored). Returns 0, or -1 where the type is not one of these. */
 int sluice_quant_unpack(const uint8_t *packed, int type, int n, int k, long row_bytes, uint8_t *w) {
-    if (type == Q8_C) {
-        if (k % 32 || row_bytes != (long)k + 4) return -1;
+    if (!qm_repackable(type, k, row_bytes)) return -1;
+    if (type == Q8_C)
         qc_unpack(packed, n, k, w);
-        return 0;
-    }
-    if (!qm_supported(type) || k % (type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32)) return -1;
-    qr_unpack(packed, type, n, k, row_bytes, w);
+    else
+        qr_unpack(packed, type, n, k, row_bytes, w);
     return 0;
 }
 
