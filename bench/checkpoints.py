@@ -7,8 +7,9 @@
   ships (Q4_1, dequantized into bf16 safetensors): real logits, for what depends on their shape.
 - `smollm2_135m_w8a8()`: that model as llm-compressor's W8A8 recipe leaves it (compressed-tensors int8: each
   layer linear's rows quantized symmetrically, a scale a row; activations per token, dynamic).
-- `smollm2_135m_gptq_act_order()`: that model in GPTQ's int4 layout, symmetric, groups of 128, in act order (the
-  columns of the linears that read one input grouped in one order), rounded to nearest (no GPTQ solve).
+- `smollm2_135m_gptq()`: that model in GPTQ's int4 layout, groups of 128, rounded to nearest (no GPTQ solve):
+  `smollm2-135m-gptq-act-order` symmetric in act order (the columns of the linears that read one input grouped
+  in one order), `smollm2-135m-gptq-asym` with zero points, in order.
 
     python -m bench.checkpoints [NAME ...]      # writes them and prints their paths
 """
@@ -39,7 +40,8 @@ SHAPES: dict[str, dict] = {
                          rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
 }
-CHECKPOINTS = ("tiny-llama-o200k", *SHAPES, "smollm2-135m", "smollm2-135m-w8a8", "smollm2-135m-gptq-act-order")
+CHECKPOINTS = ("tiny-llama-o200k", *SHAPES, "smollm2-135m", "smollm2-135m-w8a8", "smollm2-135m-gptq-act-order",
+               "smollm2-135m-gptq-asym")
 _GAIN = 2.0
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _VERSION = "v2"
@@ -69,7 +71,9 @@ def checkpoint(name: str) -> Path:
     if name == "smollm2-135m-w8a8":
         return smollm2_135m_w8a8()
     if name == "smollm2-135m-gptq-act-order":
-        return smollm2_135m_gptq_act_order()
+        return smollm2_135m_gptq()
+    if name == "smollm2-135m-gptq-asym":
+        return smollm2_135m_gptq(sym=False, act_order=False)
     if name in SHAPES:
         return real_shape(name)
     raise ValueError(f"unknown checkpoint {name!r}; choose from {', '.join(CHECKPOINTS)}")
@@ -254,11 +258,12 @@ def smollm2_135m_w8a8() -> Path:
     return _written(f"smollm2-135m-w8a8-{_VERSION}", write)
 
 
-def smollm2_135m_gptq_act_order() -> Path:
-    """smollm2-135m with each layer linear in GPTQ's int4 layout (AutoGPTQ v1: symmetric, zero points stored
-    minus one), groups of 128 input columns in act order: the columns of the linears that read one input (q, k,
-    v; gate, up) quantized in one order, by their summed column norms, largest first (GPTQ orders by its
-    Hessian's diagonal, the same for those linears); the embedding (tied) and norms as they are."""
+def smollm2_135m_gptq(sym: bool = True, act_order: bool = True) -> Path:
+    """smollm2-135m with each layer linear in GPTQ's int4 layout (AutoGPTQ v1: zero points stored minus one),
+    groups of 128 input columns, rounded to nearest (no GPTQ solve), symmetric or with zero points; in act order:
+    the columns of the linears that read one input (q, k, v; gate, up) quantized in one order, by their summed
+    column norms, largest first (GPTQ orders by its Hessian's diagonal, the same for those linears). The
+    embedding (tied) and norms as they are."""
 
     def write(out: Path) -> None:
         import torch
@@ -279,17 +284,19 @@ def smollm2_135m_gptq_act_order() -> Path:
         for names in readers.values():
             order = torch.argsort(sum(weights[n].float().norm(dim=0) for n in names), descending=True, stable=True)
             for name in names:
-                q, zeros, scales, groups = quantize_rtn(weights[name], 128, True, act_order_groups(order, 128))
+                groups = act_order_groups(order, 128) if act_order else None
+                q, zeros, scales, groups = quantize_rtn(weights[name], 128, sym, groups)
                 prefix = name.removesuffix(".weight")
-                tensors.update({f"{prefix}.{k}": v for k, v in pack_gptq(q, zeros, scales, groups, v1=True).items()})
+                tensors.update({f"{prefix}.{k}": v for k, v in
+                                pack_gptq(q, zeros, scales, groups if act_order else None, v1=True).items()})
         tensors.update({n: w for n, w in weights.items() if n not in linear})
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         config = json.loads((out / "config.json").read_text())
-        gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": True,
+        gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": sym, "desc_act": act_order,
                 "checkpoint_format": "gptq"}
         (out / "config.json").write_text(json.dumps({**config, "quantization_config": gptq}, indent=2))
 
-    return _written(f"smollm2-135m-gptq-act-order-{_VERSION}", write)
+    return _written(f"smollm2-135m-gptq{'-act-order' if act_order else ''}{'' if sym else '-asym'}-{_VERSION}", write)
 
 
 def main() -> None:

@@ -15,8 +15,8 @@ Both store a linear W [N, K] as 4-bit integers q, one zero point z and one float
 
 Where every block of 32 input columns lies in one group and the scales are float16 values (the usual case),
 the weight is converted exactly (the same float32 values): with every zero point 8 (symmetric GPTQ) to Q4_0
-(d = s, the nibble q: d * (q - 8)), else to Q8_0 (d = s, the int8 q - z, within [-16, 15]: twice Q4_0's bytes,
-as there is no 4-bit block format with an integer zero point among the kernels'), and runs on the CPU's
+(d = s, the nibble q: d * (q - 8)), else to Q5_0 (d = s, the five bits q - z + 16: d * (v - 16), q - z within
+[-16, 15]; 5.5 bits a weight, where Q4_1's float16 min could hold -s z only rounded), and runs on the CPU's
 quantized kernels (engine/cpu/quant.py). An act-order weight's columns are sorted by group first (each group
 then whole blocks) and x is read in that order (`sorted_blocks`; a stacked projection's parts, which GPTQ
 orders by the same input's Hessian, must share it). Otherwise (groups not whole blocks of 32, a stacked
@@ -110,7 +110,7 @@ def unpack(s: Scheme, tensors: dict[str, torch.Tensor]) -> Int4:
 
 
 def to_blocks(w: Int4) -> QuantizedWeight | None:
-    """The same values in Q4_0 (every zero point 8) or Q8_0 blocks, or None where no block format holds them
+    """The same values in Q4_0 (every zero point 8) or Q5_0 blocks, or None where no block format holds them
     exactly (a block of 32 columns across groups, scales that are not float16 values)."""
     n, k = w.q.shape
     if k % _BLOCK:
@@ -128,8 +128,8 @@ def to_blocks(w: Int4) -> QuantizedWeight | None:
         body = q[..., : _BLOCK // 2] | (q[..., _BLOCK // 2 :] << 4)
         data = torch.cat([d.view(torch.uint8).view(n, k // _BLOCK, 2), body], dim=2).reshape(n, -1)
         return QuantizedWeight(data.contiguous(), BY_NAME["Q4_0"], (n, k))
-    # (q in 0..15 and zero points in 0..16 as int8: their difference is within [-16, 15])
-    return q8_0(w.q.view(torch.int8) - w.zeros[:, w.groups].to(torch.int8), d)
+    # (q in 0..15 and zero points in 0..16: q - z + 16 within [0, 31], Q5_0's five bits)
+    return q5_0((w.q.to(torch.int16) - w.zeros[:, w.groups] + 16).to(torch.uint8), d)
 
 
 def sorted_blocks(w: Int4) -> QuantizedWeight | None:
@@ -140,6 +140,19 @@ def sorted_blocks(w: Int4) -> QuantizedWeight | None:
     perm = torch.argsort(w.groups, stable=True)
     blocks = to_blocks(Int4(w.q[:, perm], w.zeros, w.scales, w.groups[perm]))
     return None if blocks is None else dataclasses.replace(blocks, perm=perm.to(torch.int32))
+
+
+def q5_0(v: torch.Tensor, d: torch.Tensor) -> QuantizedWeight:
+    """Q5_0 blocks of 5-bit values v [N, K] (0..31) and one float16 scale a block of 32 columns, d [N, K / 32]:
+    the weight d * (v - 16), exactly (GGML's layout: d, the 32 fifth bits, then value l's low 4 bits in byte
+    l % 16, the high half of the block in the high nibbles)."""
+    n, k = v.shape
+    blocks = v.view(n, k // _BLOCK, _BLOCK).to(torch.int64)
+    low = (blocks[..., : _BLOCK // 2] & 0xF) | ((blocks[..., _BLOCK // 2 :] & 0xF) << 4)
+    high = ((blocks >> 4) << torch.arange(_BLOCK)).sum(-1)  # (value l's fifth bit at bit l)
+    fifth = high.to(torch.int32).view(torch.uint8).view(n, k // _BLOCK, 4)  # (little-endian, as GGML reads it)
+    data = torch.cat([d.contiguous().view(torch.uint8).view(n, k // _BLOCK, 2), fifth, low.to(torch.uint8)], dim=2)
+    return QuantizedWeight(data.reshape(n, -1).contiguous(), BY_NAME["Q5_0"], (n, k))
 
 
 def q8_0(q: torch.Tensor, d: torch.Tensor) -> QuantizedWeight:
@@ -205,8 +218,8 @@ class Reader:
 
     def summary(self, dtype: torch.dtype) -> None:
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(self.kinds.items()))
-        log.info("%s int4 checkpoint: linear parts %s (Q4_0: symmetric, exact; Q8_0: zero points, exact, 8 bits a "
-                 "weight; act order: the columns sorted by group, x read in that order; dequantized: groups across "
+        log.info("%s int4 checkpoint: linear parts %s (Q4_0: symmetric, exact; Q5_0: zero points, exact, 5.5 bits "
+                 "a weight; act order: the columns sorted by group, x read in that order; dequantized: groups across "
                  "blocks of 32, or a stacked projection's parts in different orders, in the model's dtype)",
                  self.scheme.method.upper(), kinds or "none")
         if self.expert_values:

@@ -60,10 +60,10 @@ def _random(n, k, group_size, sym, seed, zero_range=(0, 16)):
 
 CASES = {  # name: (scheme, symmetric, group size, the block format expected)
     "gptq-v1-sym": (gptq_config.Scheme("gptq", 32, True), True, 32, "Q4_0"),
-    "gptq-v1-asym": (gptq_config.Scheme("gptq", 64, True), False, 64, "Q8_0"),
-    "gptq-v2-asym": (gptq_config.Scheme("gptq", 128, False), False, 128, "Q8_0"),
+    "gptq-v1-asym": (gptq_config.Scheme("gptq", 64, True), False, 64, "Q5_0"),
+    "gptq-v2-asym": (gptq_config.Scheme("gptq", 128, False), False, 128, "Q5_0"),
     "gptq-per-channel": (gptq_config.Scheme("gptq", -1, True), True, 256, "Q4_0"),
-    "awq": (gptq_config.Scheme("awq", 64, False), False, 64, "Q8_0"),
+    "awq": (gptq_config.Scheme("awq", 64, False), False, 64, "Q5_0"),
 }
 
 
@@ -95,7 +95,7 @@ def test_act_order_is_held_as_blocks_of_its_columns_sorted_by_group(isa):
     w = gptq.unpack(gptq_config.Scheme("gptq", group_size, True), pack_gptq(q, zeros, scales, groups, v1=True))
     assert gptq.to_blocks(w) is None
     held = gptq.sorted_blocks(w)
-    assert held is not None and held.qtype.name == "Q8_0" and held.perm.dtype == torch.int32
+    assert held is not None and held.qtype.name == "Q5_0" and held.perm.dtype == torch.int32
     assert torch.equal(groups[held.perm.long()], torch.arange(k) // group_size)  # (each group whole blocks)
     want = reference(q, zeros, scales, groups)
     assert torch.equal(w.dequantize().double(), want) and torch.equal(held.dequantize().double(), want)
@@ -149,14 +149,14 @@ MODELS: dict[str, tuple[dict, dict, bool, str, set[str]]] = {
     # Hessian's), held as blocks of their columns sorted by group
     "gptq-act-order-llama": (dict(architecture="LlamaForCausalLM", tie_word_embeddings=False),
                              {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False, "desc_act": True},
-                             False, "shared", {"Q8_0 (act order)"}),
+                             False, "shared", {"Q5_0 (act order)"}),
     # each linear in an order of its own: a stacked projection's parts cannot read x in one, and are dequantized
     "gptq-act-order-own-orders": (dict(architecture="Qwen3ForCausalLM"),
                                   {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": True},
                                   True, "own", {"Q4_0 (act order)", "dequantized"}),
     "awq-qwen2-bias": (dict(architecture="Qwen2ForCausalLM", tie_word_embeddings=False),
                        {"quant_method": "awq", "bits": 4, "group_size": 64, "version": "gemm", "zero_point": True},
-                       False, "", {"Q8_0"}),
+                       False, "", {"Q5_0"}),
 }
 
 
@@ -312,7 +312,7 @@ def test_a_mixtures_packed_experts_are_dequantized_at_load(tmp_path, caplog):
                                                                dequant[f"{block}.up_proj"]]))
         assert torch.equal(experts.down_proj[e], dequant[f"{block}.down_proj"])
     qkv = model.get_submodule("model.layers.0.self_attn.qkv_proj")
-    assert [p.qtype.name for p in qkv.quant] == ["Q8_0"] * 3
+    assert [p.qtype.name for p in qkv.quant] == ["Q5_0"] * 3
     values = 2 * 8 * 3 * 32 * 64  # (two mixture layers of 8 experts)
     assert (f"GPTQ int4 experts dequantized at load (no quantized expert kernel): {values} values, "
             f"{values * 4 / 2**20:.1f} MiB in torch.float32 (8 times their 4 bits)") in caplog.text
