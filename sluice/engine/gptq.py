@@ -147,11 +147,13 @@ def q5_0(v: torch.Tensor, d: torch.Tensor) -> QuantizedWeight:
     the weight d * (v - 16), exactly (GGML's layout: d, the 32 fifth bits, then value l's low 4 bits in byte
     l % 16, the high half of the block in the high nibbles)."""
     n, k = v.shape
-    blocks = v.view(n, k // _BLOCK, _BLOCK).to(torch.int64)
+    blocks = v.view(n, k // _BLOCK, _BLOCK)  # (uint8 throughout: no wider copy of a large weight)
     low = (blocks[..., : _BLOCK // 2] & 0xF) | ((blocks[..., _BLOCK // 2 :] & 0xF) << 4)
-    high = ((blocks >> 4) << torch.arange(_BLOCK)).sum(-1)  # (value l's fifth bit at bit l)
-    fifth = high.to(torch.int32).view(torch.uint8).view(n, k // _BLOCK, 4)  # (little-endian, as GGML reads it)
-    data = torch.cat([d.contiguous().view(torch.uint8).view(n, k // _BLOCK, 2), fifth, low.to(torch.uint8)], dim=2)
+    bits = (blocks >> 4).view(n, k // _BLOCK, 4, 8)  # (value l's fifth bit: bit l % 8 of byte l // 8)
+    fifth = bits[..., 0].clone()
+    for i in range(1, 8):
+        fifth |= bits[..., i] << i
+    data = torch.cat([d.contiguous().view(torch.uint8).view(n, k // _BLOCK, 2), fifth, low], dim=2)
     return QuantizedWeight(data.reshape(n, -1).contiguous(), BY_NAME["Q5_0"], (n, k))
 
 
