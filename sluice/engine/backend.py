@@ -88,10 +88,6 @@ class Backend:
         """A quantized weight's float32 values [N, K] (the rows an embedding looks up)."""
         return weight.dequantize()
 
-    def loaded(self) -> None:
-        """Called once the model's weights are ready (packed, its head built): a backend may give back to the
-        system what loading freed."""
-
     def give_table(self, model: nn.Module, head: LMHead) -> None:
         """The model's LM head table once `head` is built from it: where the head holds it in a copy of its own
         (packed for a kernel), the model's copy may go (a tied embedding then looks its rows up in the head's;

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from sluice.engine.gptq_config import Scheme
-from sluice.engine.quant import BY_NAME, QuantizedWeight
+from sluice.engine.quant import BY_NAME, QuantizedWeight, one_order
 
 log = logging.getLogger("sluice.engine")
 
@@ -197,8 +197,7 @@ class Reader:
             if getattr(module, "bias", None) is None:
                 used += _zero_bias(prefix, has, fetch)
         held = [p for p in parts if isinstance(p, QuantizedWeight)]
-        orders = {None if p.perm is None else tuple(p.perm.tolist()) for p in held}
-        if len(held) == len(parts) and len(orders) == 1:  # (a stacked projection's parts read x in one order)
+        if len(held) == len(parts) and one_order(held):  # (a stacked projection's parts read x in one order)
             set_quantized(module, tuple(held))
             self.kinds.update(p.qtype.name + ("" if p.perm is None else " (act order)") for p in held)
             return None, used

@@ -81,6 +81,12 @@ class QuantizedWeight:
         return in_order(values, self.perm)
 
 
+def one_order(parts: tuple[QuantizedWeight, ...] | list[QuantizedWeight]) -> bool:
+    """Whether the parts (a stacked projection's) read x in one column order: every perm None, or all equal."""
+    first = parts[0].perm
+    return all((p.perm is None) == (first is None) and (first is None or torch.equal(p.perm, first)) for p in parts)
+
+
 def in_order(values: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
     """A weight's values [N, K] stored in `perm`'s column order (QuantizedWeight.perm) in x's order."""
     if perm is None:

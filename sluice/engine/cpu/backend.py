@@ -37,7 +37,7 @@ from sluice.engine.cpu import kernels, ops, quant
 from sluice.engine.cpu.experts import F32Experts
 from sluice.engine.cpu.lm_head import CpuLMHead
 from sluice.engine.cpu.matmul import Bf16Matmul, F32Matmul, narrowed
-from sluice.engine.cpu.quant import QuantMatmul, libc, quant_linear, quant_lm_head
+from sluice.engine.cpu.quant import QuantMatmul, quant_linear, quant_lm_head
 from sluice.engine.cpu.stack import DecodeLayer, DecoderStack
 from sluice.engine.quant import QuantizedWeight
 from sluice.engine.sampler import ExpKernels
@@ -134,12 +134,6 @@ class CpuBackend(Backend):
         log.info("LM head: %s", head.path)
         return head
 
-    def loaded(self) -> None:
-        """The heap's free pages given back (glibc's malloc_trim): loading in float32 and packing narrower frees
-        many weights' worth of memory that malloc keeps otherwise (SmolLM2 in float32: 905 -> 732 MB resident)."""
-        if (trim := getattr(libc(), "malloc_trim", None)) is not None:
-            trim(0)
-
     def give_table(self, model: nn.Module, head: LMHead) -> None:
         """Where the head's kernel packed the table, the model's own copy goes: an untied head's weight, or a tied
         embedding's table, whose rows the embedding then reads from the packed copy (the same values: the bf16
@@ -159,7 +153,7 @@ class CpuBackend(Backend):
             n = kernel.n
 
             def lookup(ids: torch.Tensor) -> torch.Tensor:
-                if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < n:
+                if ids.numel() and not (0 <= int((bounds := torch.aminmax(ids)).min) and int(bounds.max) < n):
                     raise IndexError("index out of range in self")  # (nn.Embedding's; the rows past n are zero)
                 return kernel.rows(ids)
 

@@ -42,7 +42,7 @@ from sluice.base import envs
 from sluice.engine.backend import LMHead
 from sluice.engine.cpu.build import _AVX2, _AVX512_VL_VNNI, cpu_flags, load
 from sluice.engine.cpu.kernels import _cached
-from sluice.engine.quant import BY_NAME, Q8_C, QuantizedWeight, QuantType, dequantized, in_order
+from sluice.engine.quant import BY_NAME, Q8_C, QuantizedWeight, QuantType, dequantized, in_order, one_order
 from sluice.engine.sampler import argmax
 
 log = logging.getLogger("sluice.engine")
@@ -161,9 +161,7 @@ class QuantMatmul:
             return None
         lib, isa = found
         parts = (weight,) if isinstance(weight, QuantizedWeight) else tuple(weight)
-        first = parts[0].perm
-        if not all((p.perm is None) == (first is None) and (first is None or torch.equal(p.perm, first))
-                   for p in parts):
+        if not one_order(parts):
             return None  # (x is read in one order for all the parts)
         int8 = activations() == "int8" if int8 is None else int8
         if any(p.qtype == Q8_C for p in parts):
@@ -279,18 +277,15 @@ def _give_back(data: torch.Tensor) -> None:
     start = data.data_ptr()
     first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
     end = (start + data.numel() * data.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
-    if end > first and libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), _MADV_DONTNEED):
+    if end > first and _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), _MADV_DONTNEED):
         log.debug("madvise(MADV_DONTNEED) failed: errno %d", ctypes.get_errno())
 
 
 @_cached
-def libc() -> ctypes.CDLL:
-    """This process's C library (madvise; glibc's malloc_trim where it has one)."""
-    lib = ctypes.CDLL(None, use_errno=True)
-    lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if hasattr(lib, "malloc_trim"):
-        lib.malloc_trim.argtypes = [ctypes.c_size_t]
-    return lib
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 class DequantizedLinear:
