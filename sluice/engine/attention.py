@@ -55,9 +55,20 @@ def rope_and_store(qk: torch.Tensor, v: torch.Tensor, heads: int, rotary: Rotary
     values v [T, Hkv, D] written into the paged cache at `slots` [T] (in the cache's dtype, which may be
     narrower than the activations': --kv-cache-dtype); returns the rotated queries [T, H, D]."""
     q, k = rotary(qk, positions).split([heads, qk.shape[1] - heads], dim=1)
-    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+    store_rows(k_cache, slots, k)
+    store_rows(v_cache, slots, v)
     return q
+
+
+def store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """rows written into the cache at `slots` (its first dimension) in the cache's dtype. An fp8 cache (vLLM's
+    `fp8`, no scale) saturates at its largest finite value, as csrc/f32_vec.h's kv_put does, and is written as
+    bytes (torch's index_copy_ takes no float8)."""
+    if not cache.dtype.is_floating_point or cache.element_size() != 1:
+        cache.index_copy_(0, slots, rows.to(cache.dtype))
+        return
+    top = torch.finfo(cache.dtype).max
+    cache.view(torch.uint8).index_copy_(0, slots, rows.clamp(-top, top).to(cache.dtype).view(torch.uint8))
 
 
 def paged_attention(

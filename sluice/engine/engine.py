@@ -52,13 +52,17 @@ def pick_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dtype:
     return torch.float16 if declared == "float16" else torch.bfloat16
 
 
+# --kv-cache-dtype's fp8 names (vLLM's): fp8 is e4m3, finite (no infinities, more precision than e5m2)
+_FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
 def pick_kv_dtype(name: str, dtype: torch.dtype, model: torch.nn.Module | None) -> torch.dtype:
     """--kv-cache-dtype: auto is the activations' dtype, but float16 for a model whose linears are quantized
     under float32 activations (a GGUF file's, GPTQ / AWQ / int8 checkpoints', --quantization's): llama.cpp's
     cache for those files, and half the bytes every decode step's attention reads
     (bench/RESULTS.md#kv-cache-dtype)."""
     if name != "auto":
-        return getattr(torch, name)
+        return _FP8.get(name) or getattr(torch, name)
     return torch.float16 if quantized(model) and dtype == torch.float32 else dtype
 
 

@@ -17,6 +17,7 @@ AVX2) against torch's float32 path, which the kernels must equal up to the order
 """
 from __future__ import annotations
 
+import math
 import os
 from unittest import mock
 
@@ -27,6 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluice.app.builtin_models import write_llama_family
+from sluice.engine.attention import store_rows
 from sluice.engine.backend import TORCH
 from sluice.engine.cpu import build as kernel_build
 from sluice.engine.cpu import kernels, ops
@@ -45,7 +47,8 @@ needs_avx2 = pytest.mark.skipif(not AVX2, reason="this CPU lacks AVX2/FMA")
 needs_f32_kernel = pytest.mark.skipif(not (AVX512 or AVX2), reason="this CPU lacks AVX-512F/BW/VL and AVX2/FMA")
 # the float32 linears' instruction sets: each test of them runs on every one this CPU has
 ISAS = [pytest.param("AVX-512F", marks=needs_avx512), pytest.param("AVX2", marks=needs_avx2)]
-KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # the caches the float32 kernels read (--kv-cache-dtype)
+# the caches the float32 kernels read (--kv-cache-dtype)
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
 # the float32 step's pieces (f32_layers.c) on each build this CPU runs
 STEP_ISAS = [pytest.param(kernels.f32_layers, id="AVX-512F", marks=needs_avx512),
              pytest.param(kernels.f32_layers_avx2, id="AVX2", marks=needs_avx2)]
@@ -720,8 +723,8 @@ def test_paged_causal_attention_reads_queries_and_keys_where_they_lie(chunks, kv
     step_q = torch.empty(rows, heads, dim)
     step_q[q_index.view(-1)] = q.reshape(rows, heads, dim)
     k_cache, v_cache = torch.randn(2, b * k_len + 50, kv_heads, dim, generator=g).to(kv)
-    k_cache[kv_slots.view(-1)] = k.reshape(-1, kv_heads, dim).to(kv)
-    v_cache[kv_slots.view(-1)] = v.reshape(-1, kv_heads, dim).to(kv)
+    store_rows(k_cache, kv_slots.view(-1), k.reshape(-1, kv_heads, dim))
+    store_rows(v_cache, kv_slots.view(-1), v.reshape(-1, kv_heads, dim))
     out_index = torch.randperm(rows, generator=g).view(b, q_len)
     pads = torch.tensor([[i >= n for i in range(q_len)] for _, n in chunks])
     out_index[pads] = rows  # the pads' row
@@ -771,15 +774,47 @@ def test_float32_rope_store_is_torchs_rotary_and_the_cache_writes(build, tokens,
     k2, v2 = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     q2 = rope_and_store(qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :], heads, rotary, positions, k2, v2, slots)
     torch.testing.assert_close(q, q2, rtol=1e-6, atol=1e-6)
-    rounding = {torch.float32: 1e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[kv]
-    torch.testing.assert_close(k_cache.float(), k2.float(), rtol=rounding, atol=1e-6)
-    assert torch.equal(v_cache, v2)
+    rounding = {torch.float32: 1e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float8_e4m3fn: 2**-2,
+                torch.float8_e5m2: 2**-1}[kv]  # (2 ulps where fp8's subnormals hold few bits)
+    torch.testing.assert_close(k_cache.float(), k2.float(), rtol=rounding, atol=2**-9 if kv.itemsize == 1 else 1e-6)
+    assert torch.equal(_bits(v_cache), _bits(v2))
     one, before = torch.randn(1, heads + 2 * kv_heads, dim, generator=g), (k_cache.clone(), v_cache.clone())
     for position, slot in ((100, 0), (0, num_slots), (-1, 0)):
         with _step_on(build), pytest.raises(IndexError):
             ops.rope_store(one[:, : heads + kv_heads], one[:, heads + kv_heads :], heads, torch.tensor([position]),
                            rotary.cos, rotary.sin, torch.tensor([slot]), k_cache, v_cache)
-    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])  # (nothing written)
+    assert torch.equal(_bits(k_cache), _bits(before[0])) and torch.equal(_bits(v_cache), _bits(before[1]))
+
+
+def _bits(cache: torch.Tensor) -> torch.Tensor:
+    """A cache's elements as integers (torch.equal takes no float8)."""
+    return cache.view(torch.uint8) if cache.itemsize == 1 else cache
+
+
+@pytest.mark.parametrize("build", STEP_ISAS)
+@pytest.mark.parametrize("kv", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_an_fp8_cache_holds_torchs_rounding_of_every_kind_of_value(build, kv):
+    """Each float32 value the cache stores as torch converts it after clamping to the format's range (the torch
+    path's store_rows): ties of every exponent to nearest even, subnormals and their ties, the largest finite
+    value and past it (saturated), zeros of both signs and NaN."""
+    info = torch.finfo(kv)
+    mantissa = 3 if kv == torch.float8_e4m3fn else 2
+    exps = torch.arange(math.log2(info.smallest_normal) - mantissa - 2, math.log2(info.max) + 2)
+    steps = torch.arange(0, 2 ** (mantissa + 2) + 1) / 2 ** (mantissa + 1)  # halfway points between codes too
+    grid = (2.0 ** exps[:, None] * (1 + steps[None, :])).flatten()
+    values = torch.cat([grid, grid.nextafter(torch.tensor(0.0)), grid.nextafter(torch.tensor(math.inf)),
+                        torch.tensor([0.0, 1e-30, info.max, 464.0, 480.0, 6e4, 61440.0, 1e9, math.inf, math.nan])])
+    values = torch.cat([values, -values])
+    values = torch.cat([values, torch.zeros(-len(values) % 64)]).view(-1, 1, 64)  # (rows of whole vectors)
+    t, slots = len(values), torch.arange(len(values))
+    k_cache, v_cache = (torch.zeros(t, 1, 64, dtype=kv) for _ in range(2))
+    qk = torch.zeros(t, 2, 64)
+    with _step_on(build):
+        assert ops.rope_store(qk, values, 1, torch.zeros(t, dtype=torch.int64), torch.ones(1, 32), torch.zeros(1, 32),
+                              slots, k_cache, v_cache) is not None
+    want = torch.zeros_like(v_cache)
+    store_rows(want, slots, values)
+    assert torch.equal(_bits(v_cache), _bits(want))
 
 
 @pytest.fixture(scope="module")
@@ -821,6 +856,26 @@ def test_cpus_without_the_instructions_run_other_paths_with_the_same_tokens(hide
     else:
         assert runner.lm_head.kernel is None
         assert all(m.run is None and m.weight.dtype == torch.float32 for m in linears)
+    assert generate(runner, sched, [seq(f"r{i}", p, max_tokens=16, temperature=0.0)
+                                    for i, p in enumerate(PROMPTS)]) == tokens
+
+
+@needs_f32_kernel
+@pytest.mark.parametrize("kv", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_an_fp8_cache_runs_in_the_one_call_step_with_the_torch_paths_tokens(kv, best_path_tokens, fresh_kernels,
+                                                                              monkeypatch):
+    """--kv-cache-dtype fp8 / fp8_e5m2: the whole step in one call reads and writes the 8-bit cache, and its greedy
+    tokens are those of torch's path over the same cache (the same stored bytes, attention's sums in another
+    order); the cache holds the tokens in a byte each."""
+    path, _ = best_path_tokens
+    runner, sched = make_engine(path, kv_dtype=kv)
+    assert runner.one_call and {c.dtype for pair in runner.kv_caches for c in pair} == {kv}
+    prompts = [seq(f"r{i}", p, max_tokens=16, temperature=0.0) for i, p in enumerate(PROMPTS)]
+    tokens = generate(runner, sched, prompts)
+    monkeypatch.setenv("SLUICE_CPU_KERNELS", "0")
+    kernel_build.clear()
+    runner, sched = make_engine(path, kv_dtype=kv)
+    assert not runner.one_call
     assert generate(runner, sched, [seq(f"r{i}", p, max_tokens=16, temperature=0.0)
                                     for i, p in enumerate(PROMPTS)]) == tokens
 

@@ -1,8 +1,8 @@
 """The CPU kernels for attention and norms, bf16 (AVX512-BF16) or float32 (AVX-512F, else AVX2 and FMA: the
 f32_layers.c build `kernels.f32_step` picks, and prompts' causal attention `kernels.causal_library`'s) by the
 tensors' dtype: each returns None / False, with nothing written, where it does not apply or cannot run (the
-caller's torch path then does the work). The float32 kernels read and write a KV cache of float32, bf16 or fp16
-(`kv_kind`)."""
+caller's torch path then does the work). The float32 kernels read and write a KV cache of float32, bf16, fp16
+or fp8 (`kv_kind`)."""
 from __future__ import annotations
 
 import torch
@@ -11,7 +11,7 @@ from sluice.engine.cpu import kernels
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 # the KV cache dtypes the float32 kernels take (csrc/f32_vec.h's KV_* kinds)
-_KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 
 
 def attention_shape_ok(heads: int, kv_heads: int, dim: int) -> bool:
@@ -41,7 +41,7 @@ def _one_dtype(*tensors: torch.Tensor) -> torch.dtype | None:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
                      slots: torch.Tensor, mask: torch.Tensor, scale: float, sinks: torch.Tensor | None,
                      out: torch.Tensor) -> bool:
-    """csrc/decode_attention.c (bf16) or f32_layers.c (float32; the cache float32 or 16-bit): attention of one
+    """csrc/decode_attention.c (bf16) or f32_layers.c (float32; the cache float32, 16- or 8-bit): attention of one
     query row per sequence over its keys in the paged cache, written into out's rows (see the C files for the
     shapes)."""
     t, heads, dim = q.shape
@@ -122,13 +122,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def rope_store(qk: torch.Tensor, v: torch.Tensor, heads: int, positions: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor) -> torch.Tensor | None:
-    """csrc/rope_store.c (bf16) or f32_layers.c (float32; the cache float32 or 16-bit): rotary (tables cos/sin
+    """csrc/rope_store.c (bf16) or f32_layers.c (float32; the cache float32, 16- or 8-bit): rotary (tables cos/sin
     [P, D/2]) on the queries and keys qk [T, H + Hkv, D], the rotated keys and the values v [T, Hkv, D] written
     into the caches at `slots` [T]; returns the rotated queries [T, H, D]."""
     t, _, dim = qk.shape
     dtype, kind = _one_dtype(qk, v), kv_kind(k_cache, v_cache)
     if (dtype is None or kind is None or (dtype == torch.bfloat16 and k_cache.dtype != dtype)
-            or (dtype == torch.float32 and kind and (dim % 16 or dim > 256))  # (16-bit rows: whole vectors)
+            or (dtype == torch.float32 and kind and (dim % 16 or dim > 256))  # (narrower rows: whole vectors)
             or {cos.dtype, sin.dtype} != {torch.float32} or dim % 2 or cos.shape[1] != dim // 2
             or qk.stride(2) != 1 or qk.stride(1) != dim or v.stride(2) != 1 or v.stride(1) != dim
             or not all(x.is_contiguous() for x in (cos, sin, k_cache, v_cache))):

@@ -15,7 +15,7 @@
  * out_rows[b * Lq + i] of out (none where that is skip_row: a pad's); its key i (at position i) is row
  * kv_rows[b * Lk + i] of k and v [rows][Hkv][D]: a step's rows and the paged cache's slots, read where they
  * lie (NULL: the dense layouts q, out [B][Lq][H][D] and k, v [B][Lk][Hkv][D]); k and v's elements are of
- * f32_vec.h's KV_* kind kv (a 16-bit cache's widened as they are copied into the job's blocks). starts[b] is the position of
+ * f32_vec.h's KV_* kind kv (a narrower cache's widened as they are copied into the job's blocks). starts[b] is the position of
  * sequence b's first query (NULL: 0, a whole prompt), its query i at starts[b] + i (a query past its
  * sequence's keys, a pad, attends them all). D a multiple of 16 up to 256, H / Hkv at most 16. Returns
  * 0, -1 when out of memory, -2 for shapes it does not take.

@@ -3,7 +3,7 @@
  * KV store, paged grouped-query attention, SwiGLU MLP), and the pieces of it the op-by-op path calls alone.
  *
  * Every tensor is float32 but the weights of the linears, which f32_matmul.c reads packed (bf16 widened in
- * registers, or float32), and the KV cache, which may be 16-bit (f32_vec.h's KV_* kinds: rounded once as
+ * registers, or float32), and the KV cache, which may be 16- or 8-bit (f32_vec.h's KV_* kinds: rounded once as
  * stored, widened as read). The arithmetic is torch's float32 path's up to the order of sums (each linear's
  * products, a norm's squares, attention's dot products) and the exp in attention's softmax and the SwiGLU
  * (exp_nonpositive, ~1e-7 relative). Run op by op from Python, a layer is ~20 torch calls of 10-100 us each
@@ -137,7 +137,7 @@ static int f32_rope_in_range(int tokens, const int64_t *positions, int num_posit
 }
 
 /* Rotary on a step's queries and keys qk [T][H + Hkv][D] and the KV store (f32_rope_row for every row).
- * Returns 0, -2 for a head dim a 16-bit cache does not take, or -3 (nothing written) when a position or a
+ * Returns 0, -2 for a head dim a 16- or 8-bit cache does not take, or -3 (nothing written) when a position or a
  * slot is out of range. */
 int sluice_f32_rope_store(float *qk, long qk_stride, const float *v, long v_stride, int tokens, int heads,
                           int kv_heads, int dim, const float *q_norm, const float *k_norm, float eps,
@@ -175,7 +175,7 @@ static inline __attribute__((always_inline)) void f32_attention_kv(
     const size_t row = (size_t)rows[b];
     const float *qh = q + row * q_stride + (size_t)j * group * dim;
     vf top[F32_MAX_GROUP];
-    float widened[F32V * F32_MAX_DIM]; /* a 16-bit cache's block of keys as float32 */
+    float widened[F32V * F32_MAX_DIM]; /* a narrower cache's block of keys as float32 */
     for (int g = 0; g < group; g++) top[g] = vf_set1(-INFINITY);
     for (int i0 = 0; i0 < used; i0 += F32V) {
         const int n = used - i0 < F32V ? used - i0 : F32V;
@@ -185,7 +185,7 @@ static inline __attribute__((always_inline)) void f32_attention_kv(
             f32_prefetch_row(k_cache, kv, ((size_t)slot[l] * kv_heads + j) * dim, dim, _MM_HINT_T0);
         for (int l = i0; l < i0 + n; l++)
             f32_prefetch_row(v_cache, kv, ((size_t)slot[l] * kv_heads + j) * dim, dim, _MM_HINT_T1);
-        /* each key's row, as float32: a 16-bit cache's widened once here for all the group's heads (widened for
+        /* each key's row, as float32: a narrower cache's widened once here for all the group's heads (widened for
          * each head as it was read, fp16's VCVTPH2PS left it behind bf16's shift: ITL 79 against 72 ms on the
          * Qwen3-0.6B shape at 16 sequences; now even) */
         const float *key[F32V];
@@ -266,6 +266,12 @@ static void f32_attention_job(long job, float *scores, const float *q, long q_st
     if (kv == KV_F16)
         f32_attention_kv(job, scores, q, q_stride, k_cache, v_cache, rows, slots, mask, sinks, heads, kv_heads, dim,
                          keys, scale, out, KV_F16);
+    else if (kv == KV_E4M3)
+        f32_attention_kv(job, scores, q, q_stride, k_cache, v_cache, rows, slots, mask, sinks, heads, kv_heads, dim,
+                         keys, scale, out, KV_E4M3);
+    else if (kv == KV_E5M2)
+        f32_attention_kv(job, scores, q, q_stride, k_cache, v_cache, rows, slots, mask, sinks, heads, kv_heads, dim,
+                         keys, scale, out, KV_E5M2);
     else if (kv == KV_BF16)
         f32_attention_kv(job, scores, q, q_stride, k_cache, v_cache, rows, slots, mask, sinks, heads, kv_heads, dim,
                          keys, scale, out, KV_BF16);

@@ -74,6 +74,38 @@ static inline void vf_store_f16(uint16_t *p, vf v) {
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 static inline void vf_store_bf16(uint16_t *p, vf v) { _mm256_storeu_si256((__m256i *)p, vf_bf16_bits(v)); }
+/* fp8 codes (zero-extended to 16 bits) as fp16 bits: e5m2's code is fp16's top byte; e4m3's exponent and
+ * mantissa sit one bit lower there, which is 2^-8 of its value, subnormals included */
+static inline __m256i fp8_halves(__m256i b, int e4m3) {
+    const __m256i w = _mm256_slli_epi16(b, 8);
+    if (!e4m3) return w;
+    return _mm256_or_si256(_mm256_and_si256(w, _mm256_set1_epi16((short)0x8000)),
+                           _mm256_srli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f00)), 1));
+}
+/* F32V fp8 codes from p as float32 */
+static inline vf vf_load_fp8(const uint8_t *p, int e4m3) {
+    const vf x = _mm512_cvtph_ps(fp8_halves(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), e4m3));
+    return e4m3 ? vf_mul(x, vf_set1(256.0f)) : x;
+}
+/* v as F32V fp8 codes at p: the magnitude's bits rounded to the format's mantissa (to nearest even: add half
+ * an ulp less one and the kept bits' lowest) and rebiased; below the smallest normal, the magnitude in units of
+ * the smallest subnormal rounded by VCVTPS2DQ (to nearest even); at the largest finite value and past it, that
+ * value; a NaN 0x7f; then the sign */
+static inline void vf_store_fp8(uint8_t *p, vf v, int e4m3) {
+    const __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+    const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+    const vf av = _mm512_castsi512_ps(a);
+    const __m512i r = _mm512_add_epi32(a, _mm512_add_epi32(_mm512_set1_epi32(e4m3 ? 0x7ffff : 0xfffff),
+                                                           _mm512_and_si512(_mm512_srli_epi32(a, e4m3 ? 20 : 21), one)));
+    __m512i code = _mm512_sub_epi32(_mm512_srli_epi32(r, e4m3 ? 20 : 21), _mm512_set1_epi32(e4m3 ? 120 << 3 : 112 << 2));
+    code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(av, vf_set1(e4m3 ? 0x1p-6f : 0x1p-14f), _CMP_LT_OQ),
+                                 _mm512_cvtps_epi32(vf_mul(av, vf_set1(e4m3 ? 0x1p9f : 0x1p16f))));
+    code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(av, vf_set1(e4m3 ? 448.0f : 57344.0f), _CMP_NLT_UQ),
+                                 _mm512_set1_epi32(e4m3 ? 0x7e : 0x7b));
+    code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7f));
+    code = _mm512_or_si512(code, _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80)));
+    _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(code));
+}
 
 #else /* AVX2 + FMA */
 
@@ -202,6 +234,35 @@ static inline void vf_store_bf16(uint16_t *p, vf v) {
     _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
 }
 
+static inline __m128i fp8_halves(__m128i b, int e4m3) {
+    const __m128i w = _mm_slli_epi16(b, 8);
+    if (!e4m3) return w;
+    return _mm_or_si128(_mm_and_si128(w, _mm_set1_epi16((short)0x8000)),
+                        _mm_srli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f00)), 1));
+}
+static inline vf vf_load_fp8(const uint8_t *p, int e4m3) {
+    const vf x = _mm256_cvtph_ps(fp8_halves(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), e4m3));
+    return e4m3 ? vf_mul(x, vf_set1(256.0f)) : x;
+}
+static inline void vf_store_fp8(uint8_t *p, vf v, int e4m3) {
+    const __m256i u = _mm256_castps_si256(v), one = _mm256_set1_epi32(1);
+    const __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+    const vf av = _mm256_castsi256_ps(a);
+    const __m256i r = _mm256_add_epi32(a, _mm256_add_epi32(_mm256_set1_epi32(e4m3 ? 0x7ffff : 0xfffff),
+                                                           _mm256_and_si256(_mm256_srli_epi32(a, e4m3 ? 20 : 21), one)));
+    vf code = _mm256_castsi256_ps(
+        _mm256_sub_epi32(_mm256_srli_epi32(r, e4m3 ? 20 : 21), _mm256_set1_epi32(e4m3 ? 120 << 3 : 112 << 2)));
+    code = _mm256_blendv_ps(code, _mm256_castsi256_ps(_mm256_cvtps_epi32(vf_mul(av, vf_set1(e4m3 ? 0x1p9f : 0x1p16f)))),
+                            _mm256_cmp_ps(av, vf_set1(e4m3 ? 0x1p-6f : 0x1p-14f), _CMP_LT_OQ));
+    code = _mm256_blendv_ps(code, _mm256_castsi256_ps(_mm256_set1_epi32(e4m3 ? 0x7e : 0x7b)),
+                            _mm256_cmp_ps(av, vf_set1(e4m3 ? 448.0f : 57344.0f), _CMP_NLT_UQ));
+    code = _mm256_blendv_ps(code, _mm256_castsi256_ps(_mm256_set1_epi32(0x7f)), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    const __m256i c = _mm256_or_si256(_mm256_castps_si256(code),
+                                      _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80)));
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64((__m128i *)p, _mm_packus_epi16(w, w));
+}
+
 /* one value from x + i as float32 (simd.h's load1) */
 static inline float load1(const void *x, int bf16, size_t i) {
     if (!bf16) return ((const float *)x)[i];
@@ -212,16 +273,20 @@ static inline float load1(const void *x, int bf16, size_t i) {
 }
 #endif
 
-/* A KV cache's elements: float32, bf16 or fp16 (llama.cpp's default cache), the arithmetic float32 whichever
- * they are. A 16-bit cache halves what a step's attention reads, which at a few hundred keys a sequence is more
- * than a small model's weights (bench/RESULTS.md#kv-cache-dtype). */
-enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
+/* A KV cache's elements: float32, bf16, fp16 (llama.cpp's default cache) or fp8 (vLLM's `fp8` cache: e4m3fn,
+ * or e5m2), the arithmetic float32 whichever they are. A 16-bit cache halves what a step's attention reads,
+ * which at a few hundred keys a sequence is more than a small model's weights (bench/RESULTS.md#kv-cache-dtype),
+ * an 8-bit one halves it again. fp8 has no scale here (vLLM's default of 1.0): a value is rounded to nearest
+ * even and saturates at the format's largest finite value (448 for e4m3, 57,344 for e5m2), as torch's own
+ * conversion of a value clamped to that range (and NaN is 0x7f). */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_E4M3 = 3, KV_E5M2 = 4 };
 
-static inline size_t kv_bytes(int kind) { return kind == KV_F32 ? 4 : 2; }
+static inline size_t kv_bytes(int kind) { return kind == KV_F32 ? 4 : kind >= KV_E4M3 ? 1 : 2; }
 
 /* F32V values of a cache from element i, as float32 */
 static inline vf vf_load_kv(const void *p, int kind, size_t i) {
     if (kind == KV_F16) return vf_load_f16((const uint16_t *)p + i);
+    if (kind >= KV_E4M3) return vf_load_fp8((const uint8_t *)p + i, kind == KV_E4M3);
     return vf_load_any(p, kind == KV_BF16, i);
 }
 
@@ -229,6 +294,10 @@ static inline vf vf_load_kv(const void *p, int kind, size_t i) {
 static inline void kv_put(void *p, int kind, size_t i, const float *src, int n) {
     if (kind == KV_F32) {
         memcpy((float *)p + i, src, sizeof(float) * n);
+        return;
+    }
+    if (kind >= KV_E4M3) {
+        for (int c = 0; c < n; c += F32V) vf_store_fp8((uint8_t *)p + i + c, vf_load(src + c), kind == KV_E4M3);
         return;
     }
     uint16_t *o = (uint16_t *)p + i;

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from sluice.engine.attention import AttentionMetadata
+from sluice.engine.attention import AttentionMetadata, store_rows
 from sluice.engine.backend import TORCH, Backend
 from sluice.engine.layers import CausalLM, DecoderConfig, GatedMLP, Linear, RMSNorm, stacked_parts
 from sluice.engine.models.mixtures import ExpertNames, load_experts
@@ -165,8 +165,8 @@ class LatentAttention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([rank, rope], dim=-1)  # [T, R], [T, rope]
         rotated = self.rotary(torch.cat([q_rope, k_rope.unsqueeze(1)], dim=1), positions)  # [T, H + 1, rope]
         cache = kv[0]  # [slots, 1, R + rope]: the latent, then the rotary key (kv[1] is the same tensor)
-        cache.index_copy_(0, meta.slot_mapping[None],
-                          torch.cat([self.kv_a_layernorm(latent), rotated[:, h]], dim=-1).unsqueeze(1).to(cache.dtype))
+        store_rows(cache, meta.slot_mapping[None],
+                   torch.cat([self.kv_a_layernorm(latent), rotated[:, h]], dim=-1).unsqueeze(1))
         w_kv = self.kv_b_proj.weight.view(h, nope + v, rank).to(x.dtype)
         w_k, w_v = w_kv[:, :nope], w_kv[:, nope:]  # [H, nope, R], [H, v, R]
         # q . k = (q_nope W_k) . latent + q_rope . k_rope: each head's query in latent space, then its rotary part
