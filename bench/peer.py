@@ -56,8 +56,8 @@ import asyncio
 import contextlib
 import json
 import os
-import statistics
 import shlex
+import statistics
 import subprocess
 import time
 from pathlib import Path

@@ -83,11 +83,12 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     replay_step_ms: Annotated[float, option("simulated cost of a replay step", unit="ms", ge=0)] = 0.0
     dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], option(
         "compute dtype", default_text="auto: float32 on CPU, the checkpoint's bf16/fp16 on CUDA")] = "auto"
-    kv_cache_dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"], option(
+    kv_cache_dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3",
+                                      "fp8_e5m2"], option(
         "the KV cache's dtype: a 16-bit cache under float32 activations halves what a step's attention reads and "
         "holds twice the tokens in a --kv-cache-memory (float16 is llama.cpp's default cache; bfloat16 keeps "
-        "float32's range); fp8 (= fp8_e4m3) and fp8_e5m2 halve it again, as vLLM's fp8 cache does (no scale: "
-        "values saturate at 448 / 57,344)",
+        "float32's range); 8-bit ones halve it again: int8 with a scale for each token's head (as llama.cpp's "
+        "q8_0 cache), or vLLM's fp8 (= fp8_e4m3) and fp8_e5m2 (no scale: values saturate at 448 / 57,344)",
         default_text="auto: the compute dtype, float16 for quantized linears under float32")] = "auto"
     device: Annotated[Literal["auto", "cpu", "cuda"], option("where the engine runs (auto: CUDA if present)")] = "auto"
     quantization: Annotated[Literal["none", "int8", "q4"], option(

@@ -60,15 +60,39 @@ def rope_and_store(qk: torch.Tensor, v: torch.Tensor, heads: int, rotary: Rotary
     return q
 
 
+# An int8 cache's (slot, kv head) row: its head dim's codes, then their scale, a float32's 4 bytes
+INT8_SCALE_BYTES = 4
+
+
+def cache_row(dtype: torch.dtype, dim: int) -> int:
+    """The elements of a cache's (slot, kv head) row for a head dim: the dim, and an int8 cache's scale."""
+    return dim + INT8_SCALE_BYTES if dtype == torch.int8 else dim
+
+
 def store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """rows written into the cache at `slots` (its first dimension) in the cache's dtype. An fp8 cache (vLLM's
-    `fp8`, no scale) saturates at its largest finite value, as csrc/f32_vec.h's kv_put does, and is written as
-    bytes (torch's index_copy_ takes no float8)."""
-    if not cache.dtype.is_floating_point or cache.element_size() != 1:
+    """rows [T, Hkv, D] written into the cache at `slots` (its first dimension) in the cache's dtype, as
+    csrc/f32_vec.h's kv_put writes them. An fp8 cache (vLLM's `fp8`, no scale) saturates at its largest finite
+    value and is written as bytes (torch's index_copy_ takes no float8). An int8 cache holds each row of D
+    values as D codes round(x / s) (to nearest even) and s = max |x| / 127 after them (codes 0 and s 0 for a
+    row of zeros)."""
+    if cache.dtype == torch.int8:
+        rows = rows.float()
+        scale = rows.abs().amax(-1, keepdim=True) / 127
+        codes = torch.where(scale > 0, rows / scale, 0.0).round_().to(torch.int8)
+        cache.index_copy_(0, slots, torch.cat([codes, scale.view(torch.int8)], dim=-1))
+    elif cache.dtype.is_floating_point and cache.element_size() == 1:
+        top = torch.finfo(cache.dtype).max
+        cache.view(torch.uint8).index_copy_(0, slots, rows.clamp(-top, top).to(cache.dtype).view(torch.uint8))
+    else:
         cache.index_copy_(0, slots, rows.to(cache.dtype))
-        return
-    top = torch.finfo(cache.dtype).max
-    cache.view(torch.uint8).index_copy_(0, slots, rows.clamp(-top, top).to(cache.dtype).view(torch.uint8))
+
+
+def widened(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A cache's rows [..., D] (an int8 cache's [..., D + 4]) as values of `dtype`."""
+    if rows.dtype != torch.int8:
+        return rows.to(dtype)
+    codes, scale = rows.split([rows.shape[-1] - INT8_SCALE_BYTES, INT8_SCALE_BYTES], dim=-1)
+    return (codes.float() * scale.contiguous().view(torch.float32)).to(dtype)
 
 
 def paged_attention(
@@ -93,8 +117,8 @@ def paged_attention(
         if causal is not None and sinks is None and g.by_position.get(window) and causal(
                 q, k_cache, v_cache, g.q_index, g.kv_slots[window], g.out_index, scale, g.q_starts, out):
             continue  # prompts, read where they lie
-        qr, kr, vr = (_rows(x, i).to(q.dtype) for x, i in ((q, g.q_index), (k_cache, g.kv_slots[window]),
-                                                           (v_cache, g.kv_slots[window])))  # [B, Q or K, H or Hkv, D]
+        qr, kr, vr = (widened(_rows(x, i), q.dtype) for x, i in ((q, g.q_index), (k_cache, g.kv_slots[window]),
+                                                                  (v_cache, g.kv_slots[window])))  # [B, Q|K, H|Hkv, D]
         qg, kg, vg = qr.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2)  # [B, H or Hkv, Q or K, D]
         mask = g.masks[window]
         # Batched decodes on the CPU: torch's SDPA there is 2-4x slower than a few matmuls for one query each.

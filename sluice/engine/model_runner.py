@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from sluice.base import procs
-from sluice.engine.attention import AttentionGroup, AttentionMetadata
+from sluice.engine.attention import AttentionGroup, AttentionMetadata, cache_row
 from sluice.engine.backend import select_backend
 from sluice.engine.logit_constraints import greedy_held, plain_greedy
 from sluice.engine.prediction import verified
@@ -57,7 +57,7 @@ def kv_block_bytes(model: torch.nn.Module, block_size: int, dtype: torch.dtype, 
     layers, heads, dim = model.kv_shape
     layers = layers if num_layers is None else num_layers
     tensors = 1 if getattr(model, "latent_kv", False) else 2  # (a latent cache is its keys and its values)
-    return tensors * layers * block_size * heads * dim * torch.empty((), dtype=dtype).element_size()
+    return tensors * layers * block_size * heads * cache_row(dtype, dim) * torch.empty((), dtype=dtype).element_size()
 
 
 def kv_pools(model: torch.nn.Module) -> dict[int | None, str]:
@@ -92,7 +92,9 @@ class ModelRunner:
             if self.hybrid or len(self.windows) == 1 else None
         self.device = device
         _, heads, dim = model.kv_shape
-        # One (K, V) pair per layer: [blocks in its pool * block_size, Hkv, D] (one tensor twice: a latent cache)
+        dim = cache_row(kv_dtype or dtype, dim)
+        # One (K, V) pair per layer: [blocks in its pool * block_size, Hkv, D] (one tensor twice: a latent cache;
+        # an int8 cache's rows hold their scale after the D codes: attention.cache_row)
         self.kv_caches = []
         alloc = kv_alloc or (lambda shape: torch.zeros(shape, dtype=kv_dtype or dtype, device=device))
         for w in model.layer_windows:

@@ -28,7 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluice.app.builtin_models import write_llama_family
-from sluice.engine.attention import store_rows
+from sluice.engine.attention import cache_row, store_rows, widened
 from sluice.engine.backend import TORCH
 from sluice.engine.cpu import build as kernel_build
 from sluice.engine.cpu import kernels, ops
@@ -48,7 +48,7 @@ needs_f32_kernel = pytest.mark.skipif(not (AVX512 or AVX2), reason="this CPU lac
 # the float32 linears' instruction sets: each test of them runs on every one this CPU has
 ISAS = [pytest.param("AVX-512F", marks=needs_avx512), pytest.param("AVX2", marks=needs_avx2)]
 # the caches the float32 kernels read (--kv-cache-dtype)
-KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
 # the float32 step's pieces (f32_layers.c) on each build this CPU runs
 STEP_ISAS = [pytest.param(kernels.f32_layers, id="AVX-512F", marks=needs_avx512),
              pytest.param(kernels.f32_layers_avx2, id="AVX2", marks=needs_avx2)]
@@ -644,8 +644,7 @@ def test_float32_decode_attention_is_the_torch_path(build, batch, kv_heads, grou
 
     g = torch.Generator().manual_seed(seed)
     heads, num_slots, t = kv_heads * group, 200, batch + 3
-    k_cache = torch.randn(num_slots, kv_heads, dim, generator=g).to(kv)
-    v_cache = torch.randn(num_slots, kv_heads, dim, generator=g).to(kv)
+    k_cache, v_cache = (_cache(torch.randn(num_slots, kv_heads, dim, generator=g), kv) for _ in range(2))
     q = torch.randn(t, heads + 2 * kv_heads, dim, generator=g)[:, :heads]  # a view, as in a model
     rows = torch.randperm(t, generator=g)[:batch]
     slots = torch.randint(0, num_slots, (batch, keys), generator=g)
@@ -656,12 +655,20 @@ def test_float32_decode_attention_is_the_torch_path(build, batch, kv_heads, grou
     with _step_on(build):
         assert ops.decode_attention(q, k_cache, v_cache, rows, slots, mask, 0.3, sink, out)
     qg = q[rows].unsqueeze(1).transpose(1, 2)  # [B, H, 1, D]
-    ref = _attention(qg, k_cache[slots].transpose(1, 2), v_cache[slots].transpose(1, 2), mask, 0.3,
-                     sink).transpose(1, 2)[:, 0]
+    ref = _attention(qg, widened(k_cache[slots], torch.float32).transpose(1, 2),
+                     widened(v_cache[slots], torch.float32).transpose(1, 2), mask, 0.3, sink).transpose(1, 2)[:, 0]
     torch.testing.assert_close(out[rows], ref, rtol=1e-5, atol=1e-5)
     untouched = torch.ones(t + 1, dtype=torch.bool)
     untouched[rows] = False
     assert (out[untouched] == 0).all()
+
+
+def _cache(values: torch.Tensor, kv: torch.dtype) -> torch.Tensor:
+    """A cache [slots, Hkv, D] of dtype kv holding values [slots, Hkv, D] (store_rows: an int8 cache's rows
+    with their scales)."""
+    cache = torch.zeros(*values.shape[:-1], cache_row(kv, values.shape[-1]), dtype=kv)
+    store_rows(cache, torch.arange(len(values)), values)
+    return cache
 
 
 def _chunked_prompts(chunks, kv_heads: int, group: int, dim: int, g):
@@ -710,21 +717,21 @@ def test_float32_causal_attention_is_the_masked_torch_path(chunks, kv_heads, gro
        kv=st.sampled_from(KV_DTYPES), seed=st.integers(0, 2**16))
 def test_paged_causal_attention_reads_queries_and_keys_where_they_lie(chunks, kv_heads, group, dim, kv, seed):
     """The same kernel reading a step's query rows and the cache's slots (scattered, as a paged cache holds
-    them; float32, or 16-bit and widened) and writing its output rows where the step's outputs go: the dense
-    call's values on the cache's values, bit for bit, and the pads' row untouched."""
+    them; float32, or 16- or 8-bit and widened) and writing its output rows where the step's outputs go: the
+    dense call's values on the cache's values, bit for bit, and the pads' row untouched."""
     g = torch.Generator().manual_seed(seed)
     q, k, v, starts = _chunked_prompts(chunks, kv_heads, group, dim, g)
-    k, v = k.to(kv).float(), v.to(kv).float()  # (what a cache of that dtype holds)
     (b, q_len, heads, _), k_len = q.shape, k.shape[1]
-    dense = ops.causal_attention(q, k, v, dim ** -0.5, starts)
     rows = b * q_len
     q_index = torch.randperm(rows, generator=g).view(b, q_len)  # each (sequence, query)'s row of the step
     kv_slots = torch.randperm(b * k_len + 50, generator=g)[: b * k_len].view(b, k_len)
     step_q = torch.empty(rows, heads, dim)
     step_q[q_index.view(-1)] = q.reshape(rows, heads, dim)
-    k_cache, v_cache = torch.randn(2, b * k_len + 50, kv_heads, dim, generator=g).to(kv)
+    k_cache, v_cache = (_cache(torch.randn(b * k_len + 50, kv_heads, dim, generator=g), kv) for _ in range(2))
     store_rows(k_cache, kv_slots.view(-1), k.reshape(-1, kv_heads, dim))
     store_rows(v_cache, kv_slots.view(-1), v.reshape(-1, kv_heads, dim))
+    k, v = (widened(c[kv_slots.view(-1)], torch.float32).view(k.shape) for c in (k_cache, v_cache))  # (as held)
+    dense = ops.causal_attention(q, k, v, dim ** -0.5, starts)
     out_index = torch.randperm(rows, generator=g).view(b, q_len)
     pads = torch.tensor([[i >= n for i in range(q_len)] for _, n in chunks])
     out_index[pads] = rows  # the pads' row
@@ -764,7 +771,7 @@ def test_float32_rope_store_is_torchs_rotary_and_the_cache_writes(build, tokens,
     qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=g)
     positions = torch.randint(0, 100, (tokens,), generator=g)
     slots = torch.randperm(num_slots, generator=g)[:tokens]
-    k_cache, v_cache = (torch.zeros(num_slots, kv_heads, dim, dtype=kv) for _ in range(2))
+    k_cache, v_cache = (torch.zeros(num_slots, kv_heads, cache_row(kv, dim), dtype=kv) for _ in range(2))
     with _step_on(build):
         q = ops.rope_store(qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :], heads, positions, rotary.cos,
                            rotary.sin, slots, k_cache, v_cache)
@@ -775,8 +782,12 @@ def test_float32_rope_store_is_torchs_rotary_and_the_cache_writes(build, tokens,
     q2 = rope_and_store(qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :], heads, rotary, positions, k2, v2, slots)
     torch.testing.assert_close(q, q2, rtol=1e-6, atol=1e-6)
     rounding = {torch.float32: 1e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float8_e4m3fn: 2**-2,
-                torch.float8_e5m2: 2**-1}[kv]  # (2 ulps where fp8's subnormals hold few bits)
-    torch.testing.assert_close(k_cache.float(), k2.float(), rtol=rounding, atol=2**-9 if kv.itemsize == 1 else 1e-6)
+                torch.float8_e5m2: 2**-1, torch.int8: 0}[kv]  # (2 ulps where fp8's subnormals hold few bits)
+    keys, keys2 = widened(k_cache, torch.float32), widened(k2, torch.float32)
+    if kv == torch.int8:  # (a code apart at most: the rotary's last bit can move a value across a rounding)
+        assert ((keys - keys2).abs() <= 1.01 * k2[..., dim:].contiguous().view(torch.float32) + 1e-6).all()
+    else:
+        torch.testing.assert_close(keys, keys2, rtol=rounding, atol=2**-9 if kv.itemsize == 1 else 1e-6)
     assert torch.equal(_bits(v_cache), _bits(v2))
     one, before = torch.randn(1, heads + 2 * kv_heads, dim, generator=g), (k_cache.clone(), v_cache.clone())
     for position, slot in ((100, 0), (0, num_slots), (-1, 0)):
@@ -815,6 +826,27 @@ def test_an_fp8_cache_holds_torchs_rounding_of_every_kind_of_value(build, kv):
     want = torch.zeros_like(v_cache)
     store_rows(want, slots, values)
     assert torch.equal(_bits(v_cache), _bits(want))
+
+
+@pytest.mark.parametrize("build", STEP_ISAS)
+def test_an_int8_cache_holds_each_rows_codes_and_scale_as_the_torch_path(build):
+    """--kv-cache-dtype int8: each (slot, kv head) row as its D codes round(x / s) (to nearest even) and then
+    s = max |x| / 127, bit for bit as store_rows writes them: rows of every magnitude, a row of zeros (codes 0,
+    s 0), halves that round to even."""
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(40, 3, 64, generator=g) * torch.logspace(-30, 30, 40)[:, None, None]
+    values[3] = 0.0
+    values[5, :, :9] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 126.5, -126.5, 3.5])  # (s = 1: ties)
+    t, slots = len(values), torch.arange(len(values))
+    k_cache, v_cache = (torch.zeros(t, 3, cache_row(torch.int8, 64), dtype=torch.int8) for _ in range(2))
+    with _step_on(build):
+        assert ops.rope_store(torch.zeros(t, 6, 64), values, 3, torch.zeros(t, dtype=torch.int64), torch.ones(1, 32),
+                              torch.zeros(1, 32), slots, k_cache, v_cache) is not None
+    assert torch.equal(v_cache, _cache(values, torch.int8))
+    assert v_cache[5, 0, :9].tolist() == [127, 0, 2, 2, 0, -2, 126, -126, 4]
+    assert not v_cache[3].any()
+    err = (widened(v_cache, torch.float32) - values).abs()
+    assert (err <= values.abs().amax(-1, keepdim=True) / 254 * 1.0001).all()  # (half a code)
 
 
 @pytest.fixture(scope="module")
@@ -861,12 +893,12 @@ def test_cpus_without_the_instructions_run_other_paths_with_the_same_tokens(hide
 
 
 @needs_f32_kernel
-@pytest.mark.parametrize("kv", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_an_fp8_cache_runs_in_the_one_call_step_with_the_torch_paths_tokens(kv, best_path_tokens, fresh_kernels,
-                                                                              monkeypatch):
-    """--kv-cache-dtype fp8 / fp8_e5m2: the whole step in one call reads and writes the 8-bit cache, and its greedy
-    tokens are those of torch's path over the same cache (the same stored bytes, attention's sums in another
-    order); the cache holds the tokens in a byte each."""
+@pytest.mark.parametrize("kv", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_an_8_bit_cache_runs_in_the_one_call_step_with_the_torch_paths_tokens(kv, best_path_tokens, fresh_kernels,
+                                                                               monkeypatch):
+    """--kv-cache-dtype int8 / fp8 / fp8_e5m2: the whole step in one call reads and writes the 8-bit cache, and
+    its greedy tokens are those of torch's path over the same cache (the same stored bytes, attention's sums in
+    another order)."""
     path, _ = best_path_tokens
     runner, sched = make_engine(path, kv_dtype=kv)
     assert runner.one_call and {c.dtype for pair in runner.kv_caches for c in pair} == {kv}

@@ -281,6 +281,7 @@ def test_the_kv_cache_is_float16_by_default_under_quantized_linears_and_the_acti
     assert pick_kv_dtype("fp8", torch.float32, quantized) == pick_kv_dtype("fp8_e4m3", torch.float32, dense) \
         == torch.float8_e4m3fn  # (vLLM's names)
     assert pick_kv_dtype("fp8_e5m2", torch.bfloat16, dense) == torch.float8_e5m2
+    assert pick_kv_dtype("int8", torch.float32, dense) == torch.int8
 
 
 def _engine_of(model, backend=None):

@@ -2,16 +2,18 @@
 f32_layers.c build `kernels.f32_step` picks, and prompts' causal attention `kernels.causal_library`'s) by the
 tensors' dtype: each returns None / False, with nothing written, where it does not apply or cannot run (the
 caller's torch path then does the work). The float32 kernels read and write a KV cache of float32, bf16, fp16
-or fp8 (`kv_kind`)."""
+int8 or fp8 (`kv_kind`)."""
 from __future__ import annotations
 
 import torch
 
+from sluice.engine.attention import cache_row
 from sluice.engine.cpu import kernels
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 # the KV cache dtypes the float32 kernels take (csrc/f32_vec.h's KV_* kinds)
-_KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+_KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4,
+             torch.int8: 5}
 
 
 def attention_shape_ok(heads: int, kv_heads: int, dim: int) -> bool:
@@ -20,11 +22,12 @@ def attention_shape_ok(heads: int, kv_heads: int, dim: int) -> bool:
     return not (dim % 16 or dim > 256 or heads % kv_heads or heads // kv_heads > 16)
 
 
-def kv_kind(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int | None:
-    """The float32 kernels' kind of a CPU cache pair (csrc/f32_vec.h's KV_*), or None where they do not take
-    it."""
+def kv_kind(k_cache: torch.Tensor, v_cache: torch.Tensor, dim: int) -> int | None:
+    """The float32 kernels' kind of a CPU cache pair (csrc/f32_vec.h's KV_*) for heads of `dim` values, or None
+    where they do not take it."""
     kind = _KV_KINDS.get(k_cache.dtype)
-    if kind is None or v_cache.dtype != k_cache.dtype or {k_cache.device.type, v_cache.device.type} != {"cpu"}:
+    if (kind is None or v_cache.dtype != k_cache.dtype or {k_cache.device.type, v_cache.device.type} != {"cpu"}
+            or k_cache.shape[-1] != cache_row(k_cache.dtype, dim) or v_cache.shape != k_cache.shape):
         return None
     return kind
 
@@ -46,7 +49,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     shapes)."""
     t, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
-    dtype, kind = _one_dtype(q, out), kv_kind(k_cache, v_cache)
+    dtype, kind = _one_dtype(q, out), kv_kind(k_cache, v_cache, dim)
     if (dtype is None or kind is None or not attention_shape_ok(heads, kv_heads, dim) or q.stride(2) != 1
             or q.stride(1) != dim or not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous())):
         return False
@@ -103,7 +106,7 @@ def _int64(index: torch.Tensor) -> torch.Tensor:
 def _causal(q, q_rows, k, v, kv_rows, starts, batch: int, q_len: int, k_len: int, scale: float, out, out_rows,
             skip_row: int) -> bool:
     heads, dim = q.shape[-2:]
-    if (_one_dtype(q, out) != torch.float32 or (kind := kv_kind(k, v)) is None
+    if (_one_dtype(q, out) != torch.float32 or (kind := kv_kind(k, v, dim)) is None
             or not attention_shape_ok(heads, k.shape[-2], dim) or not k_len
             or (fn := kernels.causal_attention_f32()) is None):
         return False
@@ -126,7 +129,7 @@ def rope_store(qk: torch.Tensor, v: torch.Tensor, heads: int, positions: torch.T
     [P, D/2]) on the queries and keys qk [T, H + Hkv, D], the rotated keys and the values v [T, Hkv, D] written
     into the caches at `slots` [T]; returns the rotated queries [T, H, D]."""
     t, _, dim = qk.shape
-    dtype, kind = _one_dtype(qk, v), kv_kind(k_cache, v_cache)
+    dtype, kind = _one_dtype(qk, v), kv_kind(k_cache, v_cache, dim)
     if (dtype is None or kind is None or (dtype == torch.bfloat16 and k_cache.dtype != dtype)
             or (dtype == torch.float32 and kind and (dim % 16 or dim > 256))  # (narrower rows: whole vectors)
             or {cos.dtype, sin.dtype} != {torch.float32} or dim % 2 or cos.shape[1] != dim // 2

@@ -115,7 +115,7 @@ class DecoderStack:
         return F32LayerSpec(qkv=linear(layer.qkv), o=linear(layer.o), gate_up=linear(layer.gate_up),
                             down=linear(layer.down), q_norm=None if layer.q_norm is None else layer.q_norm.data_ptr(),
                             k_norm=None if layer.k_norm is None else layer.k_norm.data_ptr(),
-                            kv=kv_kind(layer.k_cache, layer.v_cache), **cls._common(layer, sinks))
+                            kv=kv_kind(layer.k_cache, layer.v_cache, layer.heads[2]), **cls._common(layer, sinks))
 
     @classmethod
     def build(cls, layers: list[DecodeLayer]) -> "DecoderStack | None":
@@ -131,7 +131,7 @@ class DecoderStack:
             tensors = (layer.input_norm, layer.post_norm, *norms)
             caches = (layer.k_cache, layer.v_cache)
             if (any(t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() for t in tensors)
-                    or not all(t.is_contiguous() for t in caches) or kv_kind(*caches) is None
+                    or not all(t.is_contiguous() for t in caches) or kv_kind(*caches, dim) is None
                     or (dtype == torch.bfloat16 and layer.k_cache.dtype != dtype)
                     or dtype not in (torch.bfloat16, torch.float32) or (norms and dtype != torch.float32)
                     or any(t.shape != (dim,) for t in norms)
@@ -139,7 +139,7 @@ class DecoderStack:
                     or {layer.cos.dtype, layer.sin.dtype} != {torch.float32}
                     or not (layer.cos.is_contiguous() and layer.sin.is_contiguous())
                     or layer.cos.shape[1] != dim // 2 or not attention_shape_ok(heads, kv_heads, dim)
-                    or layer.k_cache.shape[1:] != (kv_heads, dim)
+                    or layer.k_cache.shape[1] != kv_heads
                     or layer.input_norm.shape != (hidden,) or layer.post_norm.shape != (hidden,)
                     or (layer.qkv.k, layer.qkv.n) != (hidden, (heads + 2 * kv_heads) * dim)
                     or (layer.o.k, layer.o.n) != (heads * dim, hidden) or layer.gate_up.k != hidden

@@ -229,11 +229,12 @@ int sluice_f32_causal_attention(const float *q, const int64_t *q_rows, const voi
                     memset(vdst + (size_t)i * dim, 0, sizeof(float) * dim);
                     continue;
                 }
-                const size_t at = (row_of(kv_rows, (size_t)b * k_len + key) * kv_heads + j) * dim;
+                const size_t at = (row_of(kv_rows, (size_t)b * k_len + key) * kv_heads + j) * kv_row(kv, dim);
+                const vf ks = vf_set1(kv_scale(k, kv, at, dim)), vs = vf_set1(kv_scale(v, kv, at, dim));
                 float row[16 * MAX_VECS];
                 for (int c = 0; c < dim; c += F32V) {
-                    vf_store(row + c, vf_load_kv(k, kv, at + c));
-                    vf_store(vdst + (size_t)i * dim + c, vf_load_kv(v, kv, at + c));
+                    vf_store(row + c, vf_mul(vf_load_kv(k, kv, at + c), ks));
+                    vf_store(vdst + (size_t)i * dim + c, vf_mul(vf_load_kv(v, kv, at + c), vs));
                 }
                 for (int d = 0; d < dim; d++) kdst[(size_t)d * KB + i] = row[d];
             }

@@ -119,14 +119,18 @@ static void f32_rope_row(int t, float *qk, long qk_stride, const float *v, long 
             f32_rms_row(row + (size_t)h * dim, k_norm, dim, eps, row + (size_t)h * dim);
     const float *cs = cos + (size_t)positions[t] * half, *sn = sin + (size_t)positions[t] * half;
     for (int h = 0; h < heads; h++) f32_rotate(row + (size_t)h * dim, cs, sn, half, q_out + ((size_t)t * heads + h) * dim);
-    const size_t at = (size_t)slots[t] * kv_heads * dim;
+    const size_t stride = kv_row(kv, dim), at = (size_t)slots[t] * kv_heads * stride;
     float key[F32_MAX_DIM];
     for (int h = 0; h < kv_heads; h++) {
         float *k = kv == KV_F32 ? (float *)k_cache + at + (size_t)h * dim : key;
         f32_rotate(row + (size_t)(heads + h) * dim, cs, sn, half, k);
-        if (kv != KV_F32) kv_put(k_cache, kv, at + (size_t)h * dim, key, dim);
+        if (kv != KV_F32) kv_put(k_cache, kv, at + (size_t)h * stride, key, dim);
     }
-    kv_put(v_cache, kv, at, v + (size_t)t * v_stride, kv_heads * dim);
+    if (kv != KV_I8)
+        kv_put(v_cache, kv, at, v + (size_t)t * v_stride, kv_heads * dim);
+    else /* (a scale a head) */
+        for (int h = 0; h < kv_heads; h++)
+            kv_put(v_cache, kv, at + (size_t)h * stride, v + (size_t)t * v_stride + (size_t)h * dim, dim);
 }
 
 static int f32_rope_in_range(int tokens, const int64_t *positions, int num_positions, const int64_t *slots,
@@ -168,6 +172,7 @@ static inline __attribute__((always_inline)) void f32_attention_kv(
     int dim, int keys, float scale, float *out, int kv) {
     const int group = heads / kv_heads, vecs = dim / F32V, padded = (keys + 15) / 16 * 16;
     const int b = (int)(job / kv_heads), j = (int)(job % kv_heads);
+    const size_t stride = kv_row(kv, dim);
     const int64_t *slot = slots + (size_t)b * keys;
     const uint8_t *attend = mask + (size_t)b * keys;
     int used = keys;
@@ -182,22 +187,26 @@ static inline __attribute__((always_inline)) void f32_attention_kv(
         const vf_mask live = vf_flags(attend + i0, n);
         const int any = vf_any(live);
         for (int l = i0 == 0 ? 0 : i0 + F32V; l < i0 + 2 * F32V && l < used; l++)
-            f32_prefetch_row(k_cache, kv, ((size_t)slot[l] * kv_heads + j) * dim, dim, _MM_HINT_T0);
+            f32_prefetch_row(k_cache, kv, ((size_t)slot[l] * kv_heads + j) * stride, stride, _MM_HINT_T0);
         for (int l = i0; l < i0 + n; l++)
-            f32_prefetch_row(v_cache, kv, ((size_t)slot[l] * kv_heads + j) * dim, dim, _MM_HINT_T1);
+            f32_prefetch_row(v_cache, kv, ((size_t)slot[l] * kv_heads + j) * stride, stride, _MM_HINT_T1);
         /* each key's row, as float32: a narrower cache's widened once here for all the group's heads (widened for
          * each head as it was read, fp16's VCVTPH2PS left it behind bf16's shift: ITL 79 against 72 ms on the
          * Qwen3-0.6B shape at 16 sequences; now even) */
         const float *key[F32V];
         if (any)
             for (int l = 0; l < F32V; l++) {
-                const size_t at = ((size_t)slot[i0 + (l < n ? l : 0)] * kv_heads + j) * dim;
+                const size_t at = ((size_t)slot[i0 + (l < n ? l : 0)] * kv_heads + j) * stride;
                 if (kv == KV_F32) {
                     key[l] = (const float *)k_cache + at;
                 } else if (l >= n) {
                     key[l] = key[0];
                 } else {
-                    for (int c = 0; c < vecs; c++) vf_store(widened + l * dim + c * F32V, vf_load_kv(k_cache, kv, at + c * F32V));
+                    const vf ks = vf_set1(kv_scale(k_cache, kv, at, dim));
+                    for (int c = 0; c < vecs; c++) {
+                        const vf x = vf_load_kv(k_cache, kv, at + c * F32V);
+                        vf_store(widened + l * dim + c * F32V, kv == KV_I8 ? vf_mul(x, ks) : x);
+                    }
                     key[l] = widened + l * dim;
                 }
             }
@@ -244,11 +253,13 @@ static inline __attribute__((always_inline)) void f32_attention_kv(
                 for (int c = 0; c < F32_PV_VECS; c++) acc[g][c] = vf_zero();
             for (int i = 0; i < used; i++) {
                 if (!attend[i]) continue;
-                const size_t vr = ((size_t)slot[i] * kv_heads + j) * dim + c0 * F32V;
+                const size_t vrow = ((size_t)slot[i] * kv_heads + j) * stride, vr = vrow + c0 * F32V;
+                const float vs = kv_scale(v_cache, kv, vrow, dim); /* (an int8 row's scale, in p) */
                 vf x[F32_PV_VECS];
                 for (int c = 0; c < nc; c++) x[c] = vf_load_kv(v_cache, kv, vr + c * F32V);
                 for (int g = 0; g < ng; g++) {
-                    const vf p = vf_set1(scores[(size_t)(g0 + g) * padded + i]);
+                    const vf p = vf_set1(kv == KV_I8 ? scores[(size_t)(g0 + g) * padded + i] * vs
+                                                     : scores[(size_t)(g0 + g) * padded + i]);
                     for (int c = 0; c < nc; c++) acc[g][c] = vf_fmadd(p, x[c], acc[g][c]);
                 }
             }
@@ -272,6 +283,9 @@ static void f32_attention_job(long job, float *scores, const float *q, long q_st
     else if (kv == KV_E5M2)
         f32_attention_kv(job, scores, q, q_stride, k_cache, v_cache, rows, slots, mask, sinks, heads, kv_heads, dim,
                          keys, scale, out, KV_E5M2);
+    else if (kv == KV_I8)
+        f32_attention_kv(job, scores, q, q_stride, k_cache, v_cache, rows, slots, mask, sinks, heads, kv_heads, dim,
+                         keys, scale, out, KV_I8);
     else if (kv == KV_BF16)
         f32_attention_kv(job, scores, q, q_stride, k_cache, v_cache, rows, slots, mask, sinks, heads, kv_heads, dim,
                          keys, scale, out, KV_BF16);

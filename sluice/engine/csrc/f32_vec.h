@@ -82,6 +82,14 @@ static inline __m256i fp8_halves(__m256i b, int e4m3) {
     return _mm256_or_si256(_mm256_and_si256(w, _mm256_set1_epi16((short)0x8000)),
                            _mm256_srli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f00)), 1));
 }
+/* F32V int8 codes from p as float32 */
+static inline vf vf_load_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+/* v (whole numbers within int8's range) as F32V int8 codes at p */
+static inline void vf_store_i8(int8_t *p, vf v) { _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v))); }
+static inline vf vf_abs(vf v) { return _mm512_abs_ps(v); }
+static inline vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
 /* F32V fp8 codes from p as float32 */
 static inline vf vf_load_fp8(const uint8_t *p, int e4m3) {
     const vf x = _mm512_cvtph_ps(fp8_halves(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), e4m3));
@@ -234,6 +242,16 @@ static inline void vf_store_bf16(uint16_t *p, vf v) {
     _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
 }
 
+static inline vf vf_load_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline void vf_store_i8(int8_t *p, vf v) {
+    const __m256i c = _mm256_cvtps_epi32(v);
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64((__m128i *)p, _mm_packs_epi16(w, w));
+}
+static inline vf vf_abs(vf v) { return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
+static inline vf vf_div(vf a, vf b) { return _mm256_div_ps(a, b); }
 static inline __m128i fp8_halves(__m128i b, int e4m3) {
     const __m128i w = _mm_slli_epi16(b, 8);
     if (!e4m3) return w;
@@ -273,27 +291,54 @@ static inline float load1(const void *x, int bf16, size_t i) {
 }
 #endif
 
-/* A KV cache's elements: float32, bf16, fp16 (llama.cpp's default cache) or fp8 (vLLM's `fp8` cache: e4m3fn,
- * or e5m2), the arithmetic float32 whichever they are. A 16-bit cache halves what a step's attention reads,
- * which at a few hundred keys a sequence is more than a small model's weights (bench/RESULTS.md#kv-cache-dtype),
- * an 8-bit one halves it again. fp8 has no scale here (vLLM's default of 1.0): a value is rounded to nearest
- * even and saturates at the format's largest finite value (448 for e4m3, 57,344 for e5m2), as torch's own
- * conversion of a value clamped to that range (and NaN is 0x7f). */
-enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_E4M3 = 3, KV_E5M2 = 4 };
+/* A KV cache's elements: float32, bf16, fp16 (llama.cpp's default cache), int8 with a scale a row, or fp8
+ * (vLLM's `fp8` cache: e4m3fn, or e5m2), the arithmetic float32 whichever they are. A 16-bit cache halves what a
+ * step's attention reads, which at a few hundred keys a sequence is more than a small model's weights
+ * (bench/RESULTS.md#kv-cache-dtype), an 8-bit one halves it again.
+ *
+ * An int8 cache's (slot, kv head) row is its D codes and then their scale, a float32's 4 bytes (kv_row: the row's
+ * elements, kv_scale: its scale): a value is code * scale, the scale max |x| / 127 of the row's D values as
+ * stored, each code round(x / scale) to nearest even (a row of zeros: codes 0, scale 0). fp8 has no scale
+ * (vLLM's default of 1.0): a value is rounded to nearest even and saturates at the format's largest finite
+ * value (448 for e4m3, 57,344 for e5m2), as torch's own conversion of a value clamped to that range (and NaN is
+ * 0x7f). sluice/engine/attention.py's store_rows writes the same bytes. */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_E4M3 = 3, KV_E5M2 = 4, KV_I8 = 5 };
 
 static inline size_t kv_bytes(int kind) { return kind == KV_F32 ? 4 : kind >= KV_E4M3 ? 1 : 2; }
 
-/* F32V values of a cache from element i, as float32 */
+/* the elements of a (slot, kv head) row of D values */
+static inline size_t kv_row(int kind, int dim) { return kind == KV_I8 ? (size_t)dim + 4 : (size_t)dim; }
+
+/* the scale of the row from element `row` (1 but for int8) */
+static inline float kv_scale(const void *p, int kind, size_t row, int dim) {
+    if (kind != KV_I8) return 1.0f;
+    float s;
+    memcpy(&s, (const uint8_t *)p + row + dim, sizeof s);
+    return s;
+}
+
+/* F32V values of a cache from element i, as float32 (an int8 cache's codes: times kv_scale) */
 static inline vf vf_load_kv(const void *p, int kind, size_t i) {
     if (kind == KV_F16) return vf_load_f16((const uint16_t *)p + i);
+    if (kind == KV_I8) return vf_load_i8((const int8_t *)p + i);
     if (kind >= KV_E4M3) return vf_load_fp8((const uint8_t *)p + i, kind == KV_E4M3);
     return vf_load_any(p, kind == KV_BF16, i);
 }
 
-/* n values (a multiple of F32V) of src into a cache from element i */
+/* n values (a multiple of F32V; for int8, one row's D) of src into a cache from element i */
 static inline void kv_put(void *p, int kind, size_t i, const float *src, int n) {
     if (kind == KV_F32) {
         memcpy((float *)p + i, src, sizeof(float) * n);
+        return;
+    }
+    if (kind == KV_I8) {
+        vf most = vf_zero();
+        for (int c = 0; c < n; c += F32V) most = vf_max(most, vf_abs(vf_load(src + c)));
+        const float scale = vf_most(most) / 127.0f;
+        int8_t *o = (int8_t *)p + i;
+        for (int c = 0; c < n; c += F32V)
+            vf_store_i8(o + c, scale > 0.0f ? vf_div(vf_load(src + c), vf_set1(scale)) : vf_zero());
+        memcpy(o + n, &scale, sizeof scale);
         return;
     }
     if (kind >= KV_E4M3) {
