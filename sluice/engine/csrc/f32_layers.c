@@ -274,24 +274,17 @@ static void f32_attention_job(long job, float *scores, const float *q, long q_st
                               const void *v_cache, const int64_t *rows, const int64_t *slots, const uint8_t *mask,
                               const float *sinks, int heads, int kv_heads, int dim, int keys, float scale, float *out,
                               int kv) {
-    if (kv == KV_F16)
-        f32_attention_kv(job, scores, q, q_stride, k_cache, v_cache, rows, slots, mask, sinks, heads, kv_heads, dim,
-                         keys, scale, out, KV_F16);
-    else if (kv == KV_E4M3)
-        f32_attention_kv(job, scores, q, q_stride, k_cache, v_cache, rows, slots, mask, sinks, heads, kv_heads, dim,
-                         keys, scale, out, KV_E4M3);
-    else if (kv == KV_E5M2)
-        f32_attention_kv(job, scores, q, q_stride, k_cache, v_cache, rows, slots, mask, sinks, heads, kv_heads, dim,
-                         keys, scale, out, KV_E5M2);
-    else if (kv == KV_I8)
-        f32_attention_kv(job, scores, q, q_stride, k_cache, v_cache, rows, slots, mask, sinks, heads, kv_heads, dim,
-                         keys, scale, out, KV_I8);
-    else if (kv == KV_BF16)
-        f32_attention_kv(job, scores, q, q_stride, k_cache, v_cache, rows, slots, mask, sinks, heads, kv_heads, dim,
-                         keys, scale, out, KV_BF16);
-    else
-        f32_attention_kv(job, scores, q, q_stride, k_cache, v_cache, rows, slots, mask, sinks, heads, kv_heads, dim,
-                         keys, scale, out, KV_F32);
+    /* (each kind its own inlined copy: the widening is the kind's, without a branch a row) */
+#define F32_ATTENTION_KIND(K)                                                                                    \
+    case K:                                                                                                      \
+        f32_attention_kv(job, scores, q, q_stride, k_cache, v_cache, rows, slots, mask, sinks, heads, kv_heads, dim, \
+                         keys, scale, out, K);                                                                   \
+        break;
+    switch (kv) {
+        F32_ATTENTION_KIND(KV_BF16) F32_ATTENTION_KIND(KV_F16) F32_ATTENTION_KIND(KV_E4M3)
+        F32_ATTENTION_KIND(KV_E5M2) F32_ATTENTION_KIND(KV_I8) default : F32_ATTENTION_KIND(KV_F32)
+    }
+#undef F32_ATTENTION_KIND
 }
 
 int sluice_f32_decode_attention(const float *q, long q_stride, const void *k_cache, const void *v_cache,
