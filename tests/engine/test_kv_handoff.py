@@ -142,19 +142,23 @@ def checkpoint(path, name: str):
     return path
 
 
-@pytest.mark.parametrize("model", ["gemma3", "mistral-window", "deepseek-v2-lite"])
-def test_window_pools_and_latent_caches_are_read_whole_and_decode_as_one_server_does(model, tmp_path):
+@pytest.mark.parametrize("model,kv", [("gemma3", "auto"), ("mistral-window", "auto"), ("deepseek-v2-lite", "auto"),
+                                      ("mistral-window", "int8"), ("deepseek-v2-lite", "int8")])
+def test_window_pools_and_latent_caches_are_read_whole_and_decode_as_one_server_does(model, kv, tmp_path):
     """Gemma 3 (sliding-window layers beside full-attention ones, as gpt-oss: their blocks in a pool of their
     own, window 12), Mistral's window on every layer (one pool) and DeepSeek-V2 (a latent cache, one tensor a
     layer): the context engine prefills in chunks (the window slides past the prompt's first blocks, which it
     frees), the generation engine reads every block the next token attends to, in each pool, and its greedy
     tokens (n=2) are those of the prompt served whole (by the context engine, under another cache salt:
-    nothing of the hand-off reused); no prompt is recomputed."""
+    nothing of the hand-off reused); no prompt is recomputed. With --kv-cache-dtype int8 too: its rows' scales
+    travel in the blocks' bytes."""
     path = checkpoint(tmp_path / "ckpt", model)
     tag = uuid.uuid4().hex[:8]
-    small = dict(max_num_batched_tokens=16, num_kv_blocks=64, max_num_seqs=4)
+    small = dict(max_num_batched_tokens=16, num_kv_blocks=64, max_num_seqs=4, kv_cache_dtype=kv)
     ctx = make_engine(path, tmp_path / f"sluice-ctx-{tag}", role="context", **small)
     gen = make_engine(path, tmp_path / f"sluice-gen-{tag}", role="generation", kv_load_failure="fail", **small)
+    assert kv == "auto" or {str(c.dtype) for e in (ctx, gen) for pair in e.runner.kv_caches for c in pair} \
+        == {f"torch.{kv}"}
     reply_to = f"ipc://{tmp_path}/ingress"
     inbox: PullChannel[IngressInput] = PullChannel(zmq.Context.instance(), reply_to, IngressInput)
     try:
