@@ -126,11 +126,8 @@ static void f32_rope_row(int t, float *qk, long qk_stride, const float *v, long 
         f32_rotate(row + (size_t)(heads + h) * dim, cs, sn, half, k);
         if (kv != KV_F32) kv_put(k_cache, kv, at + (size_t)h * stride, key, dim);
     }
-    if (kv != KV_I8)
-        kv_put(v_cache, kv, at, v + (size_t)t * v_stride, kv_heads * dim);
-    else /* (a scale a head) */
-        for (int h = 0; h < kv_heads; h++)
-            kv_put(v_cache, kv, at + (size_t)h * stride, v + (size_t)t * v_stride + (size_t)h * dim, dim);
+    for (int h = 0; h < kv_heads; h++) /* (a head a row: an int8 row's scale is its own) */
+        kv_put(v_cache, kv, at + (size_t)h * stride, v + (size_t)t * v_stride + (size_t)h * dim, dim);
 }
 
 static int f32_rope_in_range(int tokens, const int64_t *positions, int num_positions, const int64_t *slots,

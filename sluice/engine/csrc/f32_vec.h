@@ -325,7 +325,7 @@ static inline vf vf_load_kv(const void *p, int kind, size_t i) {
     return vf_load_any(p, kind == KV_BF16, i);
 }
 
-/* n values (a multiple of F32V; for int8, one row's D) of src into a cache from element i */
+/* n values (a multiple of F32V; for int8, one row's D, its scale after them) of src into a cache from element i */
 static inline void kv_put(void *p, int kind, size_t i, const float *src, int n) {
     if (kind == KV_F32) {
         memcpy((float *)p + i, src, sizeof(float) * n);
