@@ -1,7 +1,7 @@
 """A decode step's attention over the paged KV cache, for each --kv-cache-dtype, in process.
 
     python -m bench.kv_attention [--dtypes float32,float16,int8,fp8] [--seqs 64] [--keys 200] [--layers 30]
-        [--heads 9/3x64] [--steps 5] [--repeat 2]
+        [--heads 9/3x64] [--steps 5] [--repeat 2] [--activations bfloat16]
 
 One decode row a sequence, each sequence's keys in slots of its own as the block manager hands them out
 (contiguous within a sequence, one region a layer), every layer's cache its own: what a step of a model of
@@ -9,7 +9,8 @@ One decode row a sequence, each sequence's keys in slots of its own as the block
 attention of this CPU's best build). Each dtype's caches are filled through `attention.store_rows` (the bytes
 the engine stores). Prints ms a step (the mean of --steps after one untimed), the cache bytes a step reads and
 the rate; --repeat runs the dtypes again in turn (this machine's speed drifts within minutes). With --layers 1
-and few sequences the cache stays in the L3: the kernel's arithmetic alone.
+and few sequences the cache stays in the L3: the kernel's arithmetic alone. `--activations bfloat16`: bf16
+queries over a bf16 cache, csrc/decode_attention.c (AVX512-BF16), the kernel of a `--dtype bfloat16` step.
 """
 from __future__ import annotations
 
@@ -32,20 +33,23 @@ def main() -> None:
     p.add_argument("--heads", default="9/3x64", help="query heads / kv heads x head dim (SmolLM2-135M's)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--activations", default="float32", choices=["float32", "bfloat16"])
     a = p.parse_args()
     heads_kv, dim = a.heads.split("x")
     heads, kv_heads, dim = *map(int, heads_kv.split("/")), int(dim)
     b, k, layers = a.seqs, a.keys, a.layers
     slots = b * k * layers
     g = torch.Generator().manual_seed(0)
-    q, rows, out = torch.randn(b, heads, dim, generator=g), torch.arange(b), torch.zeros(b, heads, dim)
+    act = getattr(torch, a.activations)
+    q, rows = torch.randn(b, heads, dim, generator=g).to(act), torch.arange(b)
+    out = torch.zeros(b, heads, dim, dtype=act)
     mask = torch.ones(b, 1, 1, k, dtype=torch.bool)
     # layer i's sequence s: slots (i * b + s) * k onwards
     layer_slots = [(i * b + torch.arange(b))[:, None] * k + torch.arange(k)[None, :] for i in range(layers)]
     print(f"{b} sequences of {k} keys, {layers} layers, {heads}/{kv_heads} heads of {dim}", flush=True)
     for _ in range(a.repeat):
         for name in a.dtypes.split(","):
-            kv = pick_kv_dtype(name, torch.float32, None)
+            kv = pick_kv_dtype(name, act, None)
             caches = []
             for _ in range(2):
                 cache = torch.zeros(slots, kv_heads, cache_row(kv, dim), dtype=kv)
