@@ -663,6 +663,29 @@ def test_float32_decode_attention_is_the_torch_path(build, batch, kv_heads, grou
     assert (out[untouched] == 0).all()
 
 
+@pytest.mark.parametrize("build", STEP_ISAS)
+@pytest.mark.parametrize("kv", [torch.float32, torch.float16, torch.int8])
+def test_a_sequences_attention_is_the_same_bits_as_one_job_or_a_job_a_kv_head(build, kv):
+    """A step of many sequences runs a job per sequence (its kv heads in turn, the first prefetching the others'
+    rows); one of a single sequence, a job per (sequence, kv head): each sequence's output the same bits."""
+    g = torch.Generator().manual_seed(7)
+    batch, kv_heads, group, dim, keys = 9, 3, 3, 64, 300
+    heads, num_slots = kv_heads * group, batch * keys
+    k_cache, v_cache = (_cache(torch.randn(num_slots, kv_heads, dim, generator=g), kv) for _ in range(2))
+    q = torch.randn(batch, heads, dim, generator=g)
+    slots = torch.randperm(num_slots, generator=g)[:batch * keys].view(batch, keys)
+    mask = torch.rand(batch, 1, 1, keys, generator=g) < 0.9
+    mask[:, :, :, 0] = True
+    out = torch.zeros(batch, heads, dim)
+    with _step_on(build):
+        assert ops.decode_attention(q, k_cache, v_cache, torch.arange(batch), slots, mask, 0.125, None, out)
+        for b in range(batch):
+            alone = torch.zeros(1, heads, dim)
+            assert ops.decode_attention(q[b:b + 1], k_cache, v_cache, torch.arange(1), slots[b:b + 1], mask[b:b + 1],
+                                        0.125, None, alone)
+            assert torch.equal(alone[0], out[b])
+
+
 def _cache(values: torch.Tensor, kv: torch.dtype) -> torch.Tensor:
     """A cache [slots, Hkv, D] of dtype kv holding values [slots, Hkv, D] (store_rows: an int8 cache's rows
     with their scales)."""
