@@ -19,7 +19,6 @@
  * int8 activations, its rows quantized per block of 32 first: quant_int8.h).
  */
 #include <sched.h>
-#include <unistd.h>
 
 #ifdef __AVX512F__
 #include "f32_matmul.c"
@@ -162,13 +161,14 @@ int sluice_f32_rope_store(float *qk, long qk_stride, const float *v, long v_stri
 /* Decode attention in float32 (see decode_attention.c, the bf16 kernel, for the shapes and the method):
  * scores F32V keys at a time (one transposed reduction for them), each value row read once for all the
  * query heads that share it; the cache's keys and values (of KV_* kind kv) widened to float32 as they are
- * read. Sequence b's kv head j; scores: the group's heads' rows of `padded` floats; `later` kv heads after j
- * prefetched as they are read. (Inlined into f32_attention_job once for each kind.) */
+ * read. One job: sequence b = job / kv_heads, kv head j = job % kv_heads; scores: the group's heads' rows of
+ * `padded` floats. (Inlined into f32_attention_job once for each kind.) */
 static inline __attribute__((always_inline)) void f32_attention_kv(
-    float *scores, const float *q, long q_stride, const void *k_cache, const void *v_cache,
+    long job, float *scores, const float *q, long q_stride, const void *k_cache, const void *v_cache,
     const int64_t *rows, const int64_t *slots, const uint8_t *mask, const float *sinks, int heads, int kv_heads,
-    int dim, int keys, float scale, float *out, int kv, int b, int j, int later) {
+    int dim, int keys, float scale, float *out, int kv) {
     const int group = heads / kv_heads, vecs = dim / F32V, padded = (keys + 15) / 16 * 16;
+    const int b = (int)(job / kv_heads), j = (int)(job % kv_heads);
     const size_t stride = kv_row(kv, dim);
     const int64_t *slot = slots + (size_t)b * keys;
     const uint8_t *attend = mask + (size_t)b * keys;
@@ -190,12 +190,6 @@ static inline __attribute__((always_inline)) void f32_attention_kv(
             f32_prefetch_row(k_cache, kv, ((size_t)slot[l] * kv_heads + j) * stride, stride, _MM_HINT_T1);
         for (int l = i0; l < i0 + n; l++)
             f32_prefetch_row(v_cache, kv, ((size_t)slot[l] * kv_heads + j) * stride, stride, _MM_HINT_T1);
-        /* the slot's rows of the kv heads this thread reads next (`later`: see f32_attention_job), the same
-         * lines' neighbours, into the L2 while these are read */
-        for (int l = i0; l < i0 + n && later; l++) {
-            f32_prefetch_row(k_cache, kv, ((size_t)slot[l] * kv_heads + j + 1) * stride, later * stride, _MM_HINT_T1);
-            f32_prefetch_row(v_cache, kv, ((size_t)slot[l] * kv_heads + j + 1) * stride, later * stride, _MM_HINT_T1);
-        }
         /* each key's row, as float32: a narrower cache's widened once here for all the group's heads (widened for
          * each head as it was read, fp16's VCVTPH2PS left it behind bf16's shift: ITL 79 against 72 ms on the
          * Qwen3-0.6B shape at 16 sequences; now even) */
@@ -276,46 +270,21 @@ static inline __attribute__((always_inline)) void f32_attention_kv(
     }
 }
 
-/* The kv heads a job: 1 where a step's sequences are too few to keep every thread busy with whole ones, else
- * all of a sequence's (its slots' rows of every kv head are one run of bytes: read by one thread in turn, the
- * first head's pass prefetching the others' rows into the L2, where they are read from contiguous lines: a
- * (sequence, kv head) job reads every kv_heads-th row). */
-static inline int f32_heads_a_job(int batch, int kv_heads, int threads) {
-    return batch >= 2 * threads ? kv_heads : 1;
-}
-
-/* the L2's bytes a sequence's keys and values may fill ahead of their reading: half this core's L2 */
-static size_t f32_l2_room(void) {
-    static size_t room;
-    if (!__atomic_load_n(&room, __ATOMIC_RELAXED)) {
-        const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-        __atomic_store_n(&room, l2 > 0 ? (size_t)l2 / 2 : (size_t)256 << 10, __ATOMIC_RELAXED);
-    }
-    return room;
-}
-
-/* job `job` of a step's decode attention, of `per` kv heads (f32_heads_a_job) */
-static void f32_attention_job(long job, int per, float *scores, const float *q, long q_stride, const void *k_cache,
+static void f32_attention_job(long job, float *scores, const float *q, long q_stride, const void *k_cache,
                               const void *v_cache, const int64_t *rows, const int64_t *slots, const uint8_t *mask,
                               const float *sinks, int heads, int kv_heads, int dim, int keys, float scale, float *out,
                               int kv) {
-    const int jobs = kv_heads / per, b = (int)(job / jobs), j0 = (int)(job % jobs) * per;
-    /* (prefetched ahead only where a sequence's keys and values of all its kv heads fit the room) */
-    const int ahead = per > 1 && 2 * (size_t)keys * kv_heads * kv_row(kv, dim) * kv_bytes(kv) <= f32_l2_room();
-    for (int j = j0; j < j0 + per; j++) {
-        const int later = ahead && j == j0 ? per - 1 : 0;
-        /* (each kind its own inlined copy: the widening is the kind's, without a branch a row) */
+    /* (each kind its own inlined copy: the widening is the kind's, without a branch a row) */
 #define F32_ATTENTION_KIND(K)                                                                                    \
     case K:                                                                                                      \
-        f32_attention_kv(scores, q, q_stride, k_cache, v_cache, rows, slots, mask, sinks, heads, kv_heads, dim, \
-                         keys, scale, out, K, b, j, later);                                                      \
+        f32_attention_kv(job, scores, q, q_stride, k_cache, v_cache, rows, slots, mask, sinks, heads, kv_heads, dim, \
+                         keys, scale, out, K);                                                                   \
         break;
-        switch (kv) {
-            F32_ATTENTION_KIND(KV_BF16) F32_ATTENTION_KIND(KV_F16) F32_ATTENTION_KIND(KV_E4M3)
-            F32_ATTENTION_KIND(KV_E5M2) F32_ATTENTION_KIND(KV_I8) default : F32_ATTENTION_KIND(KV_F32)
-        }
-#undef F32_ATTENTION_KIND
+    switch (kv) {
+        F32_ATTENTION_KIND(KV_BF16) F32_ATTENTION_KIND(KV_F16) F32_ATTENTION_KIND(KV_E4M3)
+        F32_ATTENTION_KIND(KV_E5M2) F32_ATTENTION_KIND(KV_I8) default : F32_ATTENTION_KIND(KV_F32)
     }
+#undef F32_ATTENTION_KIND
 }
 
 int sluice_f32_decode_attention(const float *q, long q_stride, const void *k_cache, const void *v_cache,
@@ -332,12 +301,11 @@ int sluice_f32_decode_attention(const float *q, long q_stride, const void *k_cac
 #pragma omp atomic write
             failed = 1;
         }
-        const int per = f32_heads_a_job(batch, kv_heads, omp_get_num_threads());
 #pragma omp for schedule(dynamic, 1)
-        for (long job = 0; job < (long)batch * (kv_heads / per); job++)
+        for (long job = 0; job < (long)batch * kv_heads; job++)
             if (scores)
-                f32_attention_job(job, per, scores, q, q_stride, k_cache, v_cache, rows, slots, mask, sinks, heads,
-                                  kv_heads, dim, keys, scale, out, kv);
+                f32_attention_job(job, scores, q, q_stride, k_cache, v_cache, rows, slots, mask, sinks, heads, kv_heads,
+                                  dim, keys, scale, out, kv);
         free(scores);
     }
     return failed ? -1 : 0;
@@ -515,11 +483,9 @@ int sluice_f32_layers(const f32_layer_t *layers, int count, const f32_step_t *s,
                              l->q_norm, l->k_norm, l->eps, s->positions, l->cos, l->sin, s->slot_mapping, q, l->k_cache,
                              l->v_cache, l->kv);
             f32_barrier(&barrier, &sense);
-            const int per = f32_heads_a_job(t, l->kv_heads, nth);
-            for (long job; (job = __atomic_fetch_add(next + 4, 1, __ATOMIC_RELAXED)) < (long)t * (l->kv_heads / per);)
-                f32_attention_job(job, per, scores, q, (long)l->heads * hd, l->k_cache, l->v_cache, s->rows,
-                                  s->kv_slots, s->mask, l->sinks, l->heads, l->kv_heads, hd, s->keys, l->scale, attn,
-                                  l->kv);
+            for (long job; (job = __atomic_fetch_add(next + 4, 1, __ATOMIC_RELAXED)) < (long)t * l->kv_heads;)
+                f32_attention_job(job, scores, q, (long)l->heads * hd, l->k_cache, l->v_cache, s->rows, s->kv_slots,
+                                  s->mask, l->sinks, l->heads, l->kv_heads, hd, s->keys, l->scale, attn, l->kv);
             f32_barrier(&barrier, &sense);
             f32_linear_part(&l->o, attn, t, h, c, next + 1, th, nth, mine, x8, &barrier, &sense);
             f32_barrier(&barrier, &sense);
