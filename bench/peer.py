@@ -48,6 +48,9 @@ ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2), llama-server with ggml's
 AVX-512: configure a second build directory with `-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 -DGGML_F16C=ON -DGGML_BMI2=ON`, build only `--target ggml-cpu`, and run the native build's binaries with its
 libggml-cpu.so in their place (a copy of build/bin with that one file replaced: the rest is the same code).
+vLLM with torch.cpu's AVX-512 / AMX checks answering False (a sitecustomize) and the same environment: its
+CPU platform then loads its AVX2 build of _C (vllm/_C_AVX2.abi3.so, checked in the process's maps) and its
+attention's AVX2 path, as on an AVX2-only CPU, and its compiled graph's C++ is built for x86-64-v3.
 """
 from __future__ import annotations
 
@@ -59,6 +62,7 @@ import os
 import shlex
 import statistics
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -100,14 +104,34 @@ class PeerServer:
             self.proc.kill()
 
 
+# vLLM on the AVX2 proxy: its CPU platform loads its AVX2 build of _C (vllm/_C_AVX2.abi3.so) and picks its
+# attention where torch.cpu says AVX-512 is missing, as on an AVX2-only CPU; a sitecustomize makes torch.cpu say
+# so (torch's, oneDNN's and MKL's own dispatch are held at AVX2 by AVX2_ENV)
+_VLLM_AVX2_SITE = """import torch.cpu
+for _name in dir(torch.cpu):
+    if _name.startswith(("_is_avx512", "_is_amx")):
+        setattr(torch.cpu, _name, lambda: False)
+"""
+
+
 def vllm_server(python: str, model: str, dtype: str, max_num_seqs: int | None = None, timeout: float = 900,
-                memory_utilization: float = 0.3, flags: Sequence[str] = ()) -> PeerServer:
+                memory_utilization: float = 0.3, flags: Sequence[str] = (), avx2: bool = False) -> PeerServer:
     env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    if avx2:
+        site = Path(tempfile.mkdtemp(prefix="vllm-avx2-"))
+        (site / "sitecustomize.py").write_text(_VLLM_AVX2_SITE)
+        # (TORCHINDUCTOR_CPP_MARCH: the C++ of vLLM's compiled graph is built for x86-64-v3, AVX2, not -march=native)
+        env.update(AVX2_ENV, DNNL_MAX_CPU_ISA="AVX2", TORCHINDUCTOR_CPP_MARCH="x86-64-v3", PYTHONPATH=os.pathsep.join(
+            [str(site), *filter(None, [env.get("PYTHONPATH")])]))
     extra = [*(["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []), *flags]
-    return PeerServer("vLLM", "vllm", lambda port: [
+    server = PeerServer("vLLM", "vllm", lambda port: [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1", "--port",
         str(port), "--max-model-len", "4096", "--distributed-executor-backend", "uni", "--dtype", dtype,
         "--gpu-memory-utilization", str(memory_utilization), *extra], env, timeout)
+    if avx2 and "_C_AVX2" not in Path(f"/proc/{server.proc.pid}/maps").read_text():
+        server.stop()
+        raise RuntimeError(f"vLLM did not load its AVX2 kernels (vllm/_C_AVX2); see {server.log.name}")
+    return server
 
 
 def llama_server(binary: str, model: str, slots: int, ctx: int, threads: int, timeout: float = 900,
@@ -213,7 +237,8 @@ def main() -> None:
     parser.add_argument("--sluice-url", help="a Sluice server already serving --model (started with the same "
                         "flags), measured instead of starting one (a start can take minutes on a loaded machine)")
     parser.add_argument("--avx2", action="store_true",
-                        help="the AVX2 proxy: AVX-512 hidden from Sluice (point --llama-server at an AVX2 build)")
+                        help="the AVX2 proxy: AVX-512 hidden from Sluice and vLLM (point --llama-server at an "
+                        "AVX2 build)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--vllm-max-num-seqs", type=int, help="vLLM's --max-num-seqs (its default otherwise)")
     parser.add_argument("--vllm-memory-utilization", type=float, default=0.3,
@@ -287,7 +312,8 @@ def main() -> None:
             return llama_server(args.llama_server, path, slots, 4096 * min(slots, 8), args.threads,
                                 flags=shlex.split(args.peer_flags))
         return vllm_server(args.vllm_python, path, args.dtype, args.vllm_max_num_seqs,
-                           memory_utilization=args.vllm_memory_utilization, flags=shlex.split(args.peer_flags))
+                           memory_utilization=args.vllm_memory_utilization, flags=shlex.split(args.peer_flags),
+                           avx2=args.avx2)
 
     def point(server_name: str, url: str, temp: float, c: int, round_: int) -> None:
         # each point and round its own prompts (both servers the same ones): a server would otherwise find them
