@@ -4,6 +4,7 @@
     python -m bench.kernel_ab --base /tmp/atHEAD [--linears 4096x1024,576x1536] [--rows 1,16,2080]
         [--causal 9/3x64,16/8x128] [--tokens 2000] [--calls 11]
     python -m bench.kernel_ab --amx [--linears ...] [--rows ...]   # this tree's AVX-512F products against AMX's
+    python -m bench.kernel_ab --avx2 --base /tmp/atHEAD [...]     # both trees' AVX2 builds (on any AVX2 CPU)
     python -m bench.kernel_ab --amx --base /tmp/atHEAD [...]      # the other tree's AMX products against these
 
 These machines' speed drifts by tens of percent within minutes, so two runs minutes apart cannot tell a 5%
@@ -125,6 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", type=Path, help="the other tree (its engine/csrc)")
     parser.add_argument("--amx", action="store_true", help="instead: AVX-512F's products against AMX's, this tree")
+    parser.add_argument("--avx2", action="store_true", help="both trees' AVX2 and FMA builds (on any CPU with them)")
     parser.add_argument("--linears", default="4096x1024,1024x2048,6144x1024,1024x3072,960x576,3072x576,576x1536",
                         help="weight shapes N x K ('' for none)")
     parser.add_argument("--rows", default="1,16,64,256,2080")
@@ -143,7 +145,8 @@ def main() -> None:
     if args.base is None:
         raise SystemExit("--base (or --amx) is required")
     names = [name for name, wanted in (("f32_layers", args.linears), ("causal_attention", args.causal)) if wanted]
-    base, this = (dict(zip(names, built(tree, *names))) for tree in (args.base, Path.cwd()))
+    isa = "_AVX2" if args.avx2 else None
+    base, this = (dict(zip(names, built(tree, *names, isa=isa))) for tree in (args.base, Path.cwd()))
     if args.linears:
         linears(base["f32_layers"], this["f32_layers"], args.linears.split(","),
                 [int(r) for r in args.rows.split(",")], args.calls)

@@ -134,6 +134,20 @@ def test_float32_matmul_is_one_fma_chain_over_k_in_order(isa, n, k, rows, bf16, 
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [97, 250])
+def test_float32_matmul_over_panels_of_rows_is_one_fma_chain_over_k_in_order(isa, rows):
+    """A prompt's many rows go a panel at a time (k = 2,048: panels of 96 rows on AVX2, 240 on AVX-512F), each
+    thread taking (panel, block of tiles) units: the same bits as one chain over k, the last panel short, and
+    each row's argmax its own."""
+    g = torch.Generator().manual_seed(rows)
+    weight, b = torch.randn(200, 2048, generator=g).bfloat16(), torch.randn(200)
+    x = torch.randn(rows, 2048, generator=g)
+    kernel = _kernel(isa, weight, b)
+    assert torch.equal(kernel(x), _in_order(x, weight, b))
+    assert torch.equal(kernel.argmax(x), _kernel(isa, weight)(x).argmax(dim=1))
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_float32_matmul_rows_do_not_depend_on_the_threads(isa):
     g = torch.Generator().manual_seed(0)
     weight, x, b = torch.randn(1000, 576, generator=g).bfloat16(), torch.randn(7, 576, generator=g), torch.randn(1000)
