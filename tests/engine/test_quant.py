@@ -114,6 +114,18 @@ def test_a_rows_product_is_the_same_bits_alone_or_in_any_batch(isa, name):
 
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("int8", [True, False])
+def test_a_prompts_rows_go_a_panel_at_a_time_with_the_same_bits(isa, name, int8):
+    """300 rows of 512 values are panels of 288 rows (int8) or of 96 (float), each panel's rows against every tile
+    before the next panel's, the last panel short: each row's output is the one it has in a batch of 50."""
+    weight = random_weight(name, 40, 512)
+    kernel = QuantMatmul.build(weight, torch.randn(40), int8=int8)
+    x = torch.randn(300, 512)
+    assert torch.equal(kernel(x), torch.cat([kernel(x[i : i + 50]) for i in range(0, 300, 50)]))
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
 @pytest.mark.parametrize("m", [1, 4, 11])
 def test_parts_of_different_types_run_as_one_stacked_weight(isa, m):
     """A Q4_K_M file's stacked q/k/v: parts of Q4_K, Q6_K and Q8_0 rows (not whole tiles), in one product."""

@@ -8,7 +8,8 @@
  * The product (qm_linear_part, one thread's share): a tile of QM_NR weight rows decoded unit by unit into
  * registers and multiplied by up to QM_R rows of x at a time (QM_R x QM_NR accumulators), so each weight byte
  * is read once for every QM_R rows of x and never written out; past QM_DIRECT_ROWS rows of x (a prompt's) the
- * tile is dequantized once into a buffer the rows then read. With int8 activations (quant_int8.h) x's rows
+ * tile is dequantized once a panel of them into a buffer the rows then read (a prompt's rows go a panel at a
+ * time: qm_panel_rows). With int8 activations (quant_int8.h) x's rows
  * are quantized per block of 32 and multiplied by tiles of the same shape on the file's layout, or, for a part
  * repacked at load (its type | QR_PACKED), by quant_repack.h's groups of 16 weight rows. A
  * stacked projection's parts (of different types, as Q4_K_M files' q and v are) run as one weight.
@@ -279,15 +280,15 @@ enum { QM_DIRECT_ROWS = 8 };
 /* multiply-adds below which one thread does it all (waking the other costs more) */
 #define QM_SERIAL_WORK 1e6
 
-/* One repacked group: weight rows [j0, j0 + count) of part p (j0 a multiple of QR_ROWS) times x8's rows, into
- * out's columns at `col`: QR_VL rows of the group by up to QR_R rows of x a tile. */
-static void qr_group(const quant_part_t *p, int j0, int count, int col, int k, const qm_x8_t *x8, int m,
+/* One repacked group: weight rows [j0, j0 + count) of part p (j0 a multiple of QR_ROWS) times x8's rows [m0, m),
+ * into out's columns at `col`: QR_VL rows of the group by up to QR_R rows of x a tile. */
+static void qr_group(const quant_part_t *p, int j0, int count, int col, int k, const qm_x8_t *x8, int m0, int m,
                      const float *bias, float *out, long ldo) {
     const qr_tile_fn *tiles = qr_tiles(p->type & ~QR_PACKED);
     const uint8_t *group = p->w + (size_t)j0 * p->row_bytes;
     for (int h = 0; h * QR_VL < count; h++) {
         const int lanes = count - h * QR_VL < QR_VL ? count - h * QR_VL : QR_VL, c0 = col + h * QR_VL;
-        for (int r0 = 0; r0 < m; r0 += QR_R) {
+        for (int r0 = m0; r0 < m; r0 += QR_R) {
             const int rr = m - r0 < QR_R ? m - r0 : QR_R;
             float sums[QR_R * QR_VL];
             tiles[rr](group, k / 32, h, x8, r0, sums);
@@ -299,13 +300,13 @@ static void qr_group(const quant_part_t *p, int j0, int count, int col, int k, c
 }
 
 /* One tile: weight rows [j0, j0 + count) of part p (count <= QM_NR; a repacked part's, a group: qr_group)
- * times every row of x (x8 set: its int8 rows instead), into out's columns at `col`. buf: QM_NR * k floats, and
+ * times x's rows [m0, m) (x8 set: its int8 rows instead), into out's columns at `col`. buf: QM_NR * k floats, and
  * q, gs, mn a row's unpacking (see unpack_row), or NULL: decoded in registers for every QM_R rows of x. */
 static void qm_tile(const quant_part_t *p, int j0, int count, int col, int k, const float *x, long ldx,
-                    const qm_x8_t *x8, int m, const float *bias, float *out, long ldo, float *buf, int8_t *q,
+                    const qm_x8_t *x8, int m0, int m, const float *bias, float *out, long ldo, float *buf, int8_t *q,
                     float *gs, float *mn) {
     if (qr_packed(p->type)) { /* (x8 set: sluice_quant_linear refuses a repacked part without it) */
-        qr_group(p, j0, count, col, k, x8, m, bias, out, ldo);
+        qr_group(p, j0, count, col, k, x8, m0, m, bias, out, ldo);
         return;
     }
     const uint8_t *rows[QM_NR];
@@ -323,7 +324,7 @@ static void qm_tile(const quant_part_t *p, int j0, int count, int col, int k, co
         }
     }
     const qm_tile_fn *tiles = qm_tiles(buf ? -1 : p->type);
-    for (int r0 = 0; r0 < m; r0 += QM_R) {
+    for (int r0 = m0; r0 < m; r0 += QM_R) {
         const int rr = m - r0 < QM_R ? m - r0 : QM_R;
         float sums[QM_R * QM_NR];
         if (x8)
@@ -336,13 +337,27 @@ static void qm_tile(const quant_part_t *p, int j0, int count, int col, int k, co
     }
 }
 
+/* bytes of x's rows a panel of them holds: a prompt's rows go a panel at a time, each tile read once a panel,
+ * so the panel's rows stay in the L2 for all the tiles (all of a prompt's rows for each tile streamed them from
+ * the L3 again and again: Q8_C at 2,048 rows ran 10-15% below 512, at 6,400 up to 2.5x) */
+#define QM_PANEL_BYTES (256 << 10)
+
+/* Rows a panel of x takes (of m, k values each; int8: as quantized): whole steps of 48 (QM_R, QR_R), at least one. */
+static inline int qm_panel_rows(int m, int k, int int8) {
+    const long row = int8 ? (long)k * 8 / 5 : 4L * k; /* (an int8 row's values, scales and sums: ~1.6 bytes a value) */
+    int rows = (int)(QM_PANEL_BYTES / row) / 48 * 48;
+    rows = rows < 48 ? 48 : rows;
+    return rows < m ? rows : m;
+}
+
 /* This thread's share of x [m][k] @ W^T (+ bias) into out [m][ldo] for float32 rows x, or for x8 (not NULL:
- * x's rows quantized, see quant_int8.h): tiles of QM_NR rows of the parts taken `chunk` at a time from the
- * team's counter *next (0 at the start). */
+ * x's rows quantized, see quant_int8.h): units of (a panel of x's rows, a tile of QM_NR rows of the parts, or a
+ * repacked group), panel by panel, taken `chunk` at a time from the team's counter *next (0 at the start). */
 static void qm_linear_part(const quant_part_t *parts, int num_parts, int k, const float *x, long ldx,
                            const qm_x8_t *x8, int m, const float *bias, float *out, long ldo, int *next, int chunk) {
     int tiles = 0;
     for (int p = 0; p < num_parts; p++) tiles += qm_tiles_of(parts + p);
+    const int panel = qm_panel_rows(m, k, x8 != NULL), units = (m + panel - 1) / panel * tiles;
     float *buf = NULL, *gs = NULL, *mn = NULL;
     int8_t *q = NULL;
     if (m > QM_DIRECT_ROWS && !x8) {
@@ -353,14 +368,14 @@ static void qm_linear_part(const quant_part_t *parts, int num_parts, int k, cons
             buf = gs = mn = NULL, q = NULL;
         }
     }
-    for (int t0; (t0 = __atomic_fetch_add(next, chunk, __ATOMIC_RELAXED)) < tiles;) {
-        int p = 0, before = 0, col = 0; /* the part of tile t0, the tiles and columns of the parts before it */
-        while (t0 - before >= qm_tiles_of(parts + p)) before += qm_tiles_of(parts + p), col += parts[p++].n;
-        for (int t = t0; t < t0 + chunk && t < tiles; t++) {
-            if (t - before >= qm_tiles_of(parts + p)) before += qm_tiles_of(parts + p), col += parts[p++].n;
+    for (int u0; (u0 = __atomic_fetch_add(next, chunk, __ATOMIC_RELAXED)) < units;) {
+        for (int u = u0; u < u0 + chunk && u < units; u++) {
+            const int t = u % tiles, m0 = u / tiles * panel, m1 = m - m0 < panel ? m : m0 + panel;
+            int p = 0, before = 0, col = 0; /* the part of tile t, the tiles and columns of the parts before it */
+            while (t - before >= qm_tiles_of(parts + p)) before += qm_tiles_of(parts + p), col += parts[p++].n;
             const int rows = qm_tile_rows(parts + p), j0 = (t - before) * rows;
             const int count = parts[p].n - j0 < rows ? parts[p].n - j0 : rows;
-            qm_tile(parts + p, j0, count, col + j0, k, x, ldx, x8, m, bias, out, ldo, buf, q, gs, mn);
+            qm_tile(parts + p, j0, count, col + j0, k, x, ldx, x8, m0, m1, bias, out, ldo, buf, q, gs, mn);
         }
     }
     free(buf), free(q), free(gs), free(mn);
