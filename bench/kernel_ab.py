@@ -5,6 +5,7 @@
         [--causal 9/3x64,16/8x128] [--tokens 2000] [--calls 11]
     python -m bench.kernel_ab --amx [--linears ...] [--rows ...]   # this tree's AVX-512F products against AMX's
     python -m bench.kernel_ab --avx2 --base /tmp/atHEAD [...]     # both trees' AVX2 builds (on any AVX2 CPU)
+    python -m bench.kernel_ab --base /tmp/atHEAD --quant Q8_C,Q8_0 [--linears ...] [--rows ...] [--avx2]
     python -m bench.kernel_ab --amx --base /tmp/atHEAD [...]      # the other tree's AMX products against these
 
 These machines' speed drifts by tens of percent within minutes, so two runs minutes apart cannot tell a 5%
@@ -14,7 +15,10 @@ inputs: each figure is the median of --calls calls (the first two dropped), with
 whether the two outputs are bit-equal (the products must be: each output is one FMA chain over k in order;
 SwiGLU: the stacked weight's silu(gate half) * up half, where N is whole groups of 128). With --amx, "base" is
 this tree's AVX-512F products and "this" its AMX ones, in the same library (their outputs differ by the order
-of the sums: the difference is printed); with --base too, the other tree's AMX products against these.
+of the sums: the difference is printed); with --base too, the other tree's AMX products against these. With
+--quant, csrc/quant_matmul.c's products with int8 activations (the same repacked weight through each tree's
+library; bit-equal too: a row's int32 sums and their float order do not depend on its batch). --avx2: both
+trees' AVX2 builds, on any CPU that runs them.
 """
 from __future__ import annotations
 
@@ -122,11 +126,49 @@ def causal(base: ctypes.CDLL, this: ctypes.CDLL, shapes: list[str], tokens: int,
         report(f"causal {shape}, {tokens} tokens", ms, outs)
 
 
+def quant(base: ctypes.CDLL, this: ctypes.CDLL, kinds: list[str], shapes: list[str], rows: list[int],
+          calls: int) -> None:
+    """Each shape's quantized products with int8 activations (csrc/quant_matmul.c; Q8_C: compressed-tensors'
+    per-channel int8, else a GGUF block format, repacked as served), base against this."""
+    from sluice.engine.cpu.quant import QuantMatmul, library
+    from sluice.engine.quant import channel_int8, quantize
+
+    ref = library()
+    if ref is None:
+        raise SystemExit("the quantized kernels do not run on this CPU")
+    for lib in (base, this):
+        lib.sluice_quant_linear.restype = ref[0].sluice_quant_linear.restype
+        lib.sluice_quant_linear.argtypes = ref[0].sluice_quant_linear.argtypes
+    g = torch.Generator().manual_seed(0)
+    for shape in shapes:
+        n, k = map(int, shape.split("x"))
+        w = torch.randn(n, k, generator=g) * 0.02
+        for kind in kinds:
+            scale = w.abs().amax(1) / 127
+            weight = (channel_int8(torch.round(w / scale[:, None]).to(torch.int8), scale) if kind == "Q8_C"
+                      else quantize(w, kind))
+            pair = [QuantMatmul.build(weight, None, int8=True) for _ in range(2)]
+            assert pair[0] is not None and pair[1] is not None
+            pair[0].lib, pair[1].lib = base, this  # (the same repacked weight: the two trees' layouts agree)
+            for m in rows:
+                x = torch.randn(m, k, generator=g)
+                outs = [None, None]
+
+                def call(i: int):
+                    def run() -> None:
+                        outs[i] = pair[i](x)
+                    return run
+
+                report(f"{kind} {shape}, {m} rows", alternate(calls, call(0), call(1)), outs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", type=Path, help="the other tree (its engine/csrc)")
     parser.add_argument("--amx", action="store_true", help="instead: AVX-512F's products against AMX's, this tree")
     parser.add_argument("--avx2", action="store_true", help="both trees' AVX2 and FMA builds (on any CPU with them)")
+    parser.add_argument("--quant", default="", help="instead: the quantized products (csrc/quant_matmul.c, int8 "
+                        "activations) of these kinds, e.g. Q8_C,Q8_0,Q4_0")
     parser.add_argument("--linears", default="4096x1024,1024x2048,6144x1024,1024x3072,960x576,3072x576,576x1536",
                         help="weight shapes N x K ('' for none)")
     parser.add_argument("--rows", default="1,16,64,256,2080")
@@ -144,6 +186,12 @@ def main() -> None:
         return
     if args.base is None:
         raise SystemExit("--base (or --amx) is required")
+    if args.quant:
+        isa = "_AVX2" if args.avx2 else "_AVX512_VL_VNNI"
+        base_q, this_q = (built(tree, "quant_matmul", isa=isa)[0] for tree in (args.base, Path.cwd()))
+        quant(base_q, this_q, args.quant.split(","), args.linears.split(","), [int(r) for r in args.rows.split(",")],
+              args.calls)
+        return
     names = [name for name, wanted in (("f32_layers", args.linears), ("causal_attention", args.causal)) if wanted]
     isa = "_AVX2" if args.avx2 else None
     base, this = (dict(zip(names, built(tree, *names, isa=isa))) for tree in (args.base, Path.cwd()))
