@@ -147,9 +147,12 @@ def quant(base: ctypes.CDLL, this: ctypes.CDLL, kinds: list[str], shapes: list[s
             scale = w.abs().amax(1) / 127
             weight = (channel_int8(torch.round(w / scale[:, None]).to(torch.int8), scale) if kind == "Q8_C"
                       else quantize(w, kind))
-            pair = [QuantMatmul.build(weight, None, int8=True) for _ in range(2)]
-            assert pair[0] is not None and pair[1] is not None
-            pair[0].lib, pair[1].lib = base, this  # (the same repacked weight: the two trees' layouts agree)
+            pair: list[QuantMatmul] = []
+            for lib in (base, this):  # (the same repacked weight through each tree's library: their layouts agree)
+                kernel = QuantMatmul.build(weight, None, int8=True)
+                assert kernel is not None
+                kernel.lib = lib
+                pair.append(kernel)
             for m in rows:
                 x = torch.randn(m, k, generator=g)
                 outs = [None, None]
@@ -187,8 +190,8 @@ def main() -> None:
     if args.base is None:
         raise SystemExit("--base (or --amx) is required")
     if args.quant:
-        isa = "_AVX2" if args.avx2 else "_AVX512_VL_VNNI"
-        base_q, this_q = (built(tree, "quant_matmul", isa=isa)[0] for tree in (args.base, Path.cwd()))
+        quant_isa = "_AVX2" if args.avx2 else "_AVX512_VL_VNNI"
+        base_q, this_q = (built(tree, "quant_matmul", isa=quant_isa)[0] for tree in (args.base, Path.cwd()))
         quant(base_q, this_q, args.quant.split(","), args.linears.split(","), [int(r) for r in args.rows.split(",")],
               args.calls)
         return

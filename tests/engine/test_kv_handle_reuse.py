@@ -9,7 +9,7 @@ import msgspec
 
 from sluice.engine.kv_handoff import IMPORTS
 from sluice.ipc.messages import KvExport, KvImport, ids_to_bytes
-from tests.engine.test_kv_handoff import handle_of, held, request, run
+from tests.engine.test_kv_handoff import handle_of, held, request, run, until_released
 
 PROMPT = [(7 * i) % 500 + 3 for i in range(21)]
 
@@ -39,7 +39,7 @@ def test_a_handle_sent_twice_while_its_lease_holds_is_read_once_and_recomputed_w
     agg.accept(request("agg", PROMPT, 1, 6, 5))
     run(agg, want, {})
     assert outputs[("first", 0)] == outputs[("again", 0)] == want[("agg", 0)]
-    run(ctx, {}, {})  # the one release arrives
+    until_released(ctx)  # the one release arrives
     assert held(ctx) == 0 and held(gen) == 0
 
 
@@ -49,7 +49,7 @@ def test_a_handle_sent_again_after_its_release_is_refused_under_kv_load_failure_
     outputs, failed = {}, {}
     strict.accept(request("read", PROMPT, 1, 6, 5, kv))
     run(strict, outputs, failed)
-    run(ctx, {}, {})
+    until_released(ctx)
     strict.accept(request("replayed", PROMPT, 1, 6, 5, kv))
     run(strict, outputs, failed)
     assert "read" not in failed and "used before, by request read" in failed["replayed"]

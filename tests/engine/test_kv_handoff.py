@@ -68,6 +68,16 @@ def held(engine: Engine) -> int:
     return engine.scheduler.bm.num_used
 
 
+def until_released(engine: Engine, timeout: float = 5.0) -> None:
+    """Steps `engine` until the releases (and expiries) sent to it have freed its blocks, for at most `timeout`
+    seconds: a release crosses a socket, and on a loaded machine it can land after the engine's next step."""
+    run(engine, {}, {})
+    deadline = time.monotonic() + timeout
+    while held(engine) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        run(engine, {}, {})
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompts=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 3), st.integers(1, 6),
                                   st.sampled_from(["read", "abort", "expire", "forged", "forged-strict"]),
@@ -114,11 +124,7 @@ def test_blocks_are_accounted_for_whatever_becomes_of_the_lease(engines, prompts
             assert "could not be loaded" in failed[rid]
     if any(j[4] == "read" and j[3] > 1 for j in jobs):  # a choice that goes on: its KV was read, not recomputed
         assert IMPORTS.labels("read")._value.get() > reads
-    run(ctx, {}, {})  # releases (and expiries) arrive
-    deadline = time.monotonic() + 2 * LEASE_S + 1
-    while held(ctx) and time.monotonic() < deadline:
-        time.sleep(0.02)
-        run(ctx, {}, {})
+    until_released(ctx, 2 * LEASE_S + 1)  # releases (and expiries) arrive
     for engine in (ctx, gen, strict, agg):
         assert held(engine) == 0 and not any(engine.scheduler.bm.ref_count)
     assert not ctx.kv._leases and not ctx.kv._exports and not gen.kv.imports.pending
@@ -184,7 +190,7 @@ def test_window_pools_and_latent_caches_are_read_whole_and_decode_as_one_server_
         assert not failed and outputs == want and len(want[("r", 0)]) == 10
         assert IMPORTS.labels("read")._value.get() == reads + 1
         assert IMPORTS.labels("recomputed")._value.get() == recomputed
-        run(ctx, {}, {})  # the release arrives
+        until_released(ctx)
         for engine in (ctx, gen):
             pools = [engine.scheduler.bm] + ([engine.scheduler.window_pool] if engine.scheduler.window_pool else [])
             assert all(pool.num_used == 0 for pool in pools)

@@ -8,9 +8,9 @@
  * rows, two tiles by 2 rows, or four tiles by 1 row (a decode's few rows: more independent chains than one
  * tile gives, to hide the multiply-add's latency). The multiply-add is written as the one instruction
  * (f32_fma): with the intrinsic GCC spilled an accumulator of 5 or 6 rows to the stack inside the loop, and
- * 4 rows were the most that ran well (6 rows are 8-23% faster than 4 on 512-2,048 rows, 5-8% on 16-64). A
- * bf16 pair is widened as in f32_matmul.c: its 32-bit lane shifted left 16 bits is the even column in
- * float32, masked to its high half the odd one.
+ * 4 rows were the most that ran well (6 rows and the panels below take 0.77-0.91 of the time of 4 rows over
+ * every row at 512-2,048 rows, 0.92-0.96 at 16-64). A bf16 pair is widened as in f32_matmul.c: its 32-bit
+ * lane shifted left 16 bits is the even column in float32, masked to its high half the odd one.
  *
  * Chunks of pairs, the argmax fold and the threads are f32_matmul.c's (see there), as are the units of work:
  * (a panel of rows, a block of F32_GROUP tiles); only the vectors differ. Tails use AVX2's masked loads and
@@ -90,7 +90,7 @@ F32_BLOCKS(1, 1) F32_BLOCKS(2, 1) F32_BLOCKS(3, 1) F32_BLOCKS(4, 1) F32_BLOCKS(5
 F32_BLOCKS(1, 2) F32_BLOCKS(2, 2) F32_BLOCKS(1, 4)
 
 typedef void (*f32_block_fn)(const void *, int, int, int, const float *, long, float *, int, const char *);
-/* [bf16][tiles][rows]: 1 tile for up to 4 rows, 2 for up to 2 rows, 4 for 1 row */
+/* [bf16][tiles][rows]: 1 tile for up to 6 rows, 2 for up to 2 rows, 4 for 1 row */
 static const f32_block_fn F32_BLOCK_FN[2][F32_GROUP + 1][F32_ROWS + 1] = {
     {{0},
      {0, f32_block_1_1_0, f32_block_2_1_0, f32_block_3_1_0, f32_block_4_1_0, f32_block_5_1_0, f32_block_6_1_0},

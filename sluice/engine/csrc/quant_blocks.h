@@ -339,7 +339,7 @@ static void qm_tile(const quant_part_t *p, int j0, int count, int col, int k, co
 
 /* bytes of x's rows a panel of them holds: a prompt's rows go a panel at a time, each tile read once a panel,
  * so the panel's rows stay in the L2 for all the tiles (all of a prompt's rows for each tile streamed them from
- * the L3 again and again: Q8_C at 2,048 rows ran 10-15% below 512, at 6,400 up to 2.5x) */
+ * the L3 again and again: 1-10% slower at 2,048 rows, bench/RESULTS.md#cpu-kernels) */
 #define QM_PANEL_BYTES (256 << 10)
 
 /* Rows a panel of x takes (of m, k values each; int8: as quantized): whole steps of 48 (QM_R, QR_R), at least one. */
