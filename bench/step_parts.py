@@ -279,6 +279,7 @@ def layer_parts(model, dtype, batch: int, prompt_len: int = 130, n: int = 20) ->
     come from memory)."""
     from sluice.engine.attention import paged_attention, rope_and_store
     from sluice.engine.backend import TORCH
+    from sluice.engine.quant import dequantized
 
     runner, sched, rng = _engine(model, dtype)
     for i in range(batch):
@@ -294,8 +295,10 @@ def layer_parts(model, dtype, batch: int, prompt_len: int = 130, n: int = 20) ->
     layer, kv = model.model.layers[0], runner.kv_caches[0]
     attn, mlp, backend = layer.self_attn, layer.mlp, runner.backend
     h, hkv, d = attn.heads
-    # (a linear held packed by its kernel has an empty weight: the kernel's rows are its values)
-    weights = {m: (m.weight if m.weight.numel() else m.run.rows(torch.arange(m.run.n))).to(dtype)
+    # (a linear held packed by its kernel has an empty weight: the kernel's rows are its values; a quantized
+    # one's, its parts dequantized)
+    weights = {m: (m.weight if m.weight.numel() else m.run.rows(torch.arange(m.run.n)) if hasattr(m.run, "rows")
+                   else dequantized(m.run.parts)).to(dtype)
                for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)}
     x = torch.randn(batch, model.config.hidden_size, dtype=dtype)
     qkv = attn.qkv_proj(x).view(batch, h + 2 * hkv, d)
