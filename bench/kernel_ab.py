@@ -36,6 +36,7 @@ import torch
 from sluice.engine.cpu import kernels
 from sluice.engine.cpu.build import cpu_flags
 from sluice.engine.cpu.matmul import F32Matmul
+from sluice.engine.cpu.quant import QUANT_LINEAR
 
 # each library's instruction sets, as engine/cpu/kernels.py loads it
 LIBRARIES = {"f32_layers": "_AVX512_VL", "causal_attention": "_AVX512"}
@@ -56,7 +57,8 @@ def built(tree: Path, *names: str, isa: str | None = None) -> list[ctypes.CDLL]:
         lib = ctypes.CDLL(path)
         for symbol, argtypes in (("sluice_f32_matmul", kernels._LINEAR_F32),
                                  ("sluice_f32_matmul_swiglu", kernels._LINEAR_F32[:-1]),
-                                 ("sluice_f32_causal_attention", kernels._CAUSAL_F32)):
+                                 ("sluice_f32_causal_attention", kernels._CAUSAL_F32),
+                                 ("sluice_quant_linear", QUANT_LINEAR)):
             if hasattr(lib, symbol):
                 fn = getattr(lib, symbol)
                 fn.restype, fn.argtypes = ctypes.c_int, argtypes
@@ -130,23 +132,16 @@ def quant(base: ctypes.CDLL, this: ctypes.CDLL, kinds: list[str], shapes: list[s
           calls: int) -> None:
     """Each shape's quantized products with int8 activations (csrc/quant_matmul.c; Q8_C: compressed-tensors'
     per-channel int8, else a GGUF block format, repacked as served), base against this."""
-    from sluice.engine.cpu.quant import QuantMatmul, library
-    from sluice.engine.quant import channel_int8, quantize
+    from bench.quant import per_channel
+    from sluice.engine.cpu.quant import QuantMatmul
+    from sluice.engine.quant import quantize
 
-    ref = library()
-    if ref is None:
-        raise SystemExit("the quantized kernels do not run on this CPU")
-    for lib in (base, this):
-        lib.sluice_quant_linear.restype = ref[0].sluice_quant_linear.restype
-        lib.sluice_quant_linear.argtypes = ref[0].sluice_quant_linear.argtypes
     g = torch.Generator().manual_seed(0)
     for shape in shapes:
         n, k = map(int, shape.split("x"))
         w = torch.randn(n, k, generator=g) * 0.02
         for kind in kinds:
-            scale = w.abs().amax(1) / 127
-            weight = (channel_int8(torch.round(w / scale[:, None]).to(torch.int8), scale) if kind == "Q8_C"
-                      else quantize(w, kind))
+            weight = per_channel(w) if kind == "Q8_C" else quantize(w, kind)
             pair: list[QuantMatmul] = []
             for lib in (base, this):  # (the same repacked weight through each tree's library: their layouts agree)
                 kernel = QuantMatmul.build(weight, None, int8=True)

@@ -89,6 +89,12 @@ def _columns() -> list[str]:
             + ["Q8_C int8", "f32 bf16w", "f32 f32w"])
 
 
+def per_channel(w: torch.Tensor):
+    """w [N, K] as per-channel int8 (Q8_C: compressed-tensors' W8A8, a scale a row, round to nearest)."""
+    scale = w.abs().amax(1) / 127
+    return channel_int8(torch.round(w / scale[:, None]).to(torch.int8), scale)
+
+
 def _kernels(w: torch.Tensor) -> list:
     n, k = w.shape
     out: list = []
@@ -104,9 +110,7 @@ def _kernels(w: torch.Tensor) -> list:
             weight = quantize(w, name)
         out += [QuantMatmul.build(weight, None, int8=True), QuantMatmul.build(weight, None, int8=True, repack=False),
                 QuantMatmul.build(weight, None, int8=False)]
-    scale = w.abs().amax(1) / 127  # (per-channel int8: compressed-tensors' W8A8, a scale a row)
-    channel = channel_int8(torch.round(w / scale[:, None]).to(torch.int8), scale)
-    out += [QuantMatmul.build(channel, None, int8=True), F32Matmul.build(w.bfloat16(), amx=False),
+    out += [QuantMatmul.build(per_channel(w), None, int8=True), F32Matmul.build(w.bfloat16(), amx=False),
             F32Matmul.build(w, amx=False)]
     return out
 

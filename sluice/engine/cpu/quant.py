@@ -34,6 +34,7 @@ import dataclasses
 import logging
 import mmap
 import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,10 @@ class QuantPart(ctypes.Structure):
     _fields_ = [("w", P), ("row_bytes", L), ("type", INT), ("n", INT), ("perm", P)]
 
 
+# sluice_quant_linear's arguments (parts, their count, k, x, ldx, m, bias, out, ldo, int8)
+QUANT_LINEAR: list[Any] = [ctypes.POINTER(QuantPart), INT, INT, P, L, INT, P, P, L, INT]
+
+
 @_cached
 def library() -> tuple[ctypes.CDLL, str] | None:
     """csrc/quant_matmul.c built for AVX512-VNNI, else for AVX2 (with its instruction set's name), or None."""
@@ -65,7 +70,7 @@ def library() -> tuple[ctypes.CDLL, str] | None:
         lib = load("quant_matmul", isa)
         if lib is not None:
             lib.sluice_quant_linear.restype = INT
-            lib.sluice_quant_linear.argtypes = [ctypes.POINTER(QuantPart), INT, INT, P, L, INT, P, P, L, INT]
+            lib.sluice_quant_linear.argtypes = QUANT_LINEAR
             lib.sluice_quant_dequantize.restype = INT
             lib.sluice_quant_dequantize.argtypes = [P, INT, INT, INT, L, P]
             lib.sluice_quant_repack.restype = INT
