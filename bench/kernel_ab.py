@@ -7,18 +7,21 @@
     python -m bench.kernel_ab --avx2 --base /tmp/atHEAD [...]     # both trees' AVX2 builds (on any AVX2 CPU)
     python -m bench.kernel_ab --base /tmp/atHEAD --quant Q8_C,Q8_0 [--linears ...] [--rows ...] [--avx2]
     python -m bench.kernel_ab --amx --base /tmp/atHEAD [...]      # the other tree's AMX products against these
+    python -m bench.kernel_ab --base /tmp/atHEAD --linears '' --causal '' --decode 9/3x64,16/8x128
+        [--kv-dtypes float32,float16,int8] [--seqs 64] [--keys 200] [--layers 30] [--avx2]
 
-These machines' speed drifts by tens of percent within minutes, so two runs minutes apart cannot tell a 5%
-change in a kernel. Here both builds of a library (csrc/f32_layers.c's float32 products with bf16 weights;
-csrc/causal_attention.c's prompts' attention) are loaded into one process and called in turn on the same
-inputs: each figure is the median of --calls calls (the first two dropped), with the ratio this / base and
-whether the two outputs are bit-equal (the products must be: each output is one FMA chain over k in order;
-SwiGLU: the stacked weight's silu(gate half) * up half, where N is whole groups of 128). With --amx, "base" is
-this tree's AVX-512F products and "this" its AMX ones, in the same library (their outputs differ by the order
-of the sums: the difference is printed); with --base too, the other tree's AMX products against these. With
---quant, csrc/quant_matmul.c's products with int8 activations (the same repacked weight through each tree's
-library; bit-equal too: a row's int32 sums and their float order do not depend on its batch). --avx2: both
-trees' AVX2 builds, on any CPU that runs them.
+These machines' speed drifts by tens of percent within minutes, so two runs minutes apart cannot tell a 5% change in
+a kernel. Here both builds of a library (csrc/f32_layers.c's float32 products with bf16 weights;
+csrc/causal_attention.c's prompts' attention) are loaded into one process and called in turn on the same inputs:
+each figure is the median of --calls calls (the first two dropped), with the ratio this / base and whether the two
+outputs are bit-equal (the products must be: each output is one FMA chain over k in order; SwiGLU: the stacked
+weight's silu(gate half) * up half, where N is whole groups of 128; --decode: a decode step's attention over the
+paged cache, f32_layers.c's, a call a layer, the caches past the L3 as a step's are). With --amx, "base" is this
+tree's AVX-512F products and "this" its AMX ones, in the same library (their outputs differ by the order of the
+sums: the difference is printed); with --base too, the other tree's AMX products against these. With --quant,
+csrc/quant_matmul.c's products with int8 activations (the same repacked weight through each tree's library; bit-
+equal too: a row's int32 sums and their float order do not depend on its batch). --avx2: both trees' AVX2 builds, on
+any CPU that runs them.
 """
 from __future__ import annotations
 
@@ -58,6 +61,7 @@ def built(tree: Path, *names: str, isa: str | None = None) -> list[ctypes.CDLL]:
         for symbol, argtypes in (("sluice_f32_matmul", kernels._LINEAR_F32),
                                  ("sluice_f32_matmul_swiglu", kernels._LINEAR_F32[:-1]),
                                  ("sluice_f32_causal_attention", kernels._CAUSAL_F32),
+                                 ("sluice_f32_decode_attention", kernels._DECODE_F32),
                                  ("sluice_quant_linear", QUANT_LINEAR)):
             if hasattr(lib, symbol):
                 fn = getattr(lib, symbol)
@@ -128,6 +132,48 @@ def causal(base: ctypes.CDLL, this: ctypes.CDLL, shapes: list[str], tokens: int,
         report(f"causal {shape}, {tokens} tokens", ms, outs)
 
 
+def decode(base: ctypes.CDLL, this: ctypes.CDLL, shapes: list[str], dtypes: list[str], seqs: int, keys: int,
+           layers: int, calls: int) -> None:
+    """A decode step's attention (one query row a sequence over its keys, every layer in turn), base against
+    this, for each shape and --kv-cache-dtype."""
+    from sluice.engine.attention import cache_row, store_rows
+    from sluice.engine.cpu.ops import kv_kind
+    from sluice.engine.engine import pick_kv_dtype
+
+    g = torch.Generator().manual_seed(0)
+    for shape in shapes:
+        heads_text, rest = shape.split("/")
+        kv_heads, dim = map(int, rest.split("x"))
+        heads = int(heads_text)
+        q, rows = torch.randn(seqs, heads, dim, generator=g), torch.arange(seqs)
+        attend = torch.ones(seqs, keys, dtype=torch.uint8)
+        # layer i's sequence s: slots (i * seqs + s) * keys onwards
+        layer_slots = [((i * seqs + torch.arange(seqs))[:, None] * keys + torch.arange(keys)).contiguous()
+                       for i in range(layers)]
+        for name in dtypes:
+            kv = pick_kv_dtype(name, torch.float32, None)
+            caches = []
+            for _ in range(2):
+                cache = torch.zeros(seqs * keys * layers, kv_heads, cache_row(kv, dim), dtype=kv)
+                store_rows(cache, torch.arange(len(cache)), torch.randn(len(cache), kv_heads, dim, generator=g))
+                caches.append(cache)
+            kind = kv_kind(*caches, dim)
+            outs = [torch.zeros(seqs, heads, dim) for _ in range(2)]
+
+            def call(i: int, lib: ctypes.CDLL):
+                def run() -> None:
+                    for slots in layer_slots:
+                        rc = lib.sluice_f32_decode_attention(
+                            q.data_ptr(), q.stride(0), caches[0].data_ptr(), caches[1].data_ptr(), rows.data_ptr(),
+                            slots.data_ptr(), attend.data_ptr(), None, seqs, heads, kv_heads, dim, keys,
+                            dim**-0.5, outs[i].data_ptr(), kind)
+                        assert rc == 0, rc
+                return run
+
+            report(f"decode {shape} {name}, {seqs}x{keys}x{layers}", alternate(calls, call(0, base), call(1, this)),
+                   outs)
+
+
 def quant(base: ctypes.CDLL, this: ctypes.CDLL, kinds: list[str], shapes: list[str], rows: list[int],
           calls: int) -> None:
     """Each shape's quantized products with int8 activations (csrc/quant_matmul.c; Q8_C: compressed-tensors'
@@ -172,6 +218,11 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16,64,256,2080")
     parser.add_argument("--causal", default="9/3x64,16/8x128", help="heads / kv heads x head dim ('' for none)")
     parser.add_argument("--tokens", type=int, default=2000)
+    parser.add_argument("--decode", default="", help="a decode step's attention: heads / kv heads x head dim")
+    parser.add_argument("--kv-dtypes", default="float32,float16,int8", help="--decode's --kv-cache-dtype values")
+    parser.add_argument("--seqs", type=int, default=64, help="--decode's sequences")
+    parser.add_argument("--keys", type=int, default=200, help="--decode's keys a sequence")
+    parser.add_argument("--layers", type=int, default=30, help="--decode's layers a step")
     parser.add_argument("--calls", type=int, default=11)
     args = parser.parse_args()
     print("CPU flags:", " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")))), flush=True)
@@ -190,7 +241,8 @@ def main() -> None:
         quant(base_q, this_q, args.quant.split(","), args.linears.split(","), [int(r) for r in args.rows.split(",")],
               args.calls)
         return
-    names = [name for name, wanted in (("f32_layers", args.linears), ("causal_attention", args.causal)) if wanted]
+    names = [name for name, wanted in (("f32_layers", args.linears or args.decode),
+                                       ("causal_attention", args.causal)) if wanted]
     isa = "_AVX2" if args.avx2 else None
     base, this = (dict(zip(names, built(tree, *names, isa=isa))) for tree in (args.base, Path.cwd()))
     if args.linears:
@@ -198,6 +250,9 @@ def main() -> None:
                 [int(r) for r in args.rows.split(",")], args.calls)
     if args.causal:
         causal(base["causal_attention"], this["causal_attention"], args.causal.split(","), args.tokens, args.calls)
+    if args.decode:
+        decode(base["f32_layers"], this["f32_layers"], args.decode.split(","), args.kv_dtypes.split(","), args.seqs,
+               args.keys, args.layers, args.calls)
 
 
 if __name__ == "__main__":

@@ -210,6 +210,10 @@ def f32_swiglu():
     return None if (lib := f32_step()) is None else lib.sluice_f32_swiglu
 
 
+# sluice_f32_decode_attention's arguments (csrc/f32_layers.c)
+_DECODE_F32 = [P, L, P, P, P, P, P, P, INT, INT, INT, INT, INT, FLOAT, P, INT]
+
+
 def _f32_entries(lib: ctypes.CDLL, swiglu: bool) -> ctypes.CDLL:
     from sluice.engine.cpu.stack import F32LayerSpec, StepSpec
 
@@ -217,7 +221,7 @@ def _f32_entries(lib: ctypes.CDLL, swiglu: bool) -> ctypes.CDLL:
             ("sluice_f32_layers", [ctypes.POINTER(F32LayerSpec), INT, ctypes.POINTER(StepSpec), P]),
             ("sluice_f32_rms_norm", [P, L, P, INT, INT, FLOAT, P, L]),
             ("sluice_f32_rope_store", [P, L, P, L, INT, INT, INT, INT, P, P, FLOAT, P, P, P, INT, P, L, P, P, P, INT]),
-            ("sluice_f32_decode_attention", [P, L, P, P, P, P, P, P, INT, INT, INT, INT, INT, FLOAT, P, INT]),
+            ("sluice_f32_decode_attention", _DECODE_F32),
             ("sluice_f32_matmul", _LINEAR_F32),
             ("sluice_f32_swiglu", [P, INT, INT, P]),
             *([("sluice_f32_matmul_swiglu", _LINEAR_F32[:-1])] if swiglu else [])):

@@ -255,12 +255,18 @@ static inline __attribute__((always_inline)) void f32_attention_kv(
                 if (!attend[i]) continue;
                 const size_t vrow = ((size_t)slot[i] * kv_heads + j) * stride, vr = vrow + c0 * F32V;
                 const float vs = kv_scale(v_cache, kv, vrow, dim); /* (an int8 row's scale, in p) */
+                /* (the loops' bounds constant, the tails skipped: bounded by nc and ng, GCC copied a float32 row's
+                 * vectors to the stack with REP MOVSQ and kept the sums there; a 64-sequence step of SmolLM2's
+                 * shape took 36.4 against 24.5 ms with AVX-512, Qwen3's 0.66x) */
                 vf x[F32_PV_VECS];
-                for (int c = 0; c < nc; c++) x[c] = vf_load_kv(v_cache, kv, vr + c * F32V);
-                for (int g = 0; g < ng; g++) {
+                _Pragma("GCC unroll 8") for (int c = 0; c < F32_PV_VECS; c++) x[c] =
+                    c < nc ? vf_load_kv(v_cache, kv, vr + c * F32V) : vf_zero();
+                _Pragma("GCC unroll 8") for (int g = 0; g < F32_PV_HEADS; g++) {
+                    if (g >= ng) break;
                     const vf p = vf_set1(kv == KV_I8 ? scores[(size_t)(g0 + g) * padded + i] * vs
                                                      : scores[(size_t)(g0 + g) * padded + i]);
-                    for (int c = 0; c < nc; c++) acc[g][c] = vf_fmadd(p, x[c], acc[g][c]);
+                    _Pragma("GCC unroll 8") for (int c = 0; c < F32_PV_VECS; c++) acc[g][c] =
+                        vf_fmadd(p, x[c], acc[g][c]);
                 }
             }
             for (int g = 0; g < ng; g++)
