@@ -19,8 +19,8 @@ weight's silu(gate half) * up half, where N is whole groups of 128; --decode: a 
 paged cache, f32_layers.c's, a call a layer, the caches past the L3 as a step's are). With --amx, "base" is this
 tree's AVX-512F products and "this" its AMX ones, in the same library (their outputs differ by the order of the
 sums: the difference is printed); with --base too, the other tree's AMX products against these. With --quant,
-csrc/quant_matmul.c's products with int8 activations (the same repacked weight through each tree's library; bit-
-equal too: a row's int32 sums and their float order do not depend on its batch). --avx2: both trees' AVX2 builds, on
+csrc/quant_matmul.c's products with int8 activations (the same repacked weight through each tree's library;
+bit-equal too: a row's int32 sums and their float order do not depend on its batch). --avx2: both trees' AVX2 builds, on
 any CPU that runs them.
 """
 from __future__ import annotations
