@@ -157,7 +157,8 @@ def decode(base: ctypes.CDLL, this: ctypes.CDLL, shapes: list[str], dtypes: list
                 cache = torch.zeros(seqs * keys * layers, kv_heads, cache_row(kv, dim), dtype=kv)
                 store_rows(cache, torch.arange(len(cache)), torch.randn(len(cache), kv_heads, dim, generator=g))
                 caches.append(cache)
-            kind = kv_kind(*caches, dim)
+            kind = kv_kind(caches[0], caches[1], dim)
+            assert kind is not None, f"the float32 kernels do not take a {name} cache"
             outs = [torch.zeros(seqs, heads, dim) for _ in range(2)]
 
             def call(i: int, lib: ctypes.CDLL):

@@ -257,7 +257,7 @@ static inline __attribute__((always_inline)) void f32_attention_kv(
                 const float vs = kv_scale(v_cache, kv, vrow, dim); /* (an int8 row's scale, in p) */
                 /* (the loops' bounds constant, the tails skipped: bounded by nc and ng, GCC copied a float32 row's
                  * vectors to the stack with REP MOVSQ and kept the sums there; a 64-sequence step of SmolLM2's
-                 * shape took 36.4 against 24.5 ms with AVX-512, Qwen3's 0.66x) */
+                 * shape took 36.4 against 24.5 ms with AVX-512, Qwen3's 0.61x the time) */
                 vf x[F32_PV_VECS];
                 _Pragma("GCC unroll 8") for (int c = 0; c < F32_PV_VECS; c++) x[c] =
                     c < nc ? vf_load_kv(v_cache, kv, vr + c * F32V) : vf_zero();

@@ -291,9 +291,9 @@ typedef void (*qi_tile_fn)(const uint8_t *const *, int, const qm_x8_t *, int, fl
 
 /* init + the sums of four products of w's unsigned and x's signed bytes, as _mm512_dpbusd_epi32 (which GCC
  * 12 compiles with a register copy of the accumulator per use: 16 moves beside 8 VPDPBUSD in an 8-row tile's
- * loop); the one instruction, as int8_screen.h's s_dot */
-#if defined(__AVX512F__)
-static inline __attribute__((always_inline)) __m512i qi_vpdpbusd(__m512i init, __m512i w, __m512i x) {
+ * loop); the one instruction, as int8_screen.h's s_dot (an AVX-512BW build runs it only where the CPU has it) */
+#if defined(__AVX512BW__)
+static inline __attribute__((always_inline)) qi_t qi_dot_vnni(qi_t init, qi_t w, qi_t x) {
     __asm__("vpdpbusd %2, %1, %0" : "+v"(init) : "v"(w), "v"(x));
     return init;
 }
@@ -302,7 +302,6 @@ static inline __attribute__((always_inline)) __m512i qi_vpdpbusd(__m512i init, _
 /* The tiles of a type: with VPDPBUSD where the build has it, or (an AVX-512BW build without it, as
  * f32_layers.c's) where this CPU has it, built for it here; else VPMADDUBSW + VPMADDWD (the same sums). */
 #if defined(__AVX512VNNI__)
-static inline qi_t qi_dot_vnni(qi_t init, qi_t w, qi_t x) { return qi_vpdpbusd(init, w, x); }
 QI_ALL(qi_vnni_tile, 1, qi_dot_vnni)
 static const qi_tile_fn *qi_tiles(int type) { return qi_vnni_tiles(type); }
 #else
@@ -310,7 +309,6 @@ QI_ALL(qi_mtile, 0, qi_dot_pairs)
 #if defined(__AVX512BW__)
 #pragma GCC push_options
 #pragma GCC target("avx512vnni")
-static inline qi_t qi_dot_vnni(qi_t init, qi_t w, qi_t x) { return qi_vpdpbusd(init, w, x); }
 QI_ALL(qi_vnni_tile, 1, qi_dot_vnni)
 #pragma GCC pop_options
 static const qi_tile_fn *qi_tiles(int type) {
