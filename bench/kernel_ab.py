@@ -136,7 +136,7 @@ def decode(base: ctypes.CDLL, this: ctypes.CDLL, shapes: list[str], dtypes: list
            layers: int, calls: int) -> None:
     """A decode step's attention (one query row a sequence over its keys, every layer in turn), base against
     this, for each shape and --kv-cache-dtype."""
-    from sluice.engine.attention import cache_row, store_rows
+    from bench.kv_attention import kv_caches, layer_slots
     from sluice.engine.cpu.ops import kv_kind
     from sluice.engine.engine import pick_kv_dtype
 
@@ -147,23 +147,17 @@ def decode(base: ctypes.CDLL, this: ctypes.CDLL, shapes: list[str], dtypes: list
         heads = int(heads_text)
         q, rows = torch.randn(seqs, heads, dim, generator=g), torch.arange(seqs)
         attend = torch.ones(seqs, keys, dtype=torch.uint8)
-        # layer i's sequence s: slots (i * seqs + s) * keys onwards
-        layer_slots = [((i * seqs + torch.arange(seqs))[:, None] * keys + torch.arange(keys)).contiguous()
-                       for i in range(layers)]
+        slots_of = layer_slots(seqs, keys, layers)
         for name in dtypes:
             kv = pick_kv_dtype(name, torch.float32, None)
-            caches = []
-            for _ in range(2):
-                cache = torch.zeros(seqs * keys * layers, kv_heads, cache_row(kv, dim), dtype=kv)
-                store_rows(cache, torch.arange(len(cache)), torch.randn(len(cache), kv_heads, dim, generator=g))
-                caches.append(cache)
+            caches = kv_caches(kv, seqs * keys * layers, kv_heads, dim, g)
             kind = kv_kind(caches[0], caches[1], dim)
             assert kind is not None, f"the float32 kernels do not take a {name} cache"
             outs = [torch.zeros(seqs, heads, dim) for _ in range(2)]
 
             def call(i: int, lib: ctypes.CDLL):
                 def run() -> None:
-                    for slots in layer_slots:
+                    for slots in slots_of:
                         rc = lib.sluice_f32_decode_attention(
                             q.data_ptr(), q.stride(0), caches[0].data_ptr(), caches[1].data_ptr(), rows.data_ptr(),
                             slots.data_ptr(), attend.data_ptr(), None, seqs, heads, kv_heads, dim, keys,

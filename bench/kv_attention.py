@@ -24,6 +24,21 @@ from sluice.engine.cpu import ops
 from sluice.engine.engine import pick_kv_dtype
 
 
+def layer_slots(seqs: int, keys: int, layers: int) -> list[torch.Tensor]:
+    """Each layer's [seqs, keys] slots: layer i's sequence s holds slots (i * seqs + s) * keys onwards."""
+    return [((i * seqs + torch.arange(seqs))[:, None] * keys + torch.arange(keys)).contiguous() for i in range(layers)]
+
+
+def kv_caches(kv: torch.dtype, slots: int, kv_heads: int, dim: int, g: torch.Generator) -> list[torch.Tensor]:
+    """A key and a value cache of `slots` slots of dtype kv, filled with random rows as the engine stores them."""
+    caches = []
+    for _ in range(2):
+        cache = torch.zeros(slots, kv_heads, cache_row(kv, dim), dtype=kv)
+        store_rows(cache, torch.arange(slots), torch.randn(slots, kv_heads, dim, generator=g))
+        caches.append(cache)
+    return caches
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtypes", default="float32,float16,int8,fp8", help="--kv-cache-dtype values")
@@ -44,20 +59,15 @@ def main() -> None:
     q, rows = torch.randn(b, heads, dim, generator=g).to(act), torch.arange(b)
     out = torch.zeros(b, heads, dim, dtype=act)
     mask = torch.ones(b, 1, 1, k, dtype=torch.bool)
-    # layer i's sequence s: slots (i * b + s) * k onwards
-    layer_slots = [(i * b + torch.arange(b))[:, None] * k + torch.arange(k)[None, :] for i in range(layers)]
+    slots_of = layer_slots(b, k, layers)
     print(f"{b} sequences of {k} keys, {layers} layers, {heads}/{kv_heads} heads of {dim}", flush=True)
     for _ in range(a.repeat):
         for name in a.dtypes.split(","):
             kv = pick_kv_dtype(name, act, None)
-            caches = []
-            for _ in range(2):
-                cache = torch.zeros(slots, kv_heads, cache_row(kv, dim), dtype=kv)
-                store_rows(cache, torch.arange(slots), torch.randn(slots, kv_heads, dim, generator=g))
-                caches.append(cache)
+            caches = kv_caches(kv, slots, kv_heads, dim, g)
 
             def step() -> None:
-                for s in layer_slots:
+                for s in slots_of:
                     assert ops.decode_attention(q, caches[0], caches[1], rows, s, mask, dim ** -0.5, None, out), \
                         f"the kernel does not take a {name} cache here"
 
